@@ -1,0 +1,29 @@
+"""pass@k of a policy on the task's held-out problems, sampled through the engine."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from oapl_jax.eval.passk import default_ks, pass_at_k_table
+from oapl_jax.sampling.rollout import rollout
+
+
+def score_rollout(task, tokenizer, problems, ro) -> np.ndarray:
+  """Rewards `[P*G]` of a rollout whose prompt p is `problems[p]`."""
+  g = ro.group_size
+  return np.array([task.score(tokenizer.decode(ro.answers[i, :ro.lengths[i]]), problems[i // g])
+                   for i in range(ro.num_samples)], np.float32)
+
+
+def evaluate(engine, params, task, tokenizer, *, samples_per_problem: int, max_new_tokens: int,
+             key: jax.Array) -> dict:
+  """Returns {"pass@1": ..., "pass@2": ..., ..., "num_problems", "samples_per_problem", "mean_answer_tokens"}."""
+  problems = task.eval_problems()
+  prompts = [tokenizer.encode(p.prompt, add_bos=True) for p in problems]
+  n = samples_per_problem
+  ro = rollout(engine, params, prompts, group_size=n, max_new_tokens=max_new_tokens,
+               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, key=key)
+  correct = score_rollout(task, tokenizer, problems, ro).reshape(len(problems), n) > 0.5
+  return {**pass_at_k_table(correct, default_ks(n)), "num_problems": len(problems),
+          "samples_per_problem": n, "mean_answer_tokens": float(ro.lengths.mean())}

@@ -1,0 +1,58 @@
+"""The replay buffer of the lagged loop: whole groups, each stamped with its policy version.
+
+Rows are answers; groups of `group_size` consecutive rows share a prompt. Every row carries
+`version` (how many engine refreshes preceded it) and `snapshot_step` (the trainer step at
+which the engine's weights were copied), so the realised lag of a row used at trainer step
+`s` is `s - snapshot_step`. The loop empties the buffer at every refresh, so all groups in
+it come from one pi_old.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class GroupBuffer:
+  """FIFO of answer groups; `put` appends a batch (from `logprobs.make_batch`), `take` pops."""
+
+  def __init__(self, group_size: int):
+    self.group_size = group_size
+    self._rows: dict[str, np.ndarray] | None = None
+
+  def __len__(self) -> int:
+    """Number of groups held."""
+    return 0 if self._rows is None else len(self._rows["rewards"]) // self.group_size
+
+  def put(self, batch: dict[str, np.ndarray], *, version: int, snapshot_step: int) -> None:
+    n = len(batch["rewards"])
+    if n % self.group_size:
+      raise ValueError(f"{n} rows is not a whole number of groups of {self.group_size}")
+    stamped = {**batch, "version": np.full((n,), version, np.int32),
+               "snapshot_step": np.full((n,), snapshot_step, np.int32)}
+    if self._rows is None:
+      self._rows = stamped
+    else:
+      self._rows = {k: np.concatenate([self._rows[k], v]) for k, v in stamped.items()}
+
+  def take(self, num_groups: int) -> dict[str, np.ndarray]:
+    """Pops the oldest `num_groups` groups."""
+    if num_groups > len(self):
+      raise ValueError(f"asked for {num_groups} groups, buffer holds {len(self)}")
+    n = num_groups * self.group_size
+    out = {k: v[:n] for k, v in self._rows.items()}
+    rest = {k: v[n:] for k, v in self._rows.items()}
+    self._rows = rest if len(rest["rewards"]) else None
+    return out
+
+  def clear(self) -> int:
+    """Empties the buffer; returns the number of groups dropped."""
+    dropped = len(self)
+    self._rows = None
+    return dropped
+
+  def state(self) -> dict[str, np.ndarray]:
+    """Contents as arrays (for checkpoints); empty dict when empty."""
+    return {} if self._rows is None else dict(self._rows)
+
+  def load(self, rows: dict[str, np.ndarray]) -> None:
+    self._rows = {k: np.asarray(v) for k, v in rows.items()} if rows else None

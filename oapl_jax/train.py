@@ -1,0 +1,330 @@
+"""The lagged OAPL loop (Algorithm 1 of the paper), sync mode.
+
+    pi_theta <- pi_old <- base weights; version = 0
+    each trainer step s:
+        if the buffer holds fewer than `rl.groups_per_step` groups, the engine (holding
+            pi_old) samples `rl.groups_per_rollout` groups into it, stamped with `version`
+        take the oldest groups, one optimizer step on the loss
+        if (s + 1) % L == 0: pi_old <- pi_theta, version += 1, empty the buffer
+
+Data order and sampling keys are functions of (seed, rollout index), so a run is exactly
+reproducible from its seed and resumes exactly from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+from flax import nnx
+
+from oapl_jax import config as config_lib
+from oapl_jax import warmup
+from oapl_jax.checkpoint import Checkpointer
+from oapl_jax.eval.evaluate import evaluate, score_rollout
+from oapl_jax.metrics import MetricsLog
+from oapl_jax.models import ModelConfig, Transformer
+from oapl_jax.rl import losses
+from oapl_jax.rl.buffer import GroupBuffer
+from oapl_jax.rl.logprobs import make_batch, token_logprobs
+from oapl_jax.sampling import Engine, SamplingParams, rollout
+from oapl_jax.tasks import make_task
+
+
+# --- building blocks -------------------------------------------------------------------------
+
+
+def init_model(config):
+  """(graphdef, params) of a freshly initialised model, seeded from config.seed."""
+  model_cfg = ModelConfig.from_config(config.model)
+  model = Transformer(model_cfg, rngs=nnx.Rngs(params=config.seed))
+  graphdef, params = nnx.split(model, nnx.Param)
+  return model_cfg, graphdef, params
+
+
+def make_optimizer(t, total_steps: int) -> optax.GradientTransformation:
+  """AdamW with grad-norm clipping and a cosine schedule with linear warm-up."""
+  warm = int(round(t.warmup_ratio * total_steps))
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, t.lr, max(warm, 1), max(total_steps, warm + 1), t.lr * t.min_lr_ratio)
+  return optax.chain(
+      optax.clip_by_global_norm(t.grad_clip),
+      optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay))
+
+
+def seq_len(config) -> int:
+  return config.sampling.max_prompt_len + config.sampling.max_new_tokens
+
+
+def make_engine(config, model_cfg, graphdef) -> Engine:
+  s = config.sampling
+  return Engine(graphdef, model_cfg, SamplingParams.from_config(s), max_slots=s.max_slots,
+                max_prefill_length=s.max_prompt_len, max_len=seq_len(config))
+
+
+def loss_kwargs(rl) -> dict:
+  """The settings the configured loss takes, read from `config.rl`."""
+  return {"oapl": {"beta1": rl.beta1, "beta2": rl.beta2}}[rl.loss]
+
+
+def make_train_step(config, graphdef, optimizer):
+  """Jitted (params, opt_state, snapshot, batch) -> (params, opt_state, metrics).
+
+  batch: tokens `[B, T]`, mask / sampler_logprobs `[B, T-1]`, rewards `[B]`, B = whole groups.
+  Gradient accumulation splits B into `train.grad_accum` micro-batches of whole groups; the
+  loss is the mean over micro-batch means, i.e. the full-batch mean.
+  """
+  rl = config.rl
+  sampling = SamplingParams.from_config(config.sampling)
+  loss_fn_impl = functools.partial(losses.LOSSES[rl.loss], group_size=rl.group_size, **loss_kwargs(rl))
+  accum = config.train.grad_accum
+
+  def micro_loss(params, snapshot, mb):
+    logp, ent = token_logprobs(nnx.merge(graphdef, params), mb["tokens"], sampling)  # [b, T-1]
+    snap_logp = jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, snapshot), mb["tokens"], sampling)[0]) \
+        if rl.old_logprobs == "snapshot" else None
+    old = snap_logp if snap_logp is not None else mb["sampler_logprobs"]
+    loss, m = loss_fn_impl(logp, old, mb["mask"], mb["rewards"])
+    mask = mb["mask"]
+    tokens = jnp.maximum(mask.sum(), 1.0)
+    m = {**m, "entropy": jnp.sum(ent * mask) / tokens,
+         "trainer_vs_sampler_abs": jnp.sum(jnp.abs(jnp.where(mask > 0, logp - mb["sampler_logprobs"], 0))) / tokens}
+    if snap_logp is not None:
+      m["snapshot_vs_sampler_abs"] = jnp.sum(jnp.abs(jnp.where(mask > 0, snap_logp - mb["sampler_logprobs"], 0))) / tokens
+    return loss, m
+
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def train_step(params, opt_state, snapshot, batch):
+    micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+    def body(carry, mb):
+      grads, _ = carry
+      (loss, m), g = grad_fn(params, snapshot, mb)
+      return (jax.tree.map(jnp.add, grads, g), None), (loss, m)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, _), (loss, m) = jax.lax.scan(body, (zeros, None), micro)
+    grads = jax.tree.map(lambda g: g / accum, grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {"loss": loss.mean(), "grad_norm": optax.global_norm(grads),
+               **jax.tree.map(jnp.mean, m)}
+    return params, opt_state, metrics
+
+  return train_step
+
+
+# --- run state -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Counters:
+  """Host-side counters saved with each checkpoint."""
+
+  step: int = 0  # trainer steps taken
+  version: int = 0  # engine refreshes so far
+  snapshot_step: int = 0  # trainer step at which the engine's weights were copied
+  rollouts: int = 0  # rollout calls so far (seeds the data order and sampling keys)
+  samples_generated: int = 0  # answers sampled for training
+  groups_dropped: int = 0  # groups emptied from the buffer at refreshes, unused
+  train_seconds: float = 0.0  # wall time of the RL loop (sampling + training)
+
+
+def sample_groups(config, engine, snapshot, task, tokenizer, counters: Counters):
+  """One rollout call: `rl.groups_per_rollout` fresh training prompts x G answers -> batch."""
+  rng = np.random.default_rng([config.seed, 1, counters.rollouts])
+  key = jax.random.fold_in(jax.random.key(config.seed), counters.rollouts)
+  problems = task.train_problems(rng, config.rl.groups_per_rollout)
+  prompts = [tokenizer.encode(p.prompt, add_bos=True) for p in problems]
+  ro = rollout(engine, snapshot, prompts, group_size=config.rl.group_size,
+               max_new_tokens=config.sampling.max_new_tokens, eos_id=tokenizer.eos_id,
+               pad_id=tokenizer.pad_id, key=key)
+  rewards = score_rollout(task, tokenizer, problems, ro)
+  counters.rollouts += 1
+  counters.samples_generated += ro.num_samples
+  batch = make_batch(ro, rewards, seq_len=seq_len(config), pad_id=tokenizer.pad_id,
+                     count_truncated=config.rl.count_truncated)
+  return batch, int(ro.lengths.sum())
+
+
+def _copy(tree):
+  """A copy with its own buffers (the train step donates pi_theta's)."""
+  return jax.tree.map(jnp.copy, tree)
+
+
+def lag_histogram(lags: np.ndarray) -> dict[str, int]:
+  values, counts = np.unique(lags, return_counts=True)
+  return {str(int(v)): int(c) for v, c in zip(values, counts)}
+
+
+class Run:
+  """Everything one training run holds; `run()` drives it. Tests use its pieces directly."""
+
+  def __init__(self, config, workdir: str):
+    config_lib.validate(config)
+    self.config = config
+    self.workdir = workdir
+    os.makedirs(workdir, exist_ok=True)
+    self.task, self.tokenizer = make_task(config)
+    if config.model.vocab_size < self.tokenizer.vocab_size:
+      raise config_lib.ConfigError(
+          f"config.model.vocab_size={config.model.vocab_size}: must be >= the tokenizer's "
+          f"{self.tokenizer.vocab_size}")
+    self.model_cfg, self.graphdef, params = init_model(config)
+    self.optimizer = make_optimizer(config.train, config.train.steps)
+    self.engine = make_engine(config, self.model_cfg, self.graphdef)
+    self.train_step = make_train_step(config, self.graphdef, self.optimizer)
+    self.buffer = GroupBuffer(config.rl.group_size)
+    self.counters = Counters()
+    self.params = params
+    self.opt_state = self.optimizer.init(params)
+    self.snapshot = _copy(params)
+    self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+
+  # checkpoints
+  def model_meta(self) -> dict:
+    return dataclasses.asdict(self.model_cfg)
+
+  def save(self) -> None:
+    state = {"params": self.params, "opt_state": self.opt_state, "snapshot": self.snapshot,
+             "buffer": self.buffer.state()}
+    meta = {"counters": dataclasses.asdict(self.counters), "model": self.model_meta()}
+    self.ckpt.save(self.counters.step, state, meta)
+
+  def restore_latest(self) -> bool:
+    step = self.ckpt.latest_step()
+    if step is None:
+      return False
+    target = {"params": self.params, "opt_state": self.opt_state, "snapshot": self.snapshot}
+    state, meta = self.ckpt.restore(step, target, self.model_meta())
+    self.params, self.opt_state, self.snapshot = state["params"], state["opt_state"], state["snapshot"]
+    self.buffer.load(state["buffer"])
+    self.counters = Counters(**meta["counters"])
+    return True
+
+  # the loop
+  def refresh_engine(self) -> None:
+    """pi_old <- pi_theta; version += 1; empty the buffer."""
+    self.snapshot = _copy(self.params)
+    self.counters.version += 1
+    self.counters.snapshot_step = self.counters.step
+    self.counters.groups_dropped += self.buffer.clear()
+
+  def step(self) -> dict:
+    """One trainer step (sampling first if the buffer runs short). Returns its metrics."""
+    c, rl = self.counters, self.config.rl
+    t0 = time.perf_counter()
+    sampled_tokens, sample_seconds = 0, 0.0
+    while len(self.buffer) < rl.groups_per_step:
+      batch, n_tokens = sample_groups(self.config, self.engine, self.snapshot, self.task,
+                                      self.tokenizer, c)
+      self.buffer.put(batch, version=c.version, snapshot_step=c.snapshot_step)
+      sampled_tokens += n_tokens
+    sample_seconds = time.perf_counter() - t0
+    batch = self.buffer.take(rl.groups_per_step)
+    lags = c.step - batch["snapshot_step"]
+    device_batch = {k: batch[k] for k in ("tokens", "mask", "sampler_logprobs", "rewards")}
+    self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, self.snapshot, device_batch)
+    m = jax.device_get(m)
+    c.step += 1
+    elapsed = time.perf_counter() - t0
+    c.train_seconds += elapsed
+    metrics = {**m, "reward_mean": float(batch["rewards"].mean()),
+               "answer_length": float(batch["answer_lengths"].mean()),
+               "lag_mean": float(lags.mean()), "lag_hist": lag_histogram(lags),
+               "policy_version": c.version, "samples_generated": c.samples_generated,
+               "groups_dropped": c.groups_dropped, "step_seconds": elapsed,
+               "train_seconds": c.train_seconds}
+    if sampled_tokens:
+      metrics["sample_tokens_per_s"] = sampled_tokens / max(sample_seconds, 1e-9)
+    if lags.max() == 0:  # pi_theta == pi_old at this step: the engine/trainer mismatch
+      metrics["engine_mismatch_abs"] = m["trainer_vs_sampler_abs"]
+    if c.step % rl.lag == 0:
+      self.refresh_engine()
+    return metrics
+
+  def evaluate(self, params, tag: str) -> dict:
+    key = jax.random.fold_in(jax.random.key(self.config.seed), 1_000_003)  # same draws before/after
+    t0 = time.perf_counter()
+    out = evaluate(self.engine, params, self.task, self.tokenizer,
+                   samples_per_problem=self.config.eval.samples_per_problem,
+                   max_new_tokens=self.config.sampling.max_new_tokens, key=key)
+    _say(f"eval {tag}: " + ", ".join(f"{k}={v:.3f}" for k, v in out.items() if k.startswith("pass@"))
+         + f" ({time.perf_counter() - t0:.1f}s)")
+    return out
+
+
+def _say(msg: str) -> None:
+  """A progress line on the console that does not break the progress bar."""
+  tqdm.tqdm.write(msg)
+  logging.info(msg)
+
+
+def _write_json(path: str, obj) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)
+
+
+def run(config, workdir: str) -> dict:
+  """Warm-up -> eval before -> OAPL -> eval after. Resumes from the last checkpoint in workdir."""
+  r = Run(config, workdir)
+  before_path = os.path.join(workdir, "eval_before.json")
+  warmup_info = {}
+  if r.restore_latest():
+    _say(f"resumed from step {r.counters.step} in {r.ckpt.directory}")
+    with open(before_path) as f:
+      saved = json.load(f)
+    eval_before, warmup_info = saved["eval"], saved["warmup"]
+  else:
+    t0 = time.perf_counter()
+    r.params, loss = warmup.run(r.graphdef, r.params, r.task, r.tokenizer, config.warmup,
+                                seq_len=seq_len(config), seed=config.seed)
+    warmup_info = {"seconds": time.perf_counter() - t0, "final_loss": loss, "steps": config.warmup.steps}
+    _say(f"warm-up: {config.warmup.steps} steps, final loss {loss:.3f}, {warmup_info['seconds']:.1f}s")
+    r.opt_state = r.optimizer.init(r.params)
+    r.snapshot = _copy(r.params)
+    eval_before = r.evaluate(r.params, "before")
+    _write_json(before_path, {"eval": eval_before, "warmup": warmup_info})
+    r.save()
+
+  metrics_log = MetricsLog(workdir, resume_step=r.counters.step)
+  bar = tqdm.tqdm(total=config.train.steps, initial=r.counters.step, disable=not config.log.progress,
+                  desc="oapl", unit="step")
+  evals = []
+  while r.counters.step < config.train.steps:
+    m = r.step()
+    s = r.counters.step
+    if config.eval.every and s % config.eval.every == 0 and s < config.train.steps:
+      m["eval"] = r.evaluate(r.params, f"step {s}")
+      evals.append({"step": s, **m["eval"]})
+    if s % config.log.every == 0:
+      metrics_log.write(s, m)
+    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", loss=f"{m['loss']:.4f}", lag=f"{m['lag_mean']:.1f}")
+    bar.update(1)
+    if s % config.checkpoint.every == 0 or s == config.train.steps:
+      r.save()
+  bar.close()
+  metrics_log.close()
+
+  eval_after = r.evaluate(r.params, "after")
+  summary = {
+      "eval_before": eval_before, "eval_after": eval_after, "evals_during": evals,
+      "train_seconds": r.counters.train_seconds, "samples_generated": r.counters.samples_generated,
+      "trainer_steps": r.counters.step, "policy_versions": r.counters.version,
+      "warmup": warmup_info, "config": config.to_dict(),
+  }
+  _write_json(os.path.join(workdir, "summary.json"), summary)
+  return summary
