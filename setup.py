@@ -1,0 +1,37 @@
+"""oapl_jax: OAPL (off-policy RL for LLM reasoning) in JAX / Flax NNX."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="oapl_jax",
+    version="0.1.0",
+    description="OAPL: least-squares off-policy RL with a lagged inference policy, in JAX/Flax NNX",
+    python_requires=">=3.11",
+    packages=find_packages(include=["oapl_jax", "oapl_jax.*"]),
+    install_requires=[
+        "jax>=0.10,<0.11",  # on TPU: pip install "jax[tpu]" of the same version
+        "flax>=0.12,<0.13",
+        "optax>=0.2.5,<0.3",
+        "orbax-checkpoint>=0.11,<0.13",
+        "google-jetstream==0.2.2",  # the only release; its engine API is what we implement
+        "ml-collections>=1.0,<2",
+        "absl-py>=2,<3",
+        "clu>=0.0.12,<0.1",  # metric writers (TensorBoard)
+        "tensorboard>=2.18,<3",
+        "transformers>=4.50,<6",
+        "safetensors>=0.4,<1",
+        "tokenizers>=0.21,<1",
+        "tensorflow-datasets>=4.9,<5",
+        "math-verify>=0.7,<1",
+        "numpy>=1.26,<3",
+        "matplotlib>=3.8,<4",
+        "tqdm>=4.66,<5",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8,<10",
+            "chex>=0.1.88,<0.2",
+            "torch==2.13.0",  # the CPU build on these machines; any other spec pulls a CUDA build
+        ],
+    },
+)

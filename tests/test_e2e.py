@@ -1,0 +1,64 @@
+"""End to end through `python -m oapl_jax.main`: a reduced tiny run in CI, the full one by hand."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(workdir, *overrides, config="configs/tiny.py:smoke", timeout=900):
+  out = subprocess.run([sys.executable, "-m", "oapl_jax.main", f"--config={config}",
+                        f"--workdir={workdir}", *overrides],
+                       capture_output=True, text=True, timeout=timeout)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out
+
+
+def test_smoke_run_writes_everything_and_resumes(tmp_path):
+  workdir = tmp_path / "run"
+  _run(workdir)
+  summary = json.loads((workdir / "summary.json").read_text())
+  for key in ("eval_before", "eval_after"):
+    assert {"pass@1", "pass@2", "pass@4"} <= set(summary[key])
+    assert all(0 <= summary[key][k] <= 1 for k in ("pass@1", "pass@2", "pass@4"))
+  assert summary["trainer_steps"] == 6
+  assert summary["samples_generated"] > 0 and summary["train_seconds"] > 0
+  assert summary["config"]["rl"]["lag"] == 3
+  rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == list(range(1, 7))
+  for key in ("loss", "reward_mean", "entropy", "answer_length", "ell_abs_mean", "residual_abs_mean",
+              "lag_mean", "lag_hist", "samples_generated", "sample_tokens_per_s"):
+    assert key in rows[0], key
+  assert "engine_mismatch_abs" in rows[0] and rows[0]["engine_mismatch_abs"] < 1e-4
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir))
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["4", "6"]
+
+  again = _run(workdir)  # same workdir: resumes at the last checkpoint, nothing left to train
+  assert "resumed from step 6" in again.stdout + again.stderr
+  summary2 = json.loads((workdir / "summary.json").read_text())
+  assert summary2["trainer_steps"] == 6
+  assert summary2["eval_before"] == summary["eval_before"]
+  assert len((workdir / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+def test_snapshot_logprob_source_runs(tmp_path):
+  _run(tmp_path / "snap", "--config.rl.old_logprobs=snapshot", "--config.train.grad_accum=2")
+  rows = [json.loads(l) for l in (tmp_path / "snap" / "metrics.jsonl").read_text().splitlines()]
+  assert all(r["snapshot_vs_sampler_abs"] < 1e-4 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_full_tiny_run_improves_pass_at_k(tmp_path, seed):
+  """The issue's acceptance run: configs/tiny.py, by hand with `pytest -m slow` (minutes each)."""
+  workdir = tmp_path / f"seed{seed}"
+  _run(workdir, f"--config.seed={seed}", config="configs/tiny.py", timeout=1800)
+  s = json.loads((workdir / "summary.json").read_text())
+  before, after = s["eval_before"], s["eval_after"]
+  assert after["pass@1"] >= before["pass@1"] + 0.15, (before, after)
+  for k in before:
+    if k.startswith("pass@"):
+      assert after[k] >= before[k], (k, before, after)
+  assert s["train_seconds"] <= 600
