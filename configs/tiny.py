@@ -21,7 +21,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.task = ml_collections.ConfigDict()
   c.task.name = "addition"  # Embedded procedural task (oapl_jax/tasks/arithmetic.py).
   c.task.min_digits = 2  # Fewest digits per operand.
-  c.task.max_digits = 3  # Most digits per operand.
+  c.task.max_digits = 2  # Most digits per operand.
   c.task.num_eval = 128  # Held-out problems (never drawn for training).
 
   c.model = ml_collections.ConfigDict()
@@ -41,10 +41,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.dtype = "float32"  # Matmul dtype (logits and softmax are always float32).
 
   c.warmup = ml_collections.ConfigDict()
-  c.warmup.steps = 1500  # Supervised steps on noisy demonstrations that make the base model.
+  c.warmup.steps = 800  # Supervised steps that make the base model (clean, then noisy demos).
+  c.warmup.noisy_steps = 200  # The last this many steps use noisy demonstrations.
   c.warmup.batch_size = 128  # Demonstrations per step.
-  c.warmup.lr = 3e-3  # AdamW peak learning rate (cosine decay, 5% linear warm-up).
-  c.warmup.digit_noise = 0.2  # Chance each answer digit is replaced by a wrong one.
+  c.warmup.lr = 1e-2  # AdamW peak learning rate (cosine decay, 5% linear warm-up).
+  c.warmup.digit_noise = 0.3  # In noisy demos, chance each answer digit is replaced by a wrong one.
 
   c.sampling = ml_collections.ConfigDict()
   c.sampling.temperature = 1.0  # Logits are divided by this before sampling (> 0).
@@ -57,7 +58,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict()
   c.rl.loss = "oapl"  # Loss name in oapl_jax.rl.losses.LOSSES.
   c.rl.beta1 = 1.0  # Temperature of V_hat = beta1 * log mean exp(R / beta1).
-  c.rl.beta2 = 1e-3  # Weight on the summed log-ratio in (beta2 * ell - A)^2.
+  c.rl.beta2 = 0.1  # Weight on the summed log-ratio in (beta2 * ell - A)^2 (paper: 1e-3; see README).
   c.rl.group_size = 8  # G: answers sampled per prompt.
   c.rl.lag = 10  # L: trainer steps between engine refreshes (pi_old <- pi_theta).
   c.rl.old_logprobs = "sampler"  # log pi_old from: "sampler" (engine) or "snapshot" (recomputed).
@@ -67,8 +68,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.mode = "sync"  # Only "sync" exists so far: sample into the buffer, then train.
 
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 200  # OAPL trainer (optimizer) steps.
-  c.train.lr = 1e-3  # AdamW peak learning rate.
+  c.train.steps = 300  # OAPL trainer (optimizer) steps.
+  c.train.lr = 3e-4  # AdamW peak learning rate.
   c.train.warmup_ratio = 0.02  # Fraction of steps of linear lr warm-up.
   c.train.min_lr_ratio = 0.05  # Cosine decay floor as a fraction of lr.
   c.train.b1 = 0.9  # AdamW beta1.
@@ -92,6 +93,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   if arg == "smoke":
     c.warmup.steps = 30
+    c.warmup.noisy_steps = 10
     c.task.num_eval = 8
     c.eval.samples_per_problem = 4
     c.train.steps = 6

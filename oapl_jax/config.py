@@ -55,6 +55,8 @@ def validate(c) -> None:
          t.grad_accum, f"must be >= 1 and divide rl.groups_per_step={rl.groups_per_step}")
 
   _check(c.warmup.steps >= 0, "warmup.steps", c.warmup.steps, "must be >= 0")
+  _check(0 <= c.warmup.noisy_steps <= c.warmup.steps, "warmup.noisy_steps", c.warmup.noisy_steps,
+         f"must be in [0, warmup.steps={c.warmup.steps}]")
   _check(0 <= c.warmup.digit_noise < 1, "warmup.digit_noise", c.warmup.digit_noise, "must be in [0, 1)")
   _check(c.eval.samples_per_problem >= 1, "eval.samples_per_problem", c.eval.samples_per_problem,
          "must be >= 1")

@@ -54,8 +54,11 @@ def init_model(config):
 def make_optimizer(t, total_steps: int) -> optax.GradientTransformation:
   """AdamW with grad-norm clipping and a cosine schedule with linear warm-up."""
   warm = int(round(t.warmup_ratio * total_steps))
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, t.lr, max(warm, 1), max(total_steps, warm + 1), t.lr * t.min_lr_ratio)
+  if warm == 0:
+    schedule = optax.cosine_decay_schedule(t.lr, total_steps, alpha=t.min_lr_ratio)
+  else:  # linear from lr/(warm+1) (the first step is never a zero-lr step), then cosine
+    schedule = optax.warmup_cosine_decay_schedule(
+        t.lr / (warm + 1), t.lr, warm, max(total_steps, warm + 1), t.lr * t.min_lr_ratio)
   return optax.chain(
       optax.clip_by_global_norm(t.grad_clip),
       optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay))

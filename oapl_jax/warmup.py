@@ -1,8 +1,10 @@
 """Supervised warm-up that makes the base policy of the embedded task.
 
-Cross-entropy on answer tokens of *noisy* demonstrations (each digit wrong with probability
-`warmup.digit_noise`), so the base model is calibrated but imperfect — its pass@1 is about
-(1 - noise)^digits — and RL with the verifiable reward has errors to fix.
+Cross-entropy on answer tokens, in two phases: clean demonstrations first (the model learns
+the task), then, for the last `warmup.noisy_steps` steps, *noisy* demonstrations (each digit
+wrong with probability `warmup.digit_noise`). The second phase flattens the answer
+distribution, so the base model knows the right answer but is calibrated and imperfect: its
+pass@1 is about (1 - noise)^digits, and RL with the verifiable reward has errors to fix.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def run(graphdef, params, task, tokenizer, cfg, *, seq_len: int, seed: int):
   """Trains `params` for `cfg.steps` steps; returns (params, final loss)."""
   if cfg.steps == 0:
     return params, float("nan")
-  sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(1, cfg.steps // 20), cfg.steps, cfg.lr * 0.05)
+  warm = max(1, cfg.steps // 20)
+  sched = optax.warmup_cosine_decay_schedule(cfg.lr / (warm + 1), cfg.lr, warm, max(cfg.steps, warm + 1), cfg.lr * 0.05)
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
   opt_state = opt.init(params)
 
@@ -48,8 +51,9 @@ def run(graphdef, params, task, tokenizer, cfg, *, seq_len: int, seed: int):
 
   rng = np.random.default_rng([seed, 7])
   loss = None
-  for _ in range(cfg.steps):
+  for i in range(cfg.steps):
+    noise = cfg.digit_noise if i >= cfg.steps - cfg.noisy_steps else 0.0
     batch = demo_batch(task, tokenizer, rng, batch_size=cfg.batch_size, seq_len=seq_len,
-                       digit_noise=cfg.digit_noise)
+                       digit_noise=noise)
     params, opt_state, loss = step(params, opt_state, batch)
   return params, float(loss)
