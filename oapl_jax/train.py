@@ -79,6 +79,11 @@ def loss_kwargs(rl) -> dict:
   return {"oapl": {"beta1": rl.beta1, "beta2": rl.beta2}}[rl.loss]
 
 
+def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+  """Mean of `[B, T]` x over tokens where mask > 0 (masked entries may be inf)."""
+  return jnp.sum(jnp.where(mask > 0, x, 0.0)) / jnp.maximum(mask.sum(), 1.0)
+
+
 def make_train_step(config, graphdef, optimizer):
   """Jitted (params, opt_state, snapshot, batch) -> (params, opt_state, metrics).
 
@@ -93,16 +98,16 @@ def make_train_step(config, graphdef, optimizer):
 
   def micro_loss(params, snapshot, mb):
     logp, ent = token_logprobs(nnx.merge(graphdef, params), mb["tokens"], sampling)  # [b, T-1]
-    snap_logp = jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, snapshot), mb["tokens"], sampling)[0]) \
-        if rl.old_logprobs == "snapshot" else None
-    old = snap_logp if snap_logp is not None else mb["sampler_logprobs"]
-    loss, m = loss_fn_impl(logp, old, mb["mask"], mb["rewards"])
-    mask = mb["mask"]
-    tokens = jnp.maximum(mask.sum(), 1.0)
-    m = {**m, "entropy": jnp.sum(ent * mask) / tokens,
-         "trainer_vs_sampler_abs": jnp.sum(jnp.abs(jnp.where(mask > 0, logp - mb["sampler_logprobs"], 0))) / tokens}
-    if snap_logp is not None:
-      m["snapshot_vs_sampler_abs"] = jnp.sum(jnp.abs(jnp.where(mask > 0, snap_logp - mb["sampler_logprobs"], 0))) / tokens
+    mask, sampler = mb["mask"], mb["sampler_logprobs"]
+    m = {}
+    if rl.old_logprobs == "snapshot":
+      old = jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, snapshot), mb["tokens"], sampling)[0])
+      m["snapshot_vs_sampler_abs"] = _token_mean(jnp.abs(old - sampler), mask)
+    else:
+      old = sampler
+    loss, loss_metrics = loss_fn_impl(logp, old, mask, mb["rewards"])
+    m.update(loss_metrics, entropy=_token_mean(ent, mask),
+             trainer_vs_sampler_abs=_token_mean(jnp.abs(logp - sampler), mask))
     return loss, m
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -111,13 +116,11 @@ def make_train_step(config, graphdef, optimizer):
   def train_step(params, opt_state, snapshot, batch):
     micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
-    def body(carry, mb):
-      grads, _ = carry
+    def body(grads, mb):
       (loss, m), g = grad_fn(params, snapshot, mb)
-      return (jax.tree.map(jnp.add, grads, g), None), (loss, m)
+      return jax.tree.map(jnp.add, grads, g), (loss, m)
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, _), (loss, m) = jax.lax.scan(body, (zeros, None), micro)
+    grads, (loss, m) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
     grads = jax.tree.map(lambda g: g / accum, grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)

@@ -17,11 +17,15 @@ config maps logical axes to mesh axes (see `oapl_jax.sharding`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+
+ROPE_SCALING_TYPES = (None, "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +46,28 @@ class ModelConfig:
   tie_embeddings: bool = True  # LM head reuses the embedding matrix.
   param_dtype: str = "float32"  # Storage dtype of the weights.
   dtype: str = "float32"  # Compute dtype of matmuls (logits are always float32).
+  # RoPE scaling (Llama-3.1). None = plain RoPE; "llama3" = Hugging Face's "llama3" rope type,
+  # which divides the low frequencies by `rope_scaling_factor` and interpolates the middle band.
+  rope_scaling_type: str | None = None
+  rope_scaling_factor: float = 1.0  # "factor"
+  rope_low_freq_factor: float = 1.0  # "low_freq_factor"
+  rope_high_freq_factor: float = 4.0  # "high_freq_factor"
+  rope_original_max_len: int = 8192  # "original_max_position_embeddings"
+  max_position_embeddings: int | None = None  # Context length of the checkpoint; informational.
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"model.num_heads={self.num_heads} must be a multiple of "
           f"model.num_kv_heads={self.num_kv_heads}")
+    if self.rope_scaling_type not in ROPE_SCALING_TYPES:
+      raise ValueError(
+          f"model.rope_scaling_type={self.rope_scaling_type!r} is not supported; "
+          f"use one of {ROPE_SCALING_TYPES}")
+    if self.rope_scaling_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+      raise ValueError(
+          f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+          f"model.rope_low_freq_factor={self.rope_low_freq_factor}")
 
   @classmethod
   def from_config(cls, cfg) -> "ModelConfig":
@@ -76,13 +96,35 @@ class RMSNorm(nnx.Module):
     return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+  """Inverse frequencies `[D/2]` float32 of the config's RoPE (plain or "llama3"-scaled).
+
+  The "llama3" branch follows `transformers.modeling_rope_utils._compute_llama3_parameters`.
+  """
+  half = cfg.head_dim // 2
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(half, dtype=jnp.float32) / half))  # [D/2]
+  if cfg.rope_scaling_type != "llama3":
+    return inv_freq
+  factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  old_len = cfg.rope_original_max_len
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+  return jnp.where(is_medium, smoothed, scaled)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float,
+         inv_freq: jax.Array | None = None) -> jax.Array:
   """Rotary embedding, Hugging Face "rotate half" layout.
 
-  x: `[B, T, N, D]`; positions: `[B, T]` int. Returns `[B, T, N, D]`.
+  x: `[B, T, N, D]`; positions: `[B, T]` int; inv_freq: `[D/2]` (default: plain RoPE with
+  base `theta`; see `rope_frequencies`). Returns `[B, T, N, D]`.
   """
   half = x.shape[-1] // 2
-  inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))  # [D/2]
+  if inv_freq is None:
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))  # [D/2]
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
   cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
   sin = jnp.sin(angles)[:, :, None, :]
@@ -136,8 +178,8 @@ class Attention(nnx.Module):
       q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
     if self.cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    theta = self.cfg.rope_theta
-    return rope(q, positions, theta), rope(k, positions, theta), v
+    theta, inv_freq = self.cfg.rope_theta, rope_frequencies(self.cfg)
+    return rope(q, positions, theta, inv_freq), rope(k, positions, theta, inv_freq), v
 
   def output(self, attn: jax.Array) -> jax.Array:
     """attn: `[B, T, N, D]` -> `[B, T, E]`."""
