@@ -1,12 +1,93 @@
-"""Config validation: refuse bad settings, naming them, before any work starts."""
+"""Config defaults shared by every config file, and validation of a finished config.
+
+`defaults(preset)` holds every setting with a comment and the paper's values where the paper
+gives them (oapl.md); `configs/*.py` start from it and override what their run needs.
+`validate(c)` refuses bad settings, naming them, before any work starts.
+"""
 
 from __future__ import annotations
 
+import os
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+from oapl_jax.models.presets import PRESETS
 from oapl_jax.rl import losses
+
+
+def defaults(model_preset: str) -> ml_collections.ConfigDict:
+  """All settings but `task` (each config file defines its own task section)."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # Seeds everything: init, data order, sampling. Same seed -> same run.
+
+  c.model = ml_collections.ConfigDict()
+  c.model.path = placeholder(str)  # Local HF checkpoint folder; None = random init from the fields below.
+  c.model.preset = model_preset  # Name in oapl_jax.models.presets the architecture fields came from.
+  # Architecture fields (meanings: oapl_jax.models.ModelConfig). With model.path they must match
+  # the checkpoint's config.json, so a checkpoint of another model is refused.
+  c.model.update(PRESETS[model_preset])
+  for name, kind in (("rope_scaling_type", str), ("max_position_embeddings", int)):
+    if c.model.get(name) is None:
+      c.model[name] = placeholder(kind)
+  c.model.param_dtype = "float32"  # Weight storage dtype ("float32" or "bfloat16").
+  c.model.dtype = "float32"  # Matmul dtype (logits and softmax are always float32).
+
+  c.warmup = ml_collections.ConfigDict()  # Supervised warm-up (embedded addition task only).
+  c.warmup.steps = 0  # Supervised steps that make the base model (clean, then noisy demos); 0 = none.
+  c.warmup.noisy_steps = 0  # The last this many warm-up steps use noisy demonstrations.
+  c.warmup.batch_size = 128  # Demonstrations per step.
+  c.warmup.lr = 1e-2  # AdamW peak learning rate (cosine decay, 5% linear warm-up).
+  c.warmup.digit_noise = 0.3  # In noisy demos, chance each answer digit is replaced by a wrong one.
+
+  c.sampling = ml_collections.ConfigDict()
+  c.sampling.temperature = 1.0  # Logits are divided by this before sampling (> 0).
+  c.sampling.top_p = 1.0  # Nucleus sampling mass in (0, 1]; 1 = off.
+  c.sampling.top_k = 0  # Keep the k most likely tokens; 0 = off.
+  c.sampling.max_prompt_len = 4096  # Longest prompt in tokens (prefill buffer); longer prompts are an error.
+  c.sampling.max_new_tokens = 8192  # Answer length limit in tokens (EOS included).
+  c.sampling.max_slots = 64  # Engine decode slots (answers decoded concurrently).
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.loss = "oapl"  # Loss name in oapl_jax.rl.losses.LOSSES.
+  c.rl.beta1 = 1.0  # Temperature of V_hat = beta1 * log mean exp(R / beta1) (paper: 1).
+  c.rl.beta2 = 1e-3  # Weight on the summed log-ratio in (beta2 * ell - A)^2 (paper: 1e-3).
+  c.rl.group_size = 8  # G: answers sampled per prompt (paper: 8).
+  c.rl.lag = 50  # L: trainer steps between engine refreshes, pi_old <- pi_theta (paper, math: 50).
+  c.rl.old_logprobs = "sampler"  # log pi_old from: "sampler" (engine) or "snapshot" (recomputed).
+  c.rl.count_truncated = True  # Answers cut at max_new_tokens still count in the loss.
+  c.rl.groups_per_step = 32  # Groups (prompts) in one trainer step's batch.
+  c.rl.groups_per_rollout = 32  # Groups the engine samples into the buffer per call.
+  c.rl.mode = "sync"  # Only "sync" exists so far: sample into the buffer, then train.
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 500  # OAPL trainer (optimizer) steps.
+  c.train.lr = 1e-6  # AdamW peak learning rate (paper: 1e-6).
+  c.train.warmup_ratio = 0.02  # Fraction of steps of linear lr warm-up (paper: 2%).
+  c.train.min_lr_ratio = 0.05  # Cosine decay floor as a fraction of lr (paper: 0.05).
+  c.train.b1 = 0.9  # AdamW beta1 (paper: 0.9).
+  c.train.b2 = 0.95  # AdamW beta2 (paper: 0.95).
+  c.train.eps = 1e-10  # AdamW epsilon (paper: 1e-10).
+  c.train.weight_decay = 0.0  # AdamW decoupled weight decay (paper: ~0).
+  c.train.grad_clip = 1.0  # Global gradient-norm clip (paper: 1.0).
+  c.train.grad_accum = 1  # Micro-batches per step (must divide rl.groups_per_step).
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.samples_per_problem = 16  # n answers per held-out problem for pass@k (k = 1, 2, 4, ... n).
+  c.eval.every = 0  # Also evaluate every this many trainer steps; 0 = before and after only.
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 50  # Save the train state every this many trainer steps (and at the end).
+  c.checkpoint.keep = 2  # Most recent checkpoints kept.
+
+  c.log = ml_collections.ConfigDict()
+  c.log.every = 1  # Write metrics every this many trainer steps.
+  c.log.progress = True  # Show a progress bar (step, reward, speed).
+  return c
 
 OLD_LOGPROB_SOURCES = ("sampler", "snapshot")
 MODES = ("sync",)
-TASKS = ("addition",)
+TASKS = ("addition", "math", "code")
 
 
 class ConfigError(ValueError):
@@ -22,6 +103,15 @@ def validate(c) -> None:
   """Raises `ConfigError` naming the first invalid setting of `c`."""
   _check(isinstance(c.seed, int) and c.seed >= 0, "seed", c.seed, "must be an int >= 0")
   _check(c.task.name in TASKS, "task.name", c.task.name, f"must be one of {TASKS}")
+  for field in ("train_path", "eval_path"):
+    if field in c.task:
+      _check(os.path.isfile(c.task[field] or ""), f"task.{field}", c.task[field], "no such file")
+  if c.model.path is not None:
+    _check(os.path.isfile(os.path.join(c.model.path, "config.json")), "model.path", c.model.path,
+           "not a Hugging Face checkpoint folder (no config.json); for the :tiny configs make one "
+           "with `python launch/make_tiny_hf.py`")
+  _check(c.warmup.steps == 0 or c.task.name == "addition", "warmup.steps", c.warmup.steps,
+         "the supervised warm-up exists only for the embedded addition task")
 
   rl = c.rl
   _check(rl.loss in losses.LOSSES, "rl.loss", rl.loss, f"unknown loss; known: {sorted(losses.LOSSES)}")

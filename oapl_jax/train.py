@@ -32,7 +32,7 @@ from oapl_jax import warmup
 from oapl_jax.checkpoint import Checkpointer
 from oapl_jax.eval.evaluate import evaluate, score_rollout
 from oapl_jax.metrics import MetricsLog
-from oapl_jax.models import ModelConfig, Transformer
+from oapl_jax.models import ModelConfig, Transformer, from_hf
 from oapl_jax.rl import losses
 from oapl_jax.rl.buffer import GroupBuffer
 from oapl_jax.rl.logprobs import make_batch, token_logprobs
@@ -44,11 +44,25 @@ from oapl_jax.tasks import make_task
 
 
 def init_model(config):
-  """(graphdef, params) of a freshly initialised model, seeded from config.seed."""
+  """(model_cfg, graphdef, params): loaded from `model.path`, else initialised from config.seed."""
   model_cfg = ModelConfig.from_config(config.model)
-  model = Transformer(model_cfg, rngs=nnx.Rngs(params=config.seed))
+  if config.model.path is None:
+    model = Transformer(model_cfg, rngs=nnx.Rngs(params=config.seed))
+  else:
+    model = from_hf(config.model.path, dtype=config.model.param_dtype)
+    _check_same_architecture(model_cfg, model.cfg, config.model.path)
   graphdef, params = nnx.split(model, nnx.Param)
   return model_cfg, graphdef, params
+
+
+def _check_same_architecture(expected: ModelConfig, loaded: ModelConfig, path: str) -> None:
+  """Refuses a checkpoint whose architecture differs from config.model's fields."""
+  skip = {"param_dtype", "dtype", "max_position_embeddings"}
+  diffs = [f"config.model.{f.name}={getattr(expected, f.name)!r} but {path} has {getattr(loaded, f.name)!r}"
+           for f in dataclasses.fields(ModelConfig)
+           if f.name not in skip and getattr(expected, f.name) != getattr(loaded, f.name)]
+  if diffs:
+    raise config_lib.ConfigError("checkpoint of another model:\n  " + "\n  ".join(diffs))
 
 
 def make_optimizer(t, total_steps: int) -> optax.GradientTransformation:
@@ -295,11 +309,12 @@ def run(config, workdir: str) -> dict:
       saved = json.load(f)
     eval_before, warmup_info = saved["eval"], saved["warmup"]
   else:
-    t0 = time.perf_counter()
-    r.params, loss = warmup.run(r.graphdef, r.params, r.task, r.tokenizer, config.warmup,
-                                seq_len=seq_len(config), seed=config.seed)
-    warmup_info = {"seconds": time.perf_counter() - t0, "final_loss": loss, "steps": config.warmup.steps}
-    _say(f"warm-up: {config.warmup.steps} steps, final loss {loss:.3f}, {warmup_info['seconds']:.1f}s")
+    if config.warmup.steps:
+      t0 = time.perf_counter()
+      r.params, loss = warmup.run(r.graphdef, r.params, r.task, r.tokenizer, config.warmup,
+                                  seq_len=seq_len(config), seed=config.seed)
+      warmup_info = {"seconds": time.perf_counter() - t0, "final_loss": loss, "steps": config.warmup.steps}
+      _say(f"warm-up: {config.warmup.steps} steps, final loss {loss:.3f}, {warmup_info['seconds']:.1f}s")
     r.opt_state = r.optimizer.init(r.params)
     r.snapshot = _copy(r.params)
     eval_before = r.evaluate(r.params, "before")

@@ -47,6 +47,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                         rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                         rope_original_max_len=8192, max_position_embeddings=131072),
 }
+# The embedded default's model (configs/tiny.py): trained from scratch on CPU in minutes.
+PRESETS["tiny_addition"] = dict(vocab_size=32, hidden_size=128, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=32, mlp_dim=384, rope_theta=1e4,
+                                rms_norm_eps=1e-6, qk_norm=True, qkv_bias=False,
+                                tie_embeddings=True)
+# Tiny random stand-ins with the same code paths, for CPU runs of the real-model configs
+# (`configs/math.py:tiny`, `configs/code.py:tiny`); made by `launch/make_tiny_hf.py`.
+PRESETS["tiny_qwen3"] = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=16, mlp_dim=128, rope_theta=1e6,
+                             rms_norm_eps=1e-6, qk_norm=True, qkv_bias=False, tie_embeddings=True,
+                             max_position_embeddings=4096)
+PRESETS["tiny_qwen2"] = dict(PRESETS["tiny_qwen3"], qk_norm=False, qkv_bias=True,
+                             tie_embeddings=False, rope_theta=1e4)
 # The 2507 release differs from Qwen3-4B only in RoPE base and context length.
 PRESETS["qwen3_4b_thinking_2507"] = dict(PRESETS["qwen3_4b"], rope_theta=5e6,
                                          max_position_embeddings=262144)

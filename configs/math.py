@@ -1,0 +1,89 @@
+"""OAPL on competition math: Qwen3-4B-Thinking-2507 on DeepScaleR prompts (the paper's math run).
+
+  python -m oapl_jax.main --config=configs/math.py --workdir=/mnt/runs/math_l50 \
+      --config.model.path=/mnt/ckpt/Qwen3-4B-Thinking-2507 \
+      --config.task.train_path=/mnt/data/deepscaler.jsonl \
+      --config.task.eval_path=/mnt/data/aime2025.jsonl
+  python -m oapl_jax.main --config=configs/math.py:lag=100 ...   # the paper's other stable lag
+
+  # CPU check of the same code path against a tiny random HF checkpoint:
+  python launch/make_tiny_hf.py
+  python -m oapl_jax.main --config=configs/math.py:tiny --workdir=/tmp/oapl_math_tiny
+
+Arg string: comma-separated `tiny` and/or `lag=N`.
+Settings the paper fixes (oapl.md): G = 8, L = 50 (100 also stable), beta1 = 1, beta2 = 1e-3,
+AdamW lr 1e-6, betas (0.9, 0.95), eps 1e-10, no weight decay, cosine schedule with 2% warm-up
+and min-lr ratio 0.05, grad-norm clip 1.0. The answer length and temperature of the math runs
+are not in our copy of the paper: 16384 new tokens at temperature 1.0 are this project's choice.
+"""
+
+import os
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+from oapl_jax import config as config_lib
+
+TINY_MODEL = "/tmp/oapl_jax_tiny_hf/tiny_qwen3"  # made by `python launch/make_tiny_hf.py`
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # tiny files shipped in the repo
+
+
+def parse_arg(arg: str | None) -> dict:
+  """"tiny,lag=100" -> {"tiny": True, "lag": 100}."""
+  out = {"tiny": False, "lag": None}
+  for part in filter(None, (arg or "").split(",")):
+    if part == "tiny":
+      out["tiny"] = True
+    elif part.startswith("lag="):
+      out["lag"] = int(part[4:])
+    else:
+      raise ValueError(f"unknown config arg {part!r} (known: tiny, lag=N)")
+  return out
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  args = parse_arg(arg)
+  c = config_lib.defaults("tiny_qwen3" if args["tiny"] else "qwen3_4b_thinking_2507")
+  c.model.param_dtype = "bfloat16"
+  c.model.dtype = "bfloat16"
+
+  c.task = ml_collections.ConfigDict()
+  c.task.name = "math"  # oapl_jax/tasks/math.py: chat prompt + "\boxed{}" instruction, math-verify reward.
+  c.task.train_path = placeholder(str)  # JSONL of training prompts (DeepScaleR: fields "problem", "answer").
+  c.task.eval_path = placeholder(str)  # JSONL of held-out problems (AIME 2025, HMMT 2025, BRUMO 2025).
+  c.task.question_field = "problem"  # Field holding the question text.
+  c.task.answer_field = "answer"  # Field holding the reference answer.
+  c.task.num_eval = placeholder(int)  # Use only the first N eval problems; None = all.
+  c.task.thinking = True  # Passed to the chat template as enable_thinking (None = not passed).
+  c.task.fallback_last_number = False  # Without a \boxed{}, grade the last number in the answer.
+  c.task.tokenizer_path = placeholder(str)  # Tokenizer + chat template folder; None = model.path.
+
+  c.sampling.max_prompt_len = 1024
+  c.sampling.max_new_tokens = 16384
+  c.sampling.max_slots = 256
+  c.rl.lag = args["lag"] or 50
+  c.rl.groups_per_step = 32
+  c.rl.groups_per_rollout = 32
+  c.train.steps = 1000
+  c.train.grad_accum = 8
+  c.eval.samples_per_problem = 16
+
+  if args["tiny"]:
+    c.model.path = TINY_MODEL
+    c.model.param_dtype = c.model.dtype = "float32"
+    c.task.train_path = os.path.join(DATA, "math_tiny_train.jsonl")
+    c.task.eval_path = os.path.join(DATA, "math_tiny_eval.jsonl")
+    c.task.question_field = "question"
+    c.task.thinking = placeholder(bool)
+    c.sampling.max_prompt_len = 128
+    c.sampling.max_new_tokens = 16
+    c.sampling.max_slots = 32
+    c.rl.lag = args["lag"] or 2
+    c.rl.groups_per_step = 2
+    c.rl.groups_per_rollout = 2
+    c.train.steps = 4
+    c.train.grad_accum = 1
+    c.train.lr = 1e-4
+    c.eval.samples_per_problem = 2
+    c.checkpoint.every = 2
+  return c
