@@ -10,10 +10,17 @@ from oapl_jax.sampling.rollout import rollout
 
 
 def score_rollout(task, tokenizer, problems, ro) -> np.ndarray:
-  """Rewards `[P*G]` of a rollout whose prompt p is `problems[p]`."""
+  """Rewards `[P*G]` of a rollout whose prompt p is `problems[p]`.
+
+  Tasks with a `score_batch(responses, problems)` method (code: parallel sandboxes) get the
+  whole rollout at once; others are scored answer by answer with `score(response, problem)`.
+  """
   g = ro.group_size
-  return np.array([task.score(tokenizer.decode(ro.answers[i, :ro.lengths[i]]), problems[i // g])
-                   for i in range(ro.num_samples)], np.float32)
+  responses = [tokenizer.decode(ro.answers[i, :ro.lengths[i]]) for i in range(ro.num_samples)]
+  owners = [problems[i // g] for i in range(ro.num_samples)]
+  if hasattr(task, "score_batch"):
+    return np.asarray(task.score_batch(responses, owners), np.float32)
+  return np.array([task.score(r, p) for r, p in zip(responses, owners)], np.float32)
 
 
 def evaluate(engine, params, task, tokenizer, *, samples_per_problem: int, max_new_tokens: int,

@@ -1,0 +1,117 @@
+"""Code problems (DeepCoder / LiveCodeBench style) scored by running the program's tests in a sandbox.
+
+Rows are JSONL with a problem statement and tests in one of these forms:
+  * {"inputs": [...], "outputs": [...]} (stdin/stdout), optionally with "fn_name" (call-based);
+  * the same as a JSON string (how DeepCoder's files store it);
+  * a LiveCodeBench list of {"input", "output", "testtype"} (converted on load).
+The prompt asks for one fenced Python block; the last such block of the answer is the program.
+Tests never enter the prompt, and expected outputs never enter the sandbox (rewards/code.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+
+from oapl_jax.rewards import code as code_reward
+from oapl_jax.tasks.arithmetic import Problem
+from oapl_jax.tasks.math import load_jsonl, normalize_question
+
+CODE_INSTRUCTION_STDIN = (
+    "Write a complete Python 3 program that solves the problem above. It must read its input "
+    "from standard input and print the answer to standard output. Put the program in a single "
+    "fenced code block:\n```python\n# your code\n```")
+CODE_INSTRUCTION_CALL = (
+    "Write a Python 3 solution to the problem above as the function `{fn_name}` (inside "
+    "`class Solution` if the starter code uses one). Put the code in a single fenced code "
+    "block:\n```python\n# your code\n```")
+_FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_program(response: str) -> str | None:
+  """The last fenced code block of `response`, or None."""
+  blocks = _FENCE.findall(response or "")
+  return blocks[-1] if blocks else None
+
+
+def parse_tests(raw, where: str) -> dict:
+  """Tests of one row in our {"inputs", "outputs"[, "fn_name"]} form; ValueError naming `where`."""
+  if isinstance(raw, str):
+    try:
+      raw = json.loads(raw)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{where}: tests are not valid JSON ({e.msg})") from None
+  if isinstance(raw, list):
+    raw = code_reward.from_livecodebench(raw, [])
+  if not isinstance(raw, dict) or not isinstance(raw.get("inputs"), list) \
+      or not isinstance(raw.get("outputs"), list):
+    raise ValueError(f"{where}: tests need lists 'inputs' and 'outputs'")
+  if not raw["inputs"] or len(raw["inputs"]) != len(raw["outputs"]):
+    raise ValueError(f"{where}: tests are empty or inputs/outputs differ in length")
+  return raw
+
+
+class CodeTask:
+  """Train/eval code problems from JSONL files; reward = sandboxed tests pass (rewards/code.py)."""
+
+  def __init__(self, train_path: str, eval_path: str, *, tokenizer, question_field: str,
+               tests_field: str, thinking: bool | None, num_eval: int | None,
+               sandbox: dict):
+    self.tokenizer, self.thinking, self.sandbox = tokenizer, thinking, dict(sandbox)
+    eval_rows = self._load(eval_path, question_field, tests_field)
+    held_out = {normalize_question(q) for q, _ in eval_rows}
+    train_rows = [r for r in self._load(train_path, question_field, tests_field)
+                  if normalize_question(r[0]) not in held_out]
+    if not train_rows:
+      raise ValueError(f"{train_path}: no training problem left after removing eval questions")
+    eval_rows = eval_rows[:num_eval] if num_eval else eval_rows
+    self._eval = [self._problem(q, t, i) for i, (q, t) in enumerate(eval_rows)]
+    self._train = [self._problem(q, t, len(eval_rows) + i) for i, (q, t) in enumerate(train_rows)]
+
+  @classmethod
+  def from_config(cls, t, tokenizer) -> "CodeTask":
+    sandbox = dict(timeout_s=t.timeout_s, memory_mb=t.memory_mb, fraction=t.partial_credit,
+                   allow_unsandboxed=t.allow_unsandboxed)
+    return cls(t.train_path, t.eval_path, tokenizer=tokenizer, question_field=t.question_field,
+               tests_field=t.tests_field, thinking=t.thinking, num_eval=t.num_eval, sandbox=sandbox)
+
+  @staticmethod
+  def _load(path, question_field, tests_field):
+    rows = load_jsonl(path, question_field=question_field, answer_field=question_field)
+    out = []
+    for i, row in enumerate(rows):
+      if tests_field not in row:
+        raise ValueError(f"{path}: row {i + 1}: missing field {tests_field!r}")
+      out.append((row[question_field], parse_tests(row[tests_field], f"{path}: row {i + 1}")))
+    return out
+
+  def _problem(self, question: str, tests: dict, pid: int) -> Problem:
+    instruction = (CODE_INSTRUCTION_CALL.format(fn_name=tests["fn_name"]) if tests.get("fn_name")
+                   else CODE_INSTRUCTION_STDIN)
+    prompt = self.tokenizer.chat_prompt(question + "\n\n" + instruction, thinking=self.thinking)
+    return Problem(prompt=prompt, answer=json.dumps(tests), id=pid)
+
+  def eval_problems(self) -> list[Problem]:
+    return list(self._eval)
+
+  def train_problems(self, rng: np.random.Generator, n: int) -> list[Problem]:
+    """`n` problems drawn uniformly with replacement (deterministic given `rng`)."""
+    return [self._train[int(i)] for i in rng.integers(0, len(self._train), size=n)]
+
+  def score(self, response: str, problem: Problem) -> float:
+    return self.score_batch([response], [problem])[0]
+
+  def score_batch(self, responses: list[str], problems: list[Problem]) -> list[float]:
+    """Runs the programs in parallel sandboxes; an answer without a code block scores 0."""
+    programs = [extract_program(r) for r in responses]
+    todo = [i for i, p in enumerate(programs) if p is not None]
+    scores = [0.0] * len(responses)
+    if todo:
+      results = code_reward.score_batch([programs[i] for i in todo],
+                                        [json.loads(problems[i].answer) for i in todo],
+                                        **self.sandbox)
+      for i, s in zip(todo, results):
+        scores[i] = float(s)
+    return scores
