@@ -49,3 +49,31 @@ def test_full_math_config_needs_its_files():
   assert abs(param_count(c.model.preset) - 4.02e9) / 4.02e9 < 0.01
   with pytest.raises(ValueError, match="unknown config arg"):
     math_config.get_config("huge")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+  return make_tiny_hf(str(tmp_path_factory.mktemp("hf") / "tiny_qwen2"), preset="tiny_qwen2")
+
+
+def test_code_tiny_runs_rl_steps(tiny_qwen2, tmp_path):
+  out = _main("--config=configs/code.py:tiny", f"--config.model.path={tiny_qwen2}",
+              f"--workdir={tmp_path}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.loads((tmp_path / "summary.json").read_text())["trainer_steps"] == 4
+
+
+def test_code_task_scores_answers_in_the_sandbox(tiny_qwen2):
+  from configs import code as code_config
+  from oapl_jax.tasks import make_task
+  c = code_config.get_config("tiny")
+  c.model.path = tiny_qwen2
+  task, tokenizer = make_task(c)
+  product, double = task.eval_problems()[:2]
+  assert "standard input" in product.prompt and "double" in double.prompt
+  assert "2 3" not in product.prompt  # tests never enter the prompt
+  good = "Here it is:\n```python\na, b = map(int, input().split())\nprint(a * b)\n```"
+  wrong = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+  call = "```python\ndef double(x):\n    return 2 * x\n```"
+  assert task.score_batch([good, wrong, "no code here", call], [product, product, product, double]) \
+      == [1.0, 0.0, 0.0, 1.0]

@@ -1,0 +1,389 @@
+"""Tests for oapl_jax.rewards.code: correct scoring, and containment of hostile programs.
+
+The sandbox tests need bubblewrap and FAIL (not skip) without it. Each hostile program must
+score 0, leave no process (found by a marker string in its command line, or by the run
+directory in bwrap's) and no run directory behind, and leave the caller and a canary process
+alive.
+"""
+
+import base64
+import json
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+import zlib
+
+import pytest
+
+from oapl_jax.rewards import code
+
+ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
+ADD_TESTS = {"inputs": ["1 2\n", "10 -3\n", "0 0\n"], "outputs": ["3\n", "7", "0\n\n"]}
+
+
+@pytest.fixture
+def sandbox():
+  if shutil.which("bwrap") is None:
+    pytest.fail(f"bubblewrap (bwrap) is not installed, so the code-reward sandbox cannot be "
+                f"tested: {code.INSTALL_HINT}")
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+  """The parent of every per-run directory of a test: must be empty afterwards."""
+  d = tmp_path / "runs"
+  d.mkdir()
+  return str(d)
+
+
+@pytest.fixture
+def marker():
+  return f"oapl_marker_{uuid.uuid4().hex}"
+
+
+def _procs_with(needle: str) -> list[int]:
+  found = []
+  for pid in os.listdir("/proc"):
+    if not pid.isdigit() or int(pid) == os.getpid():
+      continue
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    except OSError:
+      continue
+    if needle.encode() in cmdline:
+      found.append(int(pid))
+  return found
+
+
+def _assert_clean(marker: str, runs_dir: str) -> None:
+  deadline = time.monotonic() + 5.0
+  while (_procs_with(marker) or _procs_with(runs_dir)) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert _procs_with(marker) == [], "a process of the program survived"
+  assert _procs_with(runs_dir) == [], "a bwrap process survived"
+  assert os.listdir(runs_dir) == [], "a run directory was left behind"
+
+
+def _marked(body: str, marker: str) -> str:
+  """`body`, re-executed first with `marker` in its command line (so leftovers can be found)."""
+  head = (f"import os, sys\nif sys.argv[-1] != {marker!r}:\n"
+          f"  os.execv(sys.executable, [sys.executable, '-I', sys.argv[0], {marker!r}])\n")
+  return head + body
+
+
+NEVER = {"inputs": [""], "outputs": ["this output is never printed"]}
+
+
+# --------------------------------------------------------------------------------------------
+# Correct and wrong programs
+# --------------------------------------------------------------------------------------------
+
+
+def test_stdin_correct_and_wrong(sandbox, runs_dir):
+  trailing = "a, b = map(int, input().split())\nprint(str(a + b) + '   ')\nprint()\n"
+  assert code.score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0
+  assert code.score(trailing, ADD_TESTS, tmp_dir=runs_dir) == 1.0  # whitespace normalised
+  assert code.score(ADD.replace("+", "-"), ADD_TESTS, tmp_dir=runs_dir) == 0.0
+  assert code.score("print(' 3')", {"inputs": [""], "outputs": ["3"]}, tmp_dir=runs_dir) == 0.0
+  assert code.score("raise SystemExit(1)", {"inputs": [""], "outputs": [""]},
+                    tmp_dir=runs_dir) == 0.0  # nonzero exit
+  assert code.score("exit()", {"inputs": [""], "outputs": [""]}, tmp_dir=runs_dir) == 1.0
+  assert code.score(ADD, json.dumps(ADD_TESTS), tmp_dir=runs_dir) == 1.0  # APPS JSON string
+  assert os.listdir(runs_dir) == []
+
+
+def test_fraction(sandbox, runs_dir):
+  two_of_three = "a, b = map(int, input().split())\nprint(a + b if a else 99)\n"
+  assert code.score(two_of_three, ADD_TESTS, fraction=True, tmp_dir=runs_dir) == \
+      pytest.approx(2 / 3)
+  assert code.score(two_of_three, ADD_TESTS, tmp_dir=runs_dir) == 0.0
+  assert code.score("print(", ADD_TESTS, fraction=True, tmp_dir=runs_dir) == 0.0
+
+
+def test_call_based(sandbox, runs_dir):
+  tests = {"inputs": [[[1, 2, 3]], [[]], [[5]]], "outputs": [[6], [0], 5], "fn_name": "total"}
+  func = "def total(xs):\n  print('debug output goes to stderr')\n  return sum(xs)\n"
+  leetcode = ("class Solution:\n  def total(self, xs: List[int]) -> int:\n"
+              "    return sum(Counter(xs).elements())\n")
+  assert code.score(func, tests, tmp_dir=runs_dir) == 1.0
+  assert code.score(leetcode, tests, tmp_dir=runs_dir) == 1.0
+  assert code.score("def total(xs):\n  return sum(xs) + 1\n", tests, tmp_dir=runs_dir) == 0.0
+  assert code.score("def other(xs):\n  return 0\n", tests, tmp_dir=runs_dir) == 0.0
+  pair = {"inputs": [[2, 3]], "outputs": [[[3, 2]]], "fn_name": "swap"}
+  assert code.score("def swap(a, b):\n  return (b, a)\n", pair, tmp_dir=runs_dir) == 1.0
+  boolean = {"inputs": [[4]], "outputs": [True], "fn_name": "even"}
+  assert code.score("def even(n):\n  return n % 2 == 0\n", boolean, tmp_dir=runs_dir) == 1.0
+  assert code.score("def even(n):\n  return 1\n", boolean, tmp_dir=runs_dir) == 0.0
+  assert os.listdir(runs_dir) == []
+
+
+def test_always_equal_object_cannot_pass(sandbox, runs_dir):
+  tests = {"inputs": [[1]], "outputs": [[5]], "fn_name": "f"}
+  for cls in ("object", "int", "list", "str"):
+    prog = (f"class E({cls}):\n  def __eq__(self, other):\n    return True\n"
+            f"  def __ne__(self, other):\n    return False\n  __hash__ = None\n"
+            f"def f(x):\n  return E()\n")
+    assert code.score(prog, tests, tmp_dir=runs_dir) == 0.0, cls
+  # Printing a guess of the driver's output does not help either.
+  assert code.score("import sys\nprint(5)\ndef f(x):\n  sys.exit(0)\n", tests,
+                    tmp_dir=runs_dir) == 0.0
+  assert os.listdir(runs_dir) == []
+
+
+def test_score_batch_two_workers(sandbox, runs_dir):
+  spawner = ("import subprocess, sys\nn = input()\nprint(subprocess.run([sys.executable, '-c', "
+             "'print(int(input()) * 2)'], input=n, capture_output=True, text=True).stdout)\n")
+  flood = ("import os, time\nfor _ in range(10000):\n  try:\n    if os.fork() == 0:\n"
+           "      time.sleep(20)\n      os._exit(0)\n  except OSError:\n    pass\n")
+  double = {"inputs": ["21\n"], "outputs": ["42"]}
+  programs = [ADD, ADD.replace("+", "*"), flood, spawner, spawner, "def total(xs): return sum(xs)"]
+  tests = [ADD_TESTS, ADD_TESTS, NEVER, double, double,
+           {"inputs": [[[1, 2]]], "outputs": [3], "fn_name": "total"}]
+  start = time.monotonic()
+  got = code.score_batch(programs, tests, workers=2, max_processes=16, tmp_dir=runs_dir)
+  assert got == [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]  # a neighbour's flood does not starve a spawner
+  assert time.monotonic() - start < 30
+  with pytest.raises(ValueError):
+    code.score_batch([ADD], [], workers=2)
+  assert os.listdir(runs_dir) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Containment
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body", ["while True:\n  pass\n", "import time\ntime.sleep(100)\n"],
+                         ids=["infinite_loop", "sleep"])
+def test_timeout(sandbox, runs_dir, marker, body):
+  start = time.monotonic()
+  assert code.score(_marked(body, marker), NEVER, timeout_s=1.0, tmp_dir=runs_dir) == 0.0
+  assert time.monotonic() - start < 6.0
+  _assert_clean(marker, runs_dir)
+  r = code.run_program(_marked(body, marker), timeout_s=1.0, tmp_dir=runs_dir)
+  assert r.status == "timeout"
+  _assert_clean(marker, runs_dir)
+
+
+def test_memory_bomb(sandbox, runs_dir, marker):
+  body = "chunks = []\nwhile True:\n  chunks.append(bytearray(32 << 20))\n"
+  assert code.score(_marked(body, marker), NEVER, memory_mb=256, tmp_dir=runs_dir) == 0.0
+  r = code.run_program(_marked(body, marker), memory_mb=256, tmp_dir=runs_dir)
+  assert r.status == "error" and b"MemoryError" in r.stderr
+  _assert_clean(marker, runs_dir)
+
+
+def test_process_flood(sandbox, runs_dir, marker):
+  # Tries for 10000 live processes; each child sleeps, so without a limit they would pile up.
+  body = ("import time\nn = 0\nfor _ in range(10000):\n  try:\n    pid = os.fork()\n"
+          "  except OSError:\n    continue\n  if pid == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+          "  n += 1\nprint('spawned', n, flush=True)\ntime.sleep(60)\n")
+  r = code.run_program(_marked(body, marker), max_processes=16, timeout_s=1.5, tmp_dir=runs_dir)
+  assert r.status == "timeout"
+  spawned = int(r.stdout.split()[1])
+  assert spawned < 16, r.stdout
+  _assert_clean(marker, runs_dir)
+  assert code.score(_marked(body, marker), NEVER, max_processes=16, timeout_s=1.5,
+                    tmp_dir=runs_dir) == 0.0
+  _assert_clean(marker, runs_dir)
+
+
+def test_no_network(sandbox, runs_dir, marker):
+  listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  listener.bind(("127.0.0.1", 0))
+  listener.listen(8)
+  listener.setblocking(False)
+  port = listener.getsockname()[1]
+  body = (f"import socket\ntry:\n  socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+          f"  print('connected')\nexcept OSError as e:\n  print('refused', e)\n")
+  try:
+    tests = {"inputs": [""], "outputs": ["connected"]}
+    assert code.score(_marked(body, marker), tests, tmp_dir=runs_dir) == 0.0
+    r = code.run_program(_marked(body, marker), tmp_dir=runs_dir)
+    assert b"refused" in r.stdout
+    with pytest.raises(BlockingIOError):
+      listener.accept()  # nobody ever connected
+  finally:
+    listener.close()
+  _assert_clean(marker, runs_dir)
+
+
+def test_cannot_write_outside(sandbox, runs_dir, marker, tmp_path):
+  targets = [str(tmp_path / "outside.txt"), f"/root/{marker}.txt", f"/tmp/{marker}.txt",
+             f"/work/{marker}.txt", os.path.join(runs_dir, f"{marker}.txt"),
+             os.path.join(os.getcwd(), f"{marker}.txt")]
+  body = (f"for path in {targets!r} + ['/box/prog.py', 'relative.txt']:\n  try:\n"
+          f"    with open(path, 'w') as f:\n      f.write('pwned')\n    print('wrote', path)\n"
+          f"  except OSError:\n    pass\n")
+  try:
+    assert code.score(_marked(body, marker), NEVER, tmp_dir=runs_dir) == 0.0
+    r = code.run_program(_marked(body, marker), tmp_dir=runs_dir)
+    assert r.status == "ok"
+    for path in targets:
+      assert not os.path.exists(path), path
+    # Only the sandbox's private /tmp (also the working directory) is writable.
+    assert set(r.stdout.decode().split("\n")) <= {"", f"wrote /tmp/{marker}.txt",
+                                                  "wrote relative.txt"}
+  finally:
+    for path in targets:
+      if os.path.exists(path):
+        os.remove(path)
+  _assert_clean(marker, runs_dir)
+
+
+def test_cannot_read_outside(sandbox, runs_dir, marker, tmp_path):
+  secret = uuid.uuid4().hex
+  path = tmp_path / "secret.txt"
+  path.write_text(secret)
+  body = (f"for p in [{str(path)!r}, '/proc/1/root' + {str(path)!r}, '/root/.bash_history']:\n"
+          f"  try:\n    print(open(p).read())\n  except OSError:\n    pass\n")
+  assert code.score(_marked(body, marker), {"inputs": [""], "outputs": [secret]},
+                    tmp_dir=runs_dir) == 0.0
+  r = code.run_program(_marked(body, marker), tmp_dir=runs_dir)
+  assert secret.encode() not in r.stdout
+  _assert_clean(marker, runs_dir)
+
+
+def test_endless_output(sandbox, runs_dir, marker):
+  body = "while True:\n  sys.stdout.write('y' * 65536)\n"
+  r = code.run_program(_marked(body, marker), max_output_bytes=1 << 16, timeout_s=20,
+                       tmp_dir=runs_dir)
+  assert r.status == "output_limit"
+  assert r.seconds < 10  # stopped by the cap, not by the timeout
+  assert len(r.stdout) <= (1 << 16) + (1 << 16)
+  assert code.score(_marked(body, marker), NEVER, max_output_bytes=1 << 16, timeout_s=20,
+                    tmp_dir=runs_dir) == 0.0
+  _assert_clean(marker, runs_dir)
+
+
+def test_cannot_kill_parent_or_others(sandbox, runs_dir, marker):
+  canary = subprocess.Popen(["sleep", "60"])
+  try:
+    body = (f"import signal\nfor pid in (os.getppid(), {os.getpid()}, {canary.pid}, "
+            f"1, -1):\n  try:\n    os.kill(pid, signal.SIGKILL)\n"
+            f"  except OSError:\n    pass\nos.system('kill -9 -1')\nprint('still here')\n")
+    assert code.score(_marked(body, marker), NEVER, tmp_dir=runs_dir) == 0.0
+    assert code.score(_marked(body, marker), NEVER, tmp_dir=runs_dir) == 0.0
+    assert canary.poll() is None, "the canary process was killed"
+  finally:
+    canary.kill()
+    canary.wait()
+  _assert_clean(marker, runs_dir)
+  assert code.score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0  # and scoring still works
+
+
+def test_no_user_namespaces_or_privileges(sandbox, runs_dir, marker):
+  body = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+          "print('unshare', libc.unshare(0x10000000))\n"  # CLONE_NEWUSER
+          "st = open('/proc/self/status').read().splitlines()\n"
+          "print(*[l for l in st if l.startswith(('CapEff', 'CapPrm', 'NoNewPrivs', 'Uid'))],"
+          " sep='\\n')\n")
+  r = code.run_program(_marked(body, marker), tmp_dir=runs_dir)
+  out = r.stdout.decode()
+  assert r.status == "ok", r.stderr
+  assert "unshare -1" in out
+  assert "CapEff:\t0000000000000000" in out and "CapPrm:\t0000000000000000" in out
+  assert "NoNewPrivs:\t1" in out
+  if os.geteuid() == 0:
+    uid = int(next(l for l in out.splitlines() if l.startswith("Uid")).split()[1])
+    assert uid >= 1 << 30  # the program does not run as root
+  _assert_clean(marker, runs_dir)
+
+
+def test_user_namespace_mode(sandbox, runs_dir, marker, tmp_path, monkeypatch):
+  """The path taken by non-root callers (bwrap makes a user namespace), exercised as root too."""
+  monkeypatch.setattr(code, "_is_root", lambda: False)
+  assert code.score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0
+  assert code.score("def f(x): return x * 2", {"inputs": [[2]], "outputs": [4], "fn_name": "f"},
+                    tmp_dir=runs_dir) == 1.0
+  secret = uuid.uuid4().hex
+  (tmp_path / "secret.txt").write_text(secret)
+  body = (f"try:\n  print(open({str(tmp_path / 'secret.txt')!r}).read())\nexcept OSError:\n"
+          f"  pass\nopen('/tmp/x', 'w').write('ok')\nfor p in ('/x', '/dev/x', '/box/x'):\n"
+          f"  try:\n    open(p, 'w')\n    print('wrote', p)\n  except OSError:\n    pass\n")
+  r = code.run_program(_marked(body, marker), tmp_dir=runs_dir)
+  assert r.status == "ok", r.stderr
+  assert r.stdout == b""
+  _assert_clean(marker, runs_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# Without bwrap
+# --------------------------------------------------------------------------------------------
+
+
+def test_refuses_to_run_unsandboxed(monkeypatch, runs_dir):
+  monkeypatch.setattr(code, "_bwrap", lambda: None)
+  with pytest.raises(RuntimeError, match="bubblewrap"):
+    code.score(ADD, ADD_TESTS, tmp_dir=runs_dir)
+  with pytest.raises(RuntimeError, match="bubblewrap"):
+    code.score_batch([ADD, ADD], [ADD_TESTS, ADD_TESTS], workers=2, tmp_dir=runs_dir)
+  assert os.listdir(runs_dir) == []
+
+
+def test_unsandboxed_when_allowed_warns(monkeypatch, runs_dir):
+  monkeypatch.setattr(code, "_bwrap", lambda: None)
+  with pytest.warns(RuntimeWarning, match="WITHOUT a sandbox"):
+    assert code.score(ADD, ADD_TESTS, allow_unsandboxed=True, tmp_dir=runs_dir) == 1.0
+  with pytest.warns(RuntimeWarning):
+    assert code.score(ADD.replace("+", "-"), ADD_TESTS, allow_unsandboxed=True,
+                      tmp_dir=runs_dir) == 0.0
+  with pytest.warns(RuntimeWarning):
+    assert code.score("def f(x): return [x]", {"inputs": [[1]], "outputs": [[1]],
+                                                "fn_name": "f"},
+                      allow_unsandboxed=True, tmp_dir=runs_dir) == 1.0
+  with pytest.warns(RuntimeWarning):
+    r = code.run_program("import time\ntime.sleep(30)", timeout_s=0.5, allow_unsandboxed=True,
+                         tmp_dir=runs_dir)
+  assert r.status == "timeout"
+  assert os.listdir(runs_dir) == []
+
+
+# --------------------------------------------------------------------------------------------
+# LiveCodeBench
+# --------------------------------------------------------------------------------------------
+
+
+def _compressed(tests):
+  return base64.b64encode(zlib.compress(pickle.dumps(json.dumps(tests)))).decode()
+
+
+def test_from_livecodebench_stdin():
+  public = [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]
+  private = [{"input": "5 5\n", "output": "10\n", "testtype": "stdin"}]
+  want = {"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]}
+  assert code.from_livecodebench(public, private) == want
+  assert code.from_livecodebench(json.dumps(public), _compressed(private)) == want
+  assert code.from_livecodebench(public) == {"inputs": ["1 2\n"], "outputs": ["3\n"]}
+
+
+def test_from_livecodebench_functional_and_errors():
+  public = [{"input": "[1, 2, 3]\n2", "output": "[3, 1, 2]", "testtype": "functional"}]
+  private = [{"input": '"ab"\n0', "output": '"ab"', "testtype": "functional"}]
+  got = code.from_livecodebench(public, _compressed(private), fn_name="rotate")
+  assert got == {"inputs": [[[1, 2, 3], 2], ["ab", 0]], "outputs": [[3, 1, 2], "ab"],
+                 "fn_name": "rotate"}
+  with pytest.raises(ValueError, match="fn_name"):
+    code.from_livecodebench(public, private)
+  with pytest.raises(ValueError, match="mixed"):
+    code.from_livecodebench(public, [{"input": "1", "output": "1", "testtype": "stdin"}],
+                            fn_name="rotate")
+  evil = base64.b64encode(zlib.compress(pickle.dumps(os.getcwd))).decode()  # not plain data
+  with pytest.raises(pickle.UnpicklingError):
+    code.from_livecodebench(public, evil, fn_name="rotate")
+
+
+def test_from_livecodebench_scores(sandbox, runs_dir):
+  public = [{"input": "[1, 2, 3]\n1", "output": "[3, 1, 2]", "testtype": "functional"}]
+  private = [{"input": "[4, 5]\n2", "output": "[4, 5]", "testtype": "functional"}]
+  tests = code.from_livecodebench(public, private, fn_name="rotate")
+  sol = ("class Solution:\n  def rotate(self, nums: List[int], k: int) -> List[int]:\n"
+         "    k %= len(nums)\n    return nums[-k:] + nums[:-k]\n")
+  assert code.score(sol, tests, tmp_dir=runs_dir) == 1.0
+  assert code.score(sol.replace("-k:", "k:"), tests, fraction=True, tmp_dir=runs_dir) == 0.5
