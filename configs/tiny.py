@@ -1,7 +1,7 @@
 """The embedded default: OAPL on two-digit addition with a tiny Qwen3-style model, on CPU.
 
 The run: supervised warm-up (clean, then noisy demonstrations: the base model, pass@1 about
-0.2-0.45) -> eval before -> OAPL training in sync mode -> eval after. A few minutes on 2 cores.
+0.1-0.3) -> eval before -> OAPL training in sync mode -> eval after. A few minutes on 2 cores.
 
   python -m oapl_jax.main --config=configs/tiny.py --workdir=/tmp/oapl_tiny
   python -m oapl_jax.main --config=configs/tiny.py --workdir=/tmp/oapl_tiny_s3 \
@@ -26,8 +26,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.task.max_digits = 2  # Most digits per operand.
   c.task.num_eval = 128  # Held-out problems (never drawn for training).
 
-  c.warmup.steps = 1200  # The base model is made in the run: 1000 clean + 200 noisy steps.
+  c.warmup.steps = 1500  # The base model is made in the run: 1300 clean + 200 noisy steps.
   c.warmup.noisy_steps = 200
+  c.warmup.digit_noise = 0.25
   c.sampling.max_prompt_len = 8  # "<bos>99+99=" is 7 tokens.
   c.sampling.max_new_tokens = 6  # Answers need <= 4 (3 digits + EOS).
   c.sampling.max_slots = 128
