@@ -63,19 +63,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.samples_per_problem = 16
 
   if tiny:
-    c.model.path = TINY_MODEL
-    c.model.param_dtype = c.model.dtype = "float32"
+    config_lib.shrink_for_cpu(c, TINY_MODEL)
     c.task.train_path = os.path.join(DATA, "code_tiny_train.jsonl")
     c.task.eval_path = os.path.join(DATA, "code_tiny_eval.jsonl")
     c.sampling.max_prompt_len = 256
-    c.sampling.max_new_tokens = 16
-    c.sampling.max_slots = 32
-    c.rl.lag = 2
-    c.rl.groups_per_step = 2
-    c.rl.groups_per_rollout = 2
-    c.train.steps = 4
-    c.train.grad_accum = 1
-    c.train.lr = 1e-4
-    c.eval.samples_per_problem = 2
-    c.checkpoint.every = 2
   return c

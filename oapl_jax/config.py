@@ -99,6 +99,22 @@ def _check(ok: bool, setting: str, value, why: str):
     raise ConfigError(f"config.{setting}={value!r}: {why}")
 
 
+def shrink_for_cpu(c: ml_collections.ConfigDict, model_path: str) -> None:
+  """Turns a real-model config into its `:tiny` variant: a few RL steps on CPU, same code path."""
+  c.model.path = model_path
+  c.model.param_dtype = c.model.dtype = "float32"
+  c.sampling.max_new_tokens = 16
+  c.sampling.max_slots = 32
+  c.rl.lag = 2
+  c.rl.groups_per_step = 2
+  c.rl.groups_per_rollout = 2
+  c.train.steps = 4
+  c.train.grad_accum = 1
+  c.train.lr = 1e-4
+  c.eval.samples_per_problem = 2
+  c.checkpoint.every = 2
+
+
 def validate(c) -> None:
   """Raises `ConfigError` naming the first invalid setting of `c`."""
   _check(isinstance(c.seed, int) and c.seed >= 0, "seed", c.seed, "must be an int >= 0")
