@@ -265,6 +265,8 @@ def test_preset_param_counts():
   assert abs(param_count("r1_distill_qwen_14b") - 14.77e9) < 0.01 * 14.77e9
   assert abs(param_count("llama3_1_8b") - 8.03e9) < 0.01 * 8.03e9
   assert param_count("qwen3_8b") > param_count("qwen3_4b") > param_count("qwen3_1_7b")
-  for kwargs in PRESETS.values():
+  for name, kwargs in PRESETS.items():
     cfg = ModelConfig(**kwargs)
-    assert cfg.head_dim == 128 and cfg.num_heads % cfg.num_kv_heads == 0
+    assert cfg.num_heads % cfg.num_kv_heads == 0
+    if not name.startswith("tiny_"):  # every published model here uses 128-wide heads
+      assert cfg.head_dim == 128, name
