@@ -9,8 +9,9 @@ import pytest
 
 from oapl_jax.tasks.arithmetic import Problem
 from oapl_jax.tasks.hf_tokenizer import HFTokenizer
-from oapl_jax.tasks.math import (MATH_INSTRUCTION, MathTask, extract_boxed, load_jsonl,
-                                 normalize_question, score_math)
+from oapl_jax.rewards import math as math_reward
+from oapl_jax.rewards.math import extract_boxed, score_math
+from oapl_jax.tasks.math import MATH_INSTRUCTION, MathTask, load_jsonl, normalize_question
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(_ROOT, "configs", "data", "math_tiny_train.jsonl")
@@ -297,3 +298,8 @@ def test_math_task_drops_eval_questions_from_train(tmp_path, tokenizer):
     MathTask(str(tmp_path / "missing.jsonl"), evals, tokenizer=tokenizer)
   with pytest.raises(ValueError, match="num_eval"):
     MathTask(train, evals, tokenizer=tokenizer, num_eval=3)
+
+
+def test_reward_api_name():
+  assert math_reward.score("so \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+  assert math_reward.score("so \\boxed{3}", "0.5") == 0.0
