@@ -23,6 +23,7 @@ setup(
         "tokenizers>=0.21,<1",
         "tensorflow-datasets>=4.9,<5",
         "math-verify>=0.7,<1",
+        "reasoning-gym>=0.1.25,<0.2",  # procedural tasks (oapl_jax/tasks/reasoning_gym.py)
         "numpy>=1.26,<3",
         "matplotlib>=3.8,<4",
         "tqdm>=4.66,<5",

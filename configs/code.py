@@ -38,8 +38,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "code"  # oapl_jax/tasks/code.py: problem + format instruction; sandboxed tests.
-  c.task.train_path = placeholder(str)  # JSONL of training problems (DeepCoder).
-  c.task.eval_path = placeholder(str)  # JSONL of held-out problems (LiveCodeBench).
+  # Sources: a .jsonl/.json/.parquet file or tfds:NAME[/CONFIG] (docs/datasets.md converts the
+  # paper's Hugging Face files: launch/convert_hf_datasets.py).
+  c.task.train_path = placeholder(str)  # Training problems (DeepCoder).
+  c.task.eval_path = placeholder(str)  # Held-out problems (LiveCodeBench).
+  c.task.train_split = "train"  # TFDS split of a tfds: train source (ignored for files).
+  c.task.eval_split = "test"  # TFDS split of a tfds: eval source (ignored for files).
+  c.task.data_dir = placeholder(str)  # TFDS data folder for tfds: sources; None = TFDS's default.
+  c.task.skip_bad_rows = False  # Skip (count, log) malformed rows instead of stopping at the first.
   c.task.question_field = "problem"  # Field holding the problem statement.
   c.task.tests_field = "tests"  # Field holding the tests (dict, JSON string, or LiveCodeBench list).
   c.task.num_eval = placeholder(int)  # Use only the first N eval problems; None = all.

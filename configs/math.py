@@ -49,13 +49,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "math"  # oapl_jax/tasks/math.py: chat prompt + "\boxed{}" instruction, math-verify reward.
-  c.task.train_path = placeholder(str)  # JSONL of training prompts (DeepScaleR: fields "problem", "answer").
-  c.task.eval_path = placeholder(str)  # JSONL of held-out problems (AIME 2025, HMMT 2025, BRUMO 2025).
+  # Sources: a .jsonl/.json/.parquet file or tfds:NAME[/CONFIG] (docs/datasets.md converts the
+  # paper's Hugging Face files: launch/convert_hf_datasets.py).
+  c.task.train_path = placeholder(str)  # Training prompts (DeepScaleR: fields "problem", "answer").
+  c.task.eval_path = placeholder(str)  # Held-out problems (AIME 2025, HMMT 2025, BRUMO 2025).
+  c.task.train_split = "train"  # TFDS split of a tfds: train source (ignored for files).
+  c.task.eval_split = "test"  # TFDS split of a tfds: eval source (ignored for files).
+  c.task.data_dir = placeholder(str)  # TFDS data folder for tfds: sources; None = TFDS's default.
+  c.task.skip_bad_rows = False  # Skip (count, log) malformed rows instead of stopping at the first.
   c.task.question_field = "problem"  # Field holding the question text.
   c.task.answer_field = "answer"  # Field holding the reference answer.
   c.task.num_eval = placeholder(int)  # Use only the first N eval problems; None = all.
   c.task.thinking = True  # Passed to the chat template as enable_thinking (None = not passed).
   c.task.fallback_last_number = False  # Without a \boxed{}, grade the last number in the answer.
+  c.task.reward_workers = 2  # Processes scoring answers with math-verify (1 = in the trainer process).
   c.task.tokenizer_path = placeholder(str)  # Tokenizer + chat template folder; None = model.path.
 
   c.sampling.max_prompt_len = 1024

@@ -87,7 +87,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
 
 OLD_LOGPROB_SOURCES = ("sampler", "snapshot")
 MODES = ("sync",)
-TASKS = ("addition", "math", "code")
+TASKS = ("addition", "math", "code", "reasoning_gym")
 
 
 class ConfigError(ValueError):
@@ -121,7 +121,9 @@ def validate(c) -> None:
   _check(c.task.name in TASKS, "task.name", c.task.name, f"must be one of {TASKS}")
   for field in ("train_path", "eval_path"):
     if field in c.task:
-      _check(os.path.isfile(c.task[field] or ""), f"task.{field}", c.task[field], "no such file")
+      source = c.task[field] or ""
+      _check(source.startswith("tfds:") or os.path.isfile(source), f"task.{field}", c.task[field],
+             "no such file (give a .jsonl/.json/.parquet file or tfds:NAME[/CONFIG])")
   if c.model.path is not None:
     _check(os.path.isfile(os.path.join(c.model.path, "config.json")), "model.path", c.model.path,
            "not a Hugging Face checkpoint folder (no config.json); for the :tiny configs make one "

@@ -3,7 +3,7 @@
 import pathlib
 import re
 
-from configs import code, math, tiny
+from configs import code, math, reasoning_gym, tiny
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def _has(config, dotted: str) -> bool:
 
 
 def test_documented_overrides_exist_in_a_config():
-  configs = [tiny.get_config(), math.get_config(), code.get_config()]
+  configs = [tiny.get_config(), math.get_config(), code.get_config(), reasoning_gym.get_config()]
   texts = [ROOT / "README.md", *sorted((ROOT / "launch").glob("*")), *sorted((ROOT / "configs").glob("*.py"))]
   found = 0
   for path in texts:

@@ -18,15 +18,25 @@ and never hangs:
   unavailable, so the timeouts are disabled there and only the input caps apply. Each parse
   and each gold/answer comparison gets its own timeout, so a call that does reach a timeout
   can take a few times ``timeout_s``; the caps keep that from happening on the inputs above.
+
+:func:`score_batch` scores many answers on a pool of worker *processes* (math_verify's
+timeouts need a process's main thread, so threads would lose them). The pool is made on first
+use and reused by later calls of the same process.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import math
+import multiprocessing
+import os
 import re
+import sys
 import threading
+import time
+import types
 
 MAX_ANSWER_CHARS = 1000  # longer extracted/gold answers score 0.0
 MAX_DIGITS = 200  # longest allowed run of digits in an answer
@@ -257,3 +267,109 @@ def score_math(response: str, ground_truth: str, *, fallback_last_number: bool =
 
 
 score = score_math  # the reward API name: oapl_jax.rewards.math.score(response, ground_truth)
+
+
+# --------------------------------------------------------------------------------------------
+# Batched scoring on worker processes
+# --------------------------------------------------------------------------------------------
+
+_pool_lock = threading.Lock()
+_pool: concurrent.futures.ProcessPoolExecutor | None = None
+_pool_key: tuple[int, int] | None = None  # (pid that made it, workers)
+
+
+def _score_chunk(responses: list, ground_truths: list, kw: dict) -> list[float]:
+  """Worker side: :func:`score_math` of each pair (in the worker's main thread)."""
+  return [score_math(r, g, **kw) for r, g in zip(responses, ground_truths)]
+
+
+def _warm() -> None:
+  """Worker start-up: import math_verify before the first batch arrives."""
+  import math_verify  # noqa: F401, PLC0415
+
+
+def _shutdown_pool(kill: bool) -> None:
+  """Drops the pool (killing its workers if ``kill``); the next call makes a new one."""
+  global _pool, _pool_key
+  pool, _pool, _pool_key = _pool, None, None
+  if pool is None:
+    return
+  if kill:
+    procs = getattr(pool, "_processes", None) or {}  # no public API for this in Python 3.11
+    for p in list(procs.values()):
+      p.terminate()
+  pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _get_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
+  """The process's pool of ``workers`` processes, made (and its workers started) on first use.
+
+  Workers are *spawned* (the trainer is multi-threaded, so forking it is unsafe). A spawned
+  process normally re-imports the parent's ``__main__`` (for ``python -m oapl_jax.main`` that
+  is JAX, TensorFlow and the trainer: ~5 s and ~1 GB per worker); the workers need only this
+  module, so the parent's ``__main__`` is hidden while they start.
+  """
+  global _pool, _pool_key
+  key = (os.getpid(), workers)
+  if _pool is not None and _pool_key == key:
+    return _pool
+  if _pool is not None and _pool_key[0] == os.getpid():
+    _shutdown_pool(kill=False)
+  pool = concurrent.futures.ProcessPoolExecutor(
+      max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm)
+  main = sys.modules.get("__main__")
+  sys.modules["__main__"] = types.ModuleType("__main__")
+  try:  # workers start at submit time: submit one task per worker to start them all now
+    warmups = [pool.submit(int, 0) for _ in range(workers)]
+  finally:
+    if main is not None:
+      sys.modules["__main__"] = main
+  concurrent.futures.wait(warmups)
+  _pool, _pool_key = pool, key
+  return pool
+
+
+def score_batch(responses, ground_truths, *, workers: int = 2, batch_timeout_s: float | None = None,
+                **kw) -> list[float]:
+  """``[score_math(r, g, **kw) for r, g in zip(responses, ground_truths)]`` on ``workers``
+  processes (in-process for ``workers <= 1`` or a single answer). Never raises.
+
+  The answers go out in chunks (about 4 per worker). A chunk not back after
+  ``batch_timeout_s`` (default: 30 s plus 4 x ``timeout_s`` per answer of a worker) scores
+  0.0 and the pool is killed and made anew; a chunk whose worker died is scored in-process.
+  """
+  responses, ground_truths = list(responses), list(ground_truths)
+  if len(responses) != len(ground_truths):
+    raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+  n = len(responses)
+  if workers <= 1 or n <= 1:
+    return [score_math(r, g, **kw) for r, g in zip(responses, ground_truths)]
+  size = max(1, math.ceil(n / (4 * workers)))
+  chunks = [(i, min(n, i + size)) for i in range(0, n, size)]
+  per_answer = 4 * max(1.0, float(kw.get("timeout_s", 5.0)))
+  with _pool_lock:
+    try:
+      pool = _get_pool(workers)
+      futures = [pool.submit(_score_chunk, responses[a:b], ground_truths[a:b], kw)
+                 for a, b in chunks]
+    except Exception:  # noqa: BLE001 - no pool (e.g. a sandbox without process spawning)
+      logging.getLogger(__name__).exception("math reward: process pool unavailable; scoring inline")
+      _shutdown_pool(kill=True)
+      return [score_math(r, g, **kw) for r, g in zip(responses, ground_truths)]
+    deadline = time.monotonic() + (batch_timeout_s if batch_timeout_s is not None
+                                   else 30.0 + per_answer * math.ceil(n / workers))
+    scores: list[float] = [0.0] * n
+    broken = timed_out = False
+    for (a, b), fut in zip(chunks, futures):
+      try:
+        scores[a:b] = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+      except concurrent.futures.TimeoutError:
+        timed_out = True  # these answers keep 0.0
+      except Exception:  # noqa: BLE001 - a dead worker (BrokenProcessPool) or a pickling error
+        broken = True
+        scores[a:b] = [score_math(r, g, **kw) for r, g in zip(responses[a:b], ground_truths[a:b])]
+    if timed_out or broken:
+      logging.getLogger(__name__).warning(
+          "math reward: worker pool %s; it is replaced", "timed out" if timed_out else "broke")
+      _shutdown_pool(kill=True)
+    return scores

@@ -1,9 +1,13 @@
 """Code problems (DeepCoder / LiveCodeBench style) scored by running the program's tests in a sandbox.
 
-Rows are JSONL with a problem statement and tests in one of these forms:
+Rows come from any source :func:`oapl_jax.data.read_rows` reads (JSONL / JSON / Parquet file, or
+``tfds:NAME[/CONFIG]`` with a split), each with a problem statement and tests in one of these forms:
   * {"inputs": [...], "outputs": [...]} (stdin/stdout), optionally with "fn_name" (call-based);
   * the same as a JSON string (how DeepCoder's files store it);
-  * a LiveCodeBench list of {"input", "output", "testtype"} (converted on load).
+  * a LiveCodeBench list of {"input", "output", "testtype"} (converted on load; functional tests
+    take their function name from the row's ``metadata["func_name"]``).
+A row without a statement or with missing / empty / unreadable tests is malformed: fatal, or
+with ``skip_bad_rows`` skipped, counted and logged.
 The prompt asks for one fenced Python block; the last such block of the answer is the program.
 Tests never enter the prompt, and expected outputs never enter the sandbox (rewards/code.py).
 """
@@ -11,13 +15,16 @@ Tests never enter the prompt, and expected outputs never enter the sandbox (rewa
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import numpy as np
 
+from oapl_jax.data.sources import normalize_text, read_rows
 from oapl_jax.rewards import code as code_reward
 from oapl_jax.tasks.arithmetic import Problem
-from oapl_jax.tasks.math import load_jsonl, normalize_question
+
+_log = logging.getLogger(__name__)
 
 CODE_INSTRUCTION_STDIN = (
     "Write a complete Python 3 program that solves the problem above. It must read its input "
@@ -36,20 +43,39 @@ def extract_program(response: str) -> str | None:
   return blocks[-1] if blocks else None
 
 
-def parse_tests(raw, where: str) -> dict:
-  """Tests of one row in our {"inputs", "outputs"[, "fn_name"]} form; ValueError naming `where`."""
+def metadata_func_name(metadata) -> str | None:
+  """``metadata["func_name"]`` of a row (metadata may be a dict or a JSON string), or None."""
+  if isinstance(metadata, str):
+    try:
+      metadata = json.loads(metadata) if metadata.strip() else {}
+    except json.JSONDecodeError:
+      return None
+  name = metadata.get("func_name") if isinstance(metadata, dict) else None
+  return name if isinstance(name, str) and name else None
+
+
+def parse_tests(raw, where: str, *, fn_name: str | None = None) -> dict:
+  """Tests of one row in our {"inputs", "outputs"[, "fn_name"]} form; ValueError naming `where`.
+
+  `fn_name` is used for LiveCodeBench functional test lists (their rows keep it in metadata).
+  An empty `where` leaves the message unprefixed.
+  """
+  where = f"{where}: " if where else ""
   if isinstance(raw, str):
     try:
       raw = json.loads(raw)
     except json.JSONDecodeError as e:
-      raise ValueError(f"{where}: tests are not valid JSON ({e.msg})") from None
+      raise ValueError(f"{where}tests are not valid JSON ({e.msg})") from None
   if isinstance(raw, list):
-    raw = code_reward.from_livecodebench(raw, [])
+    try:
+      raw = code_reward.from_livecodebench(raw, [], fn_name=fn_name)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+      raise ValueError(f"{where}unreadable LiveCodeBench tests ({e})") from None
   if not isinstance(raw, dict) or not isinstance(raw.get("inputs"), list) \
       or not isinstance(raw.get("outputs"), list):
-    raise ValueError(f"{where}: tests need lists 'inputs' and 'outputs'")
+    raise ValueError(f"{where}tests need lists 'inputs' and 'outputs'")
   if not raw["inputs"] or len(raw["inputs"]) != len(raw["outputs"]):
-    raise ValueError(f"{where}: tests are empty or inputs/outputs differ in length")
+    raise ValueError(f"{where}tests are empty or inputs/outputs differ in length")
   return raw
 
 
@@ -58,12 +84,17 @@ class CodeTask:
 
   def __init__(self, train_path: str, eval_path: str, *, tokenizer, question_field: str,
                tests_field: str, thinking: bool | None, num_eval: int | None,
-               sandbox: dict):
+               sandbox: dict, skip_bad_rows: bool = False, train_split: str = "train",
+               eval_split: str = "test", data_dir: str | None = None):
     self.tokenizer, self.thinking, self.sandbox = tokenizer, thinking, dict(sandbox)
-    eval_rows = self._load(eval_path, question_field, tests_field)
-    held_out = {normalize_question(q) for q, _ in eval_rows}
-    train_rows = [r for r in self._load(train_path, question_field, tests_field)
-                  if normalize_question(r[0]) not in held_out]
+    load = dict(question_field=question_field, tests_field=tests_field, data_dir=data_dir,
+                skip_bad_rows=skip_bad_rows)
+    eval_rows = self._load(eval_path, eval_split, role="eval", **load)
+    held_out = {normalize_text(q) for q, _ in eval_rows}
+    train_rows = [r for r in self._load(train_path, train_split, role="train", **load)
+                  if normalize_text(r[0]) not in held_out]
+    if not eval_rows:
+      raise ValueError(f"{eval_path}: no rows")
     if not train_rows:
       raise ValueError(f"{train_path}: no training problem left after removing eval questions")
     eval_rows = eval_rows[:num_eval] if num_eval else eval_rows
@@ -75,17 +106,24 @@ class CodeTask:
     sandbox = dict(timeout_s=t.timeout_s, memory_mb=t.memory_mb, fraction=t.partial_credit,
                    allow_unsandboxed=t.allow_unsandboxed)
     return cls(t.train_path, t.eval_path, tokenizer=tokenizer, question_field=t.question_field,
-               tests_field=t.tests_field, thinking=t.thinking, num_eval=t.num_eval, sandbox=sandbox)
+               tests_field=t.tests_field, thinking=t.thinking, num_eval=t.num_eval, sandbox=sandbox,
+               skip_bad_rows=t.skip_bad_rows, train_split=t.train_split, eval_split=t.eval_split,
+               data_dir=t.data_dir)
 
   @staticmethod
-  def _load(path, question_field, tests_field):
-    rows = load_jsonl(path, question_field=question_field, answer_field=question_field)
-    out = []
-    for i, row in enumerate(rows):
+  def _load(source, split, *, role, question_field, tests_field, data_dir, skip_bad_rows):
+    """[(question, tests)] of `source`; rows with bad tests are malformed (read_rows)."""
+    def convert(row):
       if tests_field not in row:
-        raise ValueError(f"{path}: row {i + 1}: missing field {tests_field!r}")
-      out.append((row[question_field], parse_tests(row[tests_field], f"{path}: row {i + 1}")))
-    return out
+        raise ValueError(f"missing field {tests_field!r}")
+      tests = parse_tests(row[tests_field], "", fn_name=metadata_func_name(row.get("metadata")))
+      return {"q": row[question_field], "tests": tests}
+
+    rows, report = read_rows(source, split=split, data_dir=data_dir, skip_bad_rows=skip_bad_rows,
+                             required={question_field: str}, convert=convert)
+    _log.log(logging.WARNING if report.skipped else logging.INFO, "code %s data: %s", role,
+             report.summary())
+    return [(r["q"], r["tests"]) for r in rows]
 
   def _problem(self, question: str, tests: dict, pid: int) -> Problem:
     instruction = (CODE_INSTRUCTION_CALL.format(fn_name=tests["fn_name"]) if tests.get("fn_name")

@@ -1,22 +1,25 @@
-"""Math word problems from JSONL files, scored by the math reward (oapl_jax/rewards/math.py).
+"""Math word problems (files or TFDS) scored by the math reward (oapl_jax/rewards/math.py).
 
 Prompt format (DeepScaleR-style): the question, a newline, then :data:`MATH_INSTRUCTION`,
 sent as one user turn through the model's chat template (:meth:`HFTokenizer.chat_prompt`).
 
-Data (:func:`load_jsonl`): one JSON object per line with string ``question`` / ``answer``
-fields (names configurable); malformed rows raise ``ValueError`` naming ``file:line``, or are
-skipped and counted with ``skip_bad_rows=True``.
+Data: any source :func:`oapl_jax.data.read_rows` reads (a JSONL / JSON / Parquet file, or
+``tfds:NAME[/CONFIG]`` with a split) whose rows have string ``question`` / ``answer`` fields
+(names configurable); malformed rows raise ``ValueError`` naming ``file:line`` (``file:row N``),
+or are skipped, counted and logged with ``skip_bad_rows=True``.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import logging
 
 import numpy as np
 
-from oapl_jax.rewards.math import extract_boxed, score_math  # noqa: F401 (re-exported)
+from oapl_jax.data.sources import normalize_text, read_file, read_rows
+from oapl_jax.rewards.math import extract_boxed, score_batch, score_math  # noqa: F401 (re-exported)
 from oapl_jax.tasks.arithmetic import Problem
+
+_log = logging.getLogger(__name__)
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -30,7 +33,8 @@ def load_jsonl(path: str, *, question_field: str = "question", answer_field: str
   """Rows (dicts) of the JSONL file ``path``; blank lines are ignored.
 
   Every row must be a JSON object whose ``question_field`` and ``answer_field`` are strings
-  (and, if ``id_field`` is given, whose ``id_field`` is a string or an int).
+  (and, if ``id_field`` is given, whose ``id_field`` is a string or an int). A thin wrapper of
+  :func:`oapl_jax.data.read_file`; :class:`MathTask` reads any source with ``read_rows``.
 
   Returns:
     ``list[dict]``; with ``skip_bad_rows=True``, ``(rows, n_skipped)`` where malformed rows
@@ -40,53 +44,24 @@ def load_jsonl(path: str, *, question_field: str = "question", answer_field: str
     FileNotFoundError: if ``path`` does not exist.
     ValueError: ``"path:line: why"`` for the first malformed row (unless ``skip_bad_rows``).
   """
-  path = os.fspath(path)
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"no such JSONL file: {path!r}")
-  rows: list[dict] = []
-  skipped = 0
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      error = None
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        error = f"malformed JSON ({e.msg} at column {e.colno})"
-      else:
-        if not isinstance(row, dict):
-          error = f"expected a JSON object, got {type(row).__name__}"
-        else:
-          for field in (question_field, answer_field):
-            if field not in row:
-              error = f"missing field {field!r}"
-              break
-            if not isinstance(row[field], str):
-              error = f"field {field!r} must be a string, got {type(row[field]).__name__}"
-              break
-          if error is None and id_field is not None:
-            if id_field not in row:
-              error = f"missing field {id_field!r}"
-            elif not isinstance(row[id_field], (str, int)) or isinstance(row[id_field], bool):
-              error = (f"field {id_field!r} must be a string or an int, "
-                       f"got {type(row[id_field]).__name__}")
-      if error is not None:
-        if skip_bad_rows:
-          skipped += 1
-          continue
-        raise ValueError(f"{path}:{lineno}: {error}")
-      rows.append(row)
-  return (rows, skipped) if skip_bad_rows else rows
+  rows, report = read_file(path, "jsonl", skip_bad_rows=skip_bad_rows,
+                           required=_fields(question_field, answer_field, id_field))
+  return (rows, report.skipped) if skip_bad_rows else rows
 
 
-def normalize_question(text: str) -> str:
-  """Question text for de-duplication: lower-cased, whitespace collapsed."""
-  return " ".join(text.split()).lower()
+def _fields(question_field: str, answer_field: str, id_field: str | None = None) -> dict:
+  required = {question_field: str, answer_field: str}
+  if id_field is not None:
+    required[id_field] = (str, int)
+  return required
+
+
+normalize_question = normalize_text  # text for de-duplication: lower-cased, spaces collapsed
 
 
 class MathTask:
-  """Math problems from JSONL train / eval files, scored by :func:`score_math`.
+  """Math problems from train / eval sources (JSONL / JSON / Parquet files or ``tfds:NAME``
+  with ``train_split`` / ``eval_split``), scored by :func:`score_math`.
 
   * Prompt: ``tokenizer.chat_prompt(question + "\\n" + MATH_INSTRUCTION, thinking=thinking)``.
   * Eval problems: the first ``num_eval`` rows of ``eval_path`` (all if None), ids
@@ -96,22 +71,30 @@ class MathTask:
     file (all of its rows, not only the first ``num_eval``), so training never sees an eval
     question. Deterministic given ``rng``. A train problem's id is ``len(eval file) + its
     row index`` in the train file: stable across draws, disjoint from eval ids.
+  * Malformed rows are fatal, or with ``skip_bad_rows`` skipped; either way each source's
+    :meth:`RowReport.summary` is logged (a warning if rows were skipped).
+  * :meth:`score_batch` scores a rollout on ``reward_workers`` processes.
 
   Raises:
     FileNotFoundError: if a file does not exist.
-    ValueError: malformed rows (``file:line``), an empty file, a bad ``num_eval``, or a
-      train file whose questions all occur in the eval set.
+    ValueError: malformed rows (``file:line`` / ``file:row N``), an empty source, a bad
+      ``num_eval``, or a train source whose questions all occur in the eval set.
   """
 
   def __init__(self, train_path: str, eval_path: str, *, tokenizer, question_field: str = "question",
                answer_field: str = "answer", thinking: bool | None = None,
-               num_eval: int | None = None, fallback_last_number: bool = False) -> None:
-    for p in (train_path, eval_path):
-      if not os.path.isfile(os.fspath(p)):
-        raise FileNotFoundError(f"no such JSONL file: {os.fspath(p)!r}")
-    fields = dict(question_field=question_field, answer_field=answer_field)
-    train_rows = load_jsonl(train_path, **fields)
-    eval_rows = load_jsonl(eval_path, **fields)
+               num_eval: int | None = None, fallback_last_number: bool = False,
+               skip_bad_rows: bool = False, train_split: str = "train", eval_split: str = "test",
+               data_dir: str | None = None, reward_workers: int = 2) -> None:
+    required = _fields(question_field, answer_field)
+    rows = {}
+    for role, source, split in (("train", train_path, train_split),
+                                ("eval", eval_path, eval_split)):
+      rows[role], report = read_rows(source, split=split, data_dir=data_dir,
+                                     skip_bad_rows=skip_bad_rows, required=required)
+      _log.log(logging.WARNING if report.skipped else logging.INFO, "math %s data: %s", role,
+               report.summary())
+    train_rows, eval_rows = rows["train"], rows["eval"]
     if not eval_rows:
       raise ValueError(f"{eval_path}: no rows")
     if not train_rows:
@@ -119,6 +102,7 @@ class MathTask:
     if num_eval is not None and not 1 <= num_eval <= len(eval_rows):
       raise ValueError(f"num_eval={num_eval}: must be in [1, {len(eval_rows)}] "
                        f"(the rows of {eval_path})")
+    self.reward_workers = reward_workers
     self.tokenizer = tokenizer
     self.thinking = thinking
     self.fallback_last_number = fallback_last_number
@@ -161,3 +145,8 @@ class MathTask:
   def score(self, response: str, problem: Problem) -> float:
     """:func:`score_math` of ``response`` against ``problem.answer``; never raises."""
     return score_math(response, problem.answer, fallback_last_number=self.fallback_last_number)
+
+  def score_batch(self, responses: list[str], problems: list[Problem]) -> list[float]:
+    """:meth:`score` of each pair, on ``reward_workers`` processes (rewards/math.py)."""
+    return score_batch(responses, [p.answer for p in problems], workers=self.reward_workers,
+                       fallback_last_number=self.fallback_last_number)

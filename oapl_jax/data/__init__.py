@@ -1,0 +1,6 @@
+"""Data sources: rows from JSONL / JSON / Parquet files or prepared TFDS datasets (sources.py)."""
+
+from oapl_jax.data.sources import (RowReport, dedup, is_tfds, normalize_text, read_rows,
+                                   select)
+
+__all__ = ["RowReport", "dedup", "is_tfds", "normalize_text", "read_rows", "select"]
