@@ -459,3 +459,35 @@ def test_math_score_batch_matches_score_and_reuses_its_pool(tmp_path, tokenizer)
   task = MathTask(train, evals, tokenizer=tokenizer, reward_workers=2)
   (p,) = task.eval_problems()
   assert task.score_batch(["\\boxed{4}", "\\boxed{5}", "\\boxed{8/2}"], [p, p, p]) == [1.0, 0.0, 1.0]
+
+
+_SHARD_SCRIPT = """
+import json, sys
+import jax
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from oapl_jax.data.sources import host_shard
+print("SHARD", json.dumps(host_shard(list(range(11)))))
+"""
+
+
+def test_host_shard_splits_rows_across_jax_processes(tmp_path):
+  """Two local processes joined by jax.distributed.initialize each get a disjoint share."""
+  import socket
+  import subprocess
+  import sys
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  script = tmp_path / "shard.py"
+  script.write_text(_SHARD_SCRIPT)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  procs = [subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{port}", str(i)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+           for i in range(2)]
+  shards = []
+  for p in procs:
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    shards.append(json.loads(out.split("SHARD", 1)[1]))
+  assert shards[0] == list(range(0, 11, 2)) and shards[1] == list(range(1, 11, 2))

@@ -319,3 +319,10 @@ def dedup(rows: list, key: str | Callable[[Any], str]) -> list:
       seen.add(k)
       out.append(row)
   return out
+
+
+def host_shard(rows: list) -> list:
+  """This JAX process's share of `rows` (`select` without shuffling): on a pod, each host
+  samples prompts from its own disjoint shard; on one host, all rows."""
+  import jax  # noqa: PLC0415 (keep this module importable without initialising JAX)
+  return select(rows, seed=None, num_shards=jax.process_count(), shard_index=jax.process_index())

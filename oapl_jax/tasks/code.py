@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from oapl_jax.data.sources import normalize_text, read_rows
+from oapl_jax.data.sources import host_shard, normalize_text, read_rows
 from oapl_jax.rewards import code as code_reward
 from oapl_jax.tasks.arithmetic import Problem
 
@@ -99,7 +99,8 @@ class CodeTask:
       raise ValueError(f"{train_path}: no training problem left after removing eval questions")
     eval_rows = eval_rows[:num_eval] if num_eval else eval_rows
     self._eval = [self._problem(q, t, i) for i, (q, t) in enumerate(eval_rows)]
-    self._train = [self._problem(q, t, len(eval_rows) + i) for i, (q, t) in enumerate(train_rows)]
+    self._train = [self._problem(q, t, len(eval_rows) + i)
+                   for i, (q, t) in host_shard(list(enumerate(train_rows)))]
 
   @classmethod
   def from_config(cls, t, tokenizer) -> "CodeTask":

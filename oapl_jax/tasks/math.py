@@ -15,7 +15,7 @@ import logging
 
 import numpy as np
 
-from oapl_jax.data.sources import normalize_text, read_file, read_rows
+from oapl_jax.data.sources import host_shard, normalize_text, read_file, read_rows
 from oapl_jax.rewards.math import extract_boxed, score_batch, score_math  # noqa: F401 (re-exported)
 from oapl_jax.tasks.arithmetic import Problem
 
@@ -66,7 +66,8 @@ class MathTask:
   * Prompt: ``tokenizer.chat_prompt(question + "\\n" + MATH_INSTRUCTION, thinking=thinking)``.
   * Eval problems: the first ``num_eval`` rows of ``eval_path`` (all if None), ids
     ``0 .. num_eval - 1``.
-  * Train problems: drawn uniformly *with replacement* from the rows of ``train_path`` whose
+  * Train problems: drawn uniformly *with replacement* from this host's shard (`host_shard`) of the
+    rows of ``train_path`` whose
     normalized question (:func:`normalize_question`) does not occur anywhere in the eval
     file (all of its rows, not only the first ``num_eval``), so training never sees an eval
     question. Deterministic given ``rng``. A train problem's id is ``len(eval file) + its
@@ -114,11 +115,13 @@ class MathTask:
     self._eval = tuple(Problem(prompt=self.make_prompt(r[question_field]),
                                answer=r[answer_field], id=i) for i, r in enumerate(chosen))
     id_offset = len(eval_rows)
+    kept = [(i, r) for i, r in enumerate(train_rows)
+            if normalize_question(r[question_field]) not in held_out]
+    self.num_train_dropped = len(train_rows) - len(kept)
     self._train = tuple(
         Problem(prompt=self.make_prompt(r[question_field]), answer=r[answer_field],
                 id=id_offset + i)
-        for i, r in enumerate(train_rows) if normalize_question(r[question_field]) not in held_out)
-    self.num_train_dropped = len(train_rows) - len(self._train)
+        for i, r in host_shard(kept))
     if not self._train:
       raise ValueError(f"{train_path}: every question also occurs in {eval_path}")
 
