@@ -7,8 +7,15 @@ qkv bias) -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM he
 Two entry points share every weight and every layer:
 * `model(tokens)` — full causal forward pass, logits `[B, T, V]` (training, log-probs,
   prefill). With `return_kv=True` it also returns each layer's keys and values.
-* `model.decode(tokens, positions, cache)` — one token per row against a KV cache
-  (the sampling engine's decode step).
+* `model.decode(tokens, positions, cache, live_len=...)` — one token per row against a KV
+  cache (the sampling engine's decode step). Attention reads the cache in chunks of `chunk`
+  positions, only up to `live_len`, so a step costs what the live length needs, not the
+  cache size.
+
+KV cache layout (`init_cache`): one buffer per layer, keys `[B, K, D, S]` (positions minor:
+the score reduction runs over a major axis, which XLA's CPU emitter vectorises well), values
+`[B, K, S, D]`. Per-layer buffers rather than one `[L, ...]` array: a layer slice of a stacked
+cache is materialised as a copy on CPU (measured 1.2x slower at 160 positions, 2.3x at 1024).
 
 Every weight carries `logical_axes` metadata (e.g. `("embed", "mlp")`); one table in the
 config maps logical axes to mesh axes (see `oapl_jax.sharding`).
@@ -115,6 +122,20 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
   return jnp.where(is_medium, smoothed, scaled)
 
 
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos, sin `[B, T, 1, D/2]` float32 of positions `[B, T]` (computed once, shared by layers)."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+  return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotary embedding, Hugging Face "rotate half" layout. x `[B, T, N, D]` -> `[B, T, N, D]`."""
+  half = x.shape[-1] // 2
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float,
          inv_freq: jax.Array | None = None) -> jax.Array:
   """Rotary embedding, Hugging Face "rotate half" layout.
@@ -125,12 +146,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float,
   half = x.shape[-1] // 2
   if inv_freq is None:
     inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))  # [D/2]
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
-  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
-  sin = jnp.sin(angles)[:, :, None, :]
-  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+  return apply_rope(x, *rope_tables(positions, inv_freq))
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -168,22 +184,40 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, p, "head_dim")
       self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, p, "head_dim")
 
-  def project_qkv(self, x: jax.Array, positions: jax.Array):
-    """x: `[B, T, E]`, positions `[B, T]` -> q `[B, T, N, D]`, k, v `[B, T, K, D]` (RoPE applied)."""
+  def fused_qkv(self) -> jax.Array:
+    """The q, k, v projections side by side, `[E, (N + 2K) * D]`: one matmul per decode step."""
+    e = self.cfg.hidden_size
+    return jnp.concatenate([w[...].reshape(e, -1) for w in (self.q_proj, self.k_proj, self.v_proj)], axis=1)
+
+  def project_qkv(self, x: jax.Array, rope_cs: tuple[jax.Array, jax.Array],
+                  qkv: jax.Array | None = None):
+    """x: `[B, T, E]`, rope_cs: `rope_tables` -> q `[B, T, N, D]`, k, v `[B, T, K, D]` (RoPE applied).
+
+    qkv: optional `fused_qkv()` (the decode loop computes it once).
+    """
     dt = x.dtype
-    q = jnp.einsum("bte,end->btnd", x, self.q_proj[...].astype(dt))
-    k = jnp.einsum("bte,ekd->btkd", x, self.k_proj[...].astype(dt))
-    v = jnp.einsum("bte,ekd->btkd", x, self.v_proj[...].astype(dt))
+    if qkv is None:
+      q = jnp.einsum("bte,end->btnd", x, self.q_proj[...].astype(dt))
+      k = jnp.einsum("bte,ekd->btkd", x, self.k_proj[...].astype(dt))
+      v = jnp.einsum("bte,ekd->btkd", x, self.v_proj[...].astype(dt))
+    else:
+      b, t, _ = x.shape
+      n, kv, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+      y = x @ qkv.astype(dt)  # [B, T, (N + 2K) * D]
+      q = y[..., :n * d].reshape(b, t, n, d)
+      k = y[..., n * d:(n + kv) * d].reshape(b, t, kv, d)
+      v = y[..., (n + kv) * d:].reshape(b, t, kv, d)
     if self.cfg.qkv_bias:
       q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
     if self.cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    theta, inv_freq = self.cfg.rope_theta, rope_frequencies(self.cfg)
-    return rope(q, positions, theta, inv_freq), rope(k, positions, theta, inv_freq), v
+    return apply_rope(q, *rope_cs), apply_rope(k, *rope_cs), v
 
   def output(self, attn: jax.Array) -> jax.Array:
-    """attn: `[B, T, N, D]` -> `[B, T, E]`."""
-    return jnp.einsum("btnd,nde->bte", attn, self.o_proj[...].astype(attn.dtype))
+    """attn: `[B, T, N, D]` -> `[B, T, E]` (one `[N*D, E]` matmul)."""
+    b, t, n, d = attn.shape
+    w = self.o_proj[...].astype(attn.dtype).reshape(n * d, -1)  # [N*D, E]
+    return attn.reshape(b, t, n * d) @ w
 
 
 class MLP(nnx.Module):
@@ -195,9 +229,19 @@ class MLP(nnx.Module):
     self.up_proj = _param(rngs, (cfg.hidden_size, cfg.mlp_dim), ("embed", "mlp"), p)
     self.down_proj = _param(rngs, (cfg.mlp_dim, cfg.hidden_size), ("mlp", "embed"), p)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def fused_gate_up(self) -> jax.Array:
+    """gate and up side by side, `[E, 2F]`: one matmul per decode step."""
+    return jnp.concatenate([self.gate_proj[...], self.up_proj[...]], axis=1)
+
+  def __call__(self, x: jax.Array, gate_up: jax.Array | None = None) -> jax.Array:
+    """x `[B, T, E]` -> `[B, T, E]`. gate_up: optional `fused_gate_up()`."""
     dt = x.dtype
-    h = jax.nn.silu(x @ self.gate_proj[...].astype(dt)) * (x @ self.up_proj[...].astype(dt))  # [B, T, M]
+    if gate_up is None:
+      h = jax.nn.silu(x @ self.gate_proj[...].astype(dt)) * (x @ self.up_proj[...].astype(dt))  # [B, T, F]
+    else:
+      gu = x @ gate_up.astype(dt)  # [B, T, 2F]
+      f = gu.shape[-1] // 2
+      h = jax.nn.silu(gu[..., :f]) * gu[..., f:]
     return h @ self.down_proj[...].astype(dt)
 
 
@@ -210,20 +254,78 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions, mask, kv=None):
-    """x `[B, T, E]`. Without `kv`, attends within x (causal `mask` `[B, T, T]`).
+  def __call__(self, x, rope_cs, mask):
+    """x `[B, T, E]`, rope_cs: `rope_tables` of the positions, causal `mask` `[B, T, T]`.
 
-    With `kv=(cache_k, cache_v, write)` (cache `[B, S, K, D]`, `write(cache, new)` inserts
-    this step's keys/values), attends over the updated cache with `mask` `[B, T, S]`.
-    Returns (x, (k, v)) where k, v are this layer's new keys/values or updated caches.
+    Returns (x, (k, v)), k, v `[B, T, K, D]`.
     """
-    q, k, v = self.attn.project_qkv(self.input_norm(x), positions)
-    if kv is not None:
-      cache_k, cache_v, write = kv
-      k, v = write(cache_k, k), write(cache_v, v)
+    q, k, v = self.attn.project_qkv(self.input_norm(x), rope_cs)
     x = x + self.attn.output(attend(q, k, v, mask))
     x = x + self.mlp(self.post_attn_norm(x))
     return x, (k, v)
+
+  def decode(self, x, positions, rope_cs, k_cache, v_cache, live_len, chunk: int, fused=None):
+    """One token per row. x `[B, 1, E]`, positions `[B]`; caches `[B, K, D, S]`, `[B, K, S, D]`.
+
+    Writes this token's key/value at `positions` and attends to cache indices `<= positions`.
+    fused: optional {"qkv", "gate_up"} of this layer (`Transformer.decode_weights`).
+    Returns (x `[B, 1, E]`, k_cache, v_cache).
+    """
+    b = x.shape[0]
+    fused = fused or {}
+    q, k, v = self.attn.project_qkv(self.input_norm(x), rope_cs, fused.get("qkv"))  # [B, 1, N|K, D]
+    rows = jnp.arange(b)
+    k_cache = k_cache.at[rows, :, :, positions].set(k[:, 0].astype(k_cache.dtype))  # [b, :, :, pos_b]
+    v_cache = v_cache.at[rows, :, positions].set(v[:, 0].astype(v_cache.dtype))  # [b, :, pos_b, :]
+    n, d = q.shape[2], q.shape[3]
+    kv_heads = k.shape[2]
+    q = q[:, 0].reshape(b, kv_heads, n // kv_heads, d) * d**-0.5  # [B, K, G, D]
+    out = decode_attend(q, k_cache, v_cache, positions, live_len, chunk)  # [B, K, G, D]
+    x = x + self.attn.output(out.reshape(b, 1, n, d).astype(x.dtype))
+    x = x + self.mlp(self.post_attn_norm(x), fused.get("gate_up"))
+    return x, k_cache, v_cache
+
+
+def decode_attend(q, k_cache, v_cache, positions, live_len, chunk: int) -> jax.Array:
+  """Attention of one query per row over a KV cache, chunk by chunk up to `live_len`.
+
+  q: `[B, K, G, D]` (already scaled by 1/sqrt(D)); k_cache `[B, K, D, S]`, v_cache
+  `[B, K, S, D]`; positions `[B]`: row b attends to indices `<= positions[b]`; live_len:
+  int `[]`, every row's positions are `< live_len`. Chunks of `C = min(chunk, S)` positions;
+  chunk 0 always runs, the others (online softmax) only while `c * C < live_len`.
+  Returns `[B, K, G, D]` float32.
+  """
+  size = k_cache.shape[-1]
+  c_len = min(chunk, size)
+
+  def scores(lo):  # -> scores [B, K, G, C] (masked), values [B, K, C, D]
+    start = jnp.minimum(lo, size - c_len)  # the last chunk may overlap the one before ...
+    k = jax.lax.dynamic_slice_in_dim(k_cache, start, c_len, axis=3)  # [B, K, D, C]
+    v = jax.lax.dynamic_slice_in_dim(v_cache, start, c_len, axis=2)  # [B, K, C, D]
+    s = jnp.einsum("bkgd,bkdc->bkgc", q, k, preferred_element_type=jnp.float32)
+    idx = start + jnp.arange(c_len)  # ... so indices below `lo` are masked out
+    mask = (idx[None, :] >= lo) & (idx[None, :] <= positions[:, None])  # [B, C]
+    return jnp.where(mask[:, None, None], s, -jnp.inf), v
+
+  def pv(p, v):  # [B, K, G, C] x [B, K, C, D] -> [B, K, G, D]
+    return jnp.einsum("bkgc,bkcd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+  s, v = scores(0)  # index 0 is always visible, so every row has a finite max
+  m = s.max(-1)  # [B, K, G]
+  p = jnp.exp(s - m[..., None])
+  carry = (m, p.sum(-1), pv(p, v))
+
+  def body(c, carry):
+    m, l, acc = carry
+    s, v = scores(c * c_len)
+    m_new = jnp.maximum(m, s.max(-1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[..., None])
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv(p, v)
+
+  num_chunks = (live_len + c_len - 1) // c_len
+  _, l, acc = jax.lax.fori_loop(1, num_chunks, body, carry)
+  return acc / l[..., None]
 
 
 class Transformer(nnx.Module):
@@ -240,12 +342,13 @@ class Transformer(nnx.Module):
   def _embed(self, tokens: jax.Array) -> jax.Array:
     return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.dtype)  # [B, T, E]
 
-  def _logits(self, x: jax.Array) -> jax.Array:
+  def head_matrix(self) -> jax.Array:
+    """The LM head `[E, V]` (the embedding transposed when tied)."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+  def _logits(self, x: jax.Array, head: jax.Array | None = None) -> jax.Array:
     x = self.final_norm(x)
-    if self.cfg.tie_embeddings:
-      w = self.embed[...].astype(x.dtype).T  # [E, V]
-    else:
-      w = self.lm_head[...].astype(x.dtype)
+    w = (self.head_matrix() if head is None else head).astype(x.dtype)  # [E, V]
     return jnp.dot(x, w, preferred_element_type=jnp.float32)  # [B, T, V] float32
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
@@ -256,47 +359,96 @@ class Transformer(nnx.Module):
     Returns logits `[B, T, V]` float32, and with `return_kv` also a list over layers of
     (k, v), each `[B, T, K, D]`.
     """
+    x, kvs = self._hidden(tokens, positions)
+    logits = self._logits(x)
+    return (logits, kvs) if return_kv else logits
+
+  def _hidden(self, tokens: jax.Array, positions: jax.Array | None):
+    """Causal pass up to (excluding) the final norm: x `[B, T, E]` and each layer's (k, v)."""
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))  # [B, T, T]
+    rope_cs = rope_tables(positions, rope_frequencies(self.cfg))
     x = self._embed(tokens)
     kvs = []
     for layer in self.layers:
-      x, kv = layer(x, positions, mask)
+      x, kv = layer(x, rope_cs, mask)
       kvs.append(kv)
-    logits = self._logits(x)
-    return (logits, kvs) if return_kv else logits
+    return x, kvs
 
-  def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict[str, Any]):
-    """One decode step for every row against a KV cache.
+  def prefill(self, tokens: jax.Array, lengths: jax.Array):
+    """Prompts for the sampling engine: the LM head only at each prompt's last token.
 
-    tokens: `[B]` int, the token at `positions` `[B]` of each row.
-    cache: {"k": [L, B, S, K, D], "v": [L, B, S, K, D]}; row b holds valid keys at
-    indices `< positions[b]`. This step writes its keys at `positions[b]` and attends to
-    indices `<= positions[b]`.
+    tokens: `[B, T]` int, right-padded; lengths: `[B]` (1 <= length <= T). Returns (logits
+    `[B, V]` float32 of the token after each prompt, list over layers of (k, v) `[B, T, K, D]`).
+    """
+    x, kvs = self._hidden(tokens, None)
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, E]
+    return self._logits(last)[:, 0], kvs
+
+  def decode_weights(self) -> dict:
+    """Matrices `decode` can reuse across steps: per layer {"qkv", "gate_up"} (fused
+    projections: fewer, larger matmuls) and the LM head `[E, V]` (not transposed)."""
+    layers = [{"qkv": layer.attn.fused_qkv(), "gate_up": layer.mlp.fused_gate_up()}
+              for layer in self.layers]
+    return {"layers": layers, "head": self.head_matrix()}
+
+  def rope_table(self, size: int) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[size, D/2]` of positions `0..size-1`, for `decode(..., rope_table=)`."""
+    cos, sin = rope_tables(jnp.arange(size)[None], rope_frequencies(self.cfg))  # [1, size, 1, D/2]
+    return cos[0, :, 0], sin[0, :, 0]
+
+  def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict[str, Any], *,
+             live_len: jax.Array | int | None = None, chunk: int = 256,
+             rope_table: tuple[jax.Array, jax.Array] | None = None,
+             weights: dict | None = None):
+    """One decode step for every row against a KV cache (layout: `init_cache`).
+
+    tokens: `[B]` int, the token at `positions` `[B]` of each row (`< S`). Row b holds valid
+    keys at indices `< positions[b]`; this step writes its keys at `positions[b]` and attends
+    to indices `<= positions[b]`, reading the cache in chunks of `chunk` positions up to
+    `live_len` (int `[]`, `> max(positions)`; default: the whole cache).
+    rope_table, weights: optional `rope_table(S)` and `decode_weights()`, computed once
+    outside a decode loop (XLA otherwise re-evaluates cos/sin inside every head's fusion of
+    every layer, and multiplies by the tied embedding through a transposed, slower matmul).
     Returns (logits `[B, V]` float32, updated cache).
     """
-    s = cache["k"].shape[2]
-    pos = positions[:, None]  # [B, 1]
-    mask = (jnp.arange(s)[None, :] <= pos)[:, None, :]  # [B, 1, S]
-    write_at = jax.nn.one_hot(positions, s, dtype=cache["k"].dtype)[:, :, None, None]  # [B, S, 1, 1]
-
-    def write(c, new):  # c [B, S, K, D], new [B, 1, K, D]
-      return c * (1 - write_at) + new.astype(c.dtype) * write_at
-
+    live_len = cache["v"][0].shape[2] if live_len is None else live_len
+    if rope_table is None:
+      rope_cs = rope_tables(positions[:, None], rope_frequencies(self.cfg))  # [B, 1, 1, D/2]
+    else:
+      rope_cs = tuple(t[positions][:, None, None, :] for t in rope_table)  # [B, 1, 1, D/2]
     x = self._embed(tokens[:, None])  # [B, 1, E]
     new_k, new_v = [], []
-    for i, layer in enumerate(self.layers):
-      x, (k, v) = layer(x, pos, mask, kv=(cache["k"][i], cache["v"][i], write))
-      new_k.append(k)
-      new_v.append(v)
-    logits = self._logits(x)[:, 0]  # [B, V]
-    return logits, {"k": jnp.stack(new_k), "v": jnp.stack(new_v)}
+    fused = weights["layers"] if weights else [None] * len(self.layers)
+    for layer, k_cache, v_cache, w in zip(self.layers, cache["k"], cache["v"], fused):
+      x, k_cache, v_cache = layer.decode(x, positions, rope_cs, k_cache, v_cache, live_len, chunk, w)
+      new_k.append(k_cache)
+      new_v.append(v_cache)
+    return self._logits(x, weights and weights["head"])[:, 0], {"k": new_k, "v": new_v}
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict[str, jax.Array]:
-  """Zero KV cache: {"k", "v"} each `[L, B, S, K, D]`."""
-  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict[str, list]:
+  """Zero KV cache: {"k": L x `[B, K, D, S]`, "v": L x `[B, K, S, D]`} (S = max_len)."""
   dtype = dtype or cfg.dtype
-  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+  k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
+  v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+  return {"k": [jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers)],
+          "v": [jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers)]}
+
+
+def write_prefix(cache: dict[str, list], kvs, rows: jax.Array) -> dict[str, list]:
+  """Writes prefill keys/values at positions `[0, T)` of cache rows `rows`.
+
+  kvs: list over layers of (k, v), each `[N, T, K, D]` (as `model(tokens, return_kv=True)`
+  returns them); rows: `[N]` int, a row index `>= B` drops that entry (padding).
+  """
+  new_k, new_v = [], []
+  for (k, v), k_cache, v_cache in zip(kvs, cache["k"], cache["v"]):
+    t = k.shape[1]
+    k = jnp.transpose(k, (0, 2, 3, 1)).astype(k_cache.dtype)  # [N, K, D, T]
+    v = jnp.transpose(v, (0, 2, 1, 3)).astype(v_cache.dtype)  # [N, K, T, D]
+    new_k.append(k_cache.at[rows, :, :, :t].set(k, mode="drop"))
+    new_v.append(v_cache.at[rows, :, :t].set(v, mode="drop"))
+  return {"k": new_k, "v": new_v}

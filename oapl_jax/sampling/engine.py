@@ -1,20 +1,37 @@
-"""`Engine`: our transformer behind JetStream's engine API (prefill / insert / generate).
+"""`Engine`: our transformer behind JetStream's engine API, with continuous batching.
 
-Decode state (a dict pytree, one row per slot `S`):
-  cache        {"k", "v"}: `[L, S, max_len, K, D]`  KV cache
-  next_logits  `[S, V]`   float32 logits of each slot's next token
-  positions    `[S]`      index the next token will occupy (= current length)
-  key          PRNG key;  step: `[]` int, folded into the key each generate step
+Decode state (a dict pytree, one row per slot `S`, cache capacity `M <= max_len`):
+  cache        {"k": L x `[S, K, D, M]`, "v": L x `[S, K, M, D]`}  KV cache (`init_cache`)
+  next_logits  `[S, V]` float32 logits of each slot's next token
+  positions    `[S]` index the next token will occupy (= prompt + answer length so far)
+  lengths      `[S]` answer tokens generated so far;  limits `[S]`: answer length budget
+  live         `[S]` bool: the slot is producing an answer
+  finish       `[S]` why the slot's answer ended (FINISH_*; -1 while live)
+  versions     `[S]` oldest policy version of the weights that produced the answer
+  recent       `[S, W]` the answer's last W tokens (stop sequences); eos `[]`, stops `[N, W]`
+  key          PRNG key;  step `[]`: folded into the key at every decode step
 
-`generate` samples one token per slot from the processed `next_logits` (temperature, top-k,
-top-p; see `processing.py`), records its log-prob under exactly that distribution, and runs
-the decode step that writes it into the cache and yields the following logits. Its
-`SampledTokens` result carries the per-token log-probs next to JetStream's token data.
+A decode step samples one token per slot from the processed `next_logits` (temperature,
+top-k, top-p; `processing.py`), records its log-prob under exactly that distribution, runs
+the model on it (writing its keys at `positions`) and retires slots whose answer hit EOS, a
+stop sequence or its length budget. Retired slots keep computing (shapes are static) but
+change nothing, and are left out of the live length that bounds attention.
+
+API: JetStream's `prefill` / `insert` / `generate` (one step, `SampledTokens`) so that
+`jetstream.core.orchestrator` can drive the engine, plus the batched calls `rollout` uses:
+`prefill_batch`, `insert_many` (one prefix into many slots: groups share their prompt) and
+`generate_steps` (up to `steps_per_call` steps in one jitted while-loop, which returns early
+once enough slots have finished to be refilled).
+
+Decode cost follows the live length twice over: attention reads the cache in chunks only up
+to the longest live answer (`attn_chunk`), and `rollout` keeps the cache itself at the
+smallest capacity bucket (`cache_bucket * 2**j`, capped at `max_len`) that the live answers
+need (`resize`), so a step never touches positions no answer has reached. On CPU the second
+matters most: a chunk sliced out of a larger buffer is a copy. One compile per bucket.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -22,10 +39,27 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax import struct
-from jetstream.engine import engine_api
+from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
-from oapl_jax.models.transformer import ModelConfig, init_cache
-from oapl_jax.sampling.processing import SamplingParams, process_logits
+from oapl_jax.models.transformer import ModelConfig, init_cache, write_prefix
+from oapl_jax.sampling.processing import SamplingParams, process_logits, sample
+
+FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2  # EOS token, length budget, stop sequence
+_NO_TOKEN = -2  # fills `recent` before an answer has W tokens (matches no stop sequence)
+
+
+@struct.dataclass
+class EngineParams:
+  """Weights as the engine holds them: the model's `nnx.Param` state, its policy version, and
+  the fused matrices decode steps use (`Transformer.decode_weights`, made once per snapshot).
+
+  `version` is an int32 array leaf, so a new snapshot with a new version reuses every
+  compiled function.
+  """
+
+  params: Any
+  version: jax.Array
+  decode: Any
 
 
 @struct.dataclass
@@ -39,22 +73,83 @@ class SampledTokens(engine_api.ResultTokens):
                          self.length_idx, self.samples_per_slot, np.array(self.log_probs))
 
 
+@struct.dataclass
+class Steps:
+  """What `generate_steps` returns: `n = num_steps` decode steps of all `S` slots.
+
+  tokens `[T, S]` int32, log_probs `[T, S]` float32, valid `[T, S]` bool (the slot was live
+  at that step; rows >= n are padding). live, finish, versions, lengths: `[S]`, the slots'
+  state after the last step.
+  """
+
+  tokens: jax.Array
+  log_probs: jax.Array
+  valid: jax.Array
+  num_steps: jax.Array
+  live: jax.Array
+  finish: jax.Array
+  versions: jax.Array
+  lengths: jax.Array
+
+
+class TokenizerAdapter(tokenizer_api.Tokenizer):
+  """One of our tokenizers (`CharTokenizer`, `HFTokenizer`) as JetStream's `Tokenizer`.
+
+  The orchestrator calls `encode(text, is_bos=, max_prefill_length=, jax_padding=)` ->
+  (padded ids, true length), `decode([id])`, and reads `pad_id`, `eos_id`, `bos_id`,
+  `stop_tokens`.
+  """
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+
+  def encode(self, s: str, **kwargs):
+    ids = np.asarray(self.tokenizer.encode(s, add_bos=kwargs.get("is_bos", True)), np.int32)
+    return token_utils.pad_tokens(ids, self.bos_id, self.pad_id, is_bos=False,
+                                  max_prefill_length=kwargs.get("max_prefill_length"),
+                                  jax_padding=kwargs.get("jax_padding", True))
+
+  def decode(self, token_ids: list[int], **kwargs) -> str:
+    return self.tokenizer.decode(token_ids)
+
+  @property
+  def pad_id(self) -> int:
+    return self.tokenizer.pad_id
+
+  @property
+  def eos_id(self) -> int:
+    return self.tokenizer.eos_id
+
+  @property
+  def bos_id(self) -> int:
+    return self.tokenizer.bos_id
+
+
 class Engine(engine_api.Engine):
   """A JetStream engine over `oapl_jax.models.Transformer`.
 
   Args:
     graphdef: the model's NNX graph definition (`nnx.split(model, nnx.Param)[0]`).
     model_cfg: its `ModelConfig`.
-    sampling: temperature / top-p / top-k used by `generate` and for its log-probs.
+    sampling: temperature / top-p / top-k used when sampling and for the log-probs.
     max_slots: decode slots (concurrent answers).
     max_prefill_length: longest prompt.
-    max_len: KV-cache length per slot (prompt + answer).
-    mesh: device mesh (default: all local devices on one "data" axis of size 1 per device).
+    max_len: KV-cache length per slot (prompt + answer); tens of thousands is fine, decode
+      only reads up to the longest live answer.
+    mesh: device mesh (default: the first local device on one "data" axis).
+    steps_per_call: decode steps `generate_steps` may run in one jitted call.
+    attn_chunk: decode attention reads the cache in chunks of this many positions.
+    cache_bucket: smallest cache capacity `rollout` uses; capacities are it times powers of 2.
+    max_prefill_batch: prompts `prefill_batch` takes at once (batches padded to powers of 2).
+    tokenizer: one of our tokenizers, needed only under JetStream's orchestrator
+      (`build_tokenizer`); the engine itself works on token ids.
   """
 
   def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingParams, *,
                max_slots: int, max_prefill_length: int, max_len: int,
-               mesh: jax.sharding.Mesh | None = None):
+               mesh: jax.sharding.Mesh | None = None, steps_per_call: int = 32,
+               attn_chunk: int = 1024, cache_bucket: int = 64, max_prefill_batch: int = 8,
+               tokenizer=None):
     if max_prefill_length >= max_len:
       raise ValueError(f"max_prefill_length={max_prefill_length} must be < max_len={max_len}")
     self._graphdef = graphdef
@@ -63,27 +158,69 @@ class Engine(engine_api.Engine):
     self._max_slots = max_slots
     self._max_prefill_length = max_prefill_length
     self.max_len = max_len
+    self.steps_per_call = steps_per_call
+    self.attn_chunk = attn_chunk
+    self.cache_bucket = cache_bucket
+    self.max_prefill_batch = max_prefill_batch
+    self._tokenizer = tokenizer
     self._mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     self._prefill = jax.jit(self._prefill_impl)
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
     self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
+    self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,))
+    self._resize = jax.jit(self._resize_impl, static_argnums=(1,))
+    self._decode_weights = jax.jit(lambda params: nnx.merge(graphdef, params).decode_weights())
 
   # --- JetStream API -------------------------------------------------------------------
 
-  def load_params(self, params=None, **unused) -> Any:
-    """Returns `params` (an `nnx.State` of the model's `nnx.Param`s) on device."""
+  def load_params(self, params=None, *, version: int = 0, **unused) -> EngineParams:
+    """`params` (an `nnx.State` of the model's `nnx.Param`s) on device, stamped `version`.
+
+    This is the snapshot swap of the lagged loop: nothing recompiles. The decode copies of
+    the weights (fused projections, about the size of the weights) are made here.
+    """
     if params is None:
       raise ValueError("Engine.load_params needs params=<nnx.State of the model's Params>")
-    return jax.device_put(params)
+    if isinstance(params, EngineParams):
+      params = params.params
+    params = jax.device_put(params)
+    return EngineParams(params, jnp.asarray(version, jnp.int32), self._decode_weights(params))
 
-  def init_decode_state(self, key: jax.Array | None = None, **unused) -> dict:
-    """Empty decode state; `key` seeds sampling (default PRNGKey(0))."""
-    cfg = self.model_cfg
-    s = self._max_slots
+  def weights(self, params) -> EngineParams:
+    """`params` as `EngineParams`; a bare `nnx.State` gets version -1 (unknown)."""
+    if isinstance(params, EngineParams):
+      return params
+    return self.load_params(params, version=-1)
+
+  def init_decode_state(self, key: jax.Array | None = None, *, eos_id: int | None = None,
+                        stop_sequences=(), capacity: int | None = None, **unused) -> dict:
+    """Empty decode state (every slot free). `key` seeds sampling (default key(0)).
+
+    capacity: cache positions per slot (default max_len; see `resize`).
+    eos_id: token that ends an answer (-1: none; default: the tokenizer's, if the engine has
+    one, else none); stop_sequences: token-id sequences that end an answer (included in it).
+    Their count and longest length are shapes: a new set of stop sequences compiles
+    `generate` anew, new lengths of anything else do not.
+    """
+    if eos_id is None:
+      eos_id = -1 if self._tokenizer is None else self._tokenizer.eos_id
+    cfg, s = self.model_cfg, self._max_slots
+    width = max([1] + [len(q) for q in stop_sequences])
+    stops = np.full((len(stop_sequences), width), -1, np.int32)  # -1 = any token
+    for i, q in enumerate(stop_sequences):
+      stops[i, width - len(q):] = q
     return {
-        "cache": init_cache(cfg, s, self.max_len),
+        "cache": init_cache(cfg, s, capacity or self.max_len),
         "next_logits": jnp.zeros((s, cfg.vocab_size), jnp.float32),
         "positions": jnp.zeros((s,), jnp.int32),
+        "lengths": jnp.zeros((s,), jnp.int32),
+        "limits": jnp.zeros((s,), jnp.int32),
+        "live": jnp.zeros((s,), bool),
+        "finish": jnp.full((s,), -1, jnp.int32),
+        "versions": jnp.full((s,), -1, jnp.int32),
+        "recent": jnp.full((s, width), _NO_TOKEN, jnp.int32),
+        "eos": jnp.asarray(eos_id, jnp.int32),
+        "stops": jnp.asarray(stops),
         "key": jax.random.key(0) if key is None else key,
         "step": jnp.zeros((), jnp.int32),
     }
@@ -92,27 +229,28 @@ class Engine(engine_api.Engine):
     """KV cache of one prompt. padded_tokens: `[T]` int (right-padded), true_length: int."""
     if existing_prefix is not None:
       raise NotImplementedError("prefill on top of an existing prefix is not supported")
-    if padded_tokens.shape[0] > self._max_prefill_length:
-      raise ValueError(f"prompt of {padded_tokens.shape[0]} tokens > max_prefill_length="
-                       f"{self._max_prefill_length}")
-    return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length))
+    tokens = jnp.asarray(padded_tokens, jnp.int32)[None]  # [1, T]
+    return self.prefill_batch(params, tokens, np.array([true_length], np.int32))
 
   def insert(self, prefix: dict, decode_state: dict, slot: int) -> dict:
-    """Writes `prefix` into decode slot `slot` (no recompile per slot)."""
-    return self._insert(prefix, decode_state, jnp.int32(slot))
+    """Writes a one-prompt `prefix` into decode slot `slot` (answer budget: the cache)."""
+    return self.insert_many(prefix, decode_state, np.array([slot]), np.array([0]),
+                            np.array([self.max_len]))
 
   def generate(self, params, decode_state: dict) -> tuple[dict, SampledTokens]:
-    """Samples one token for every slot; returns (new state, `SampledTokens`)."""
-    return self._generate(params, decode_state)
+    """One decode step for every slot; returns (new state, `SampledTokens`)."""
+    return self._generate(self.weights(params), decode_state)
 
   def get_prefix_destination_sharding(self) -> Any:
     return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
 
-  def get_tokenizer(self):
-    raise NotImplementedError("this engine works on token ids; tokenizers live in oapl_jax.tasks")
+  def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
+    return tokenizer_pb2.TokenizerParameters(path="oapl_jax")
 
-  def build_tokenizer(self, metadata):
-    raise NotImplementedError("this engine works on token ids; tokenizers live in oapl_jax.tasks")
+  def build_tokenizer(self, metadata) -> TokenizerAdapter:
+    if self._tokenizer is None:
+      raise ValueError("Engine(tokenizer=...) is needed to run under JetStream's orchestrator")
+    return TokenizerAdapter(self._tokenizer)
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -134,41 +272,160 @@ class Engine(engine_api.Engine):
   def colocated_cpus(self):
     return None
 
+  # --- batched calls (rollout) ---------------------------------------------------------
+
+  def prefill_batch(self, params, tokens, lengths) -> dict:
+    """KV caches of `B` prompts. tokens `[B, T]` int (right-padded), lengths `[B]` int.
+
+    Returns a prefix: {"kvs": L x (k, v) `[B, T, K, D]`, "logits" `[B, V]`, "lengths" `[B]`,
+    "version" `[]`}. One compile per (B, T): callers pad both to a few buckets.
+    """
+    if tokens.shape[1] > self._max_prefill_length:
+      raise ValueError(f"prompt of {tokens.shape[1]} tokens > max_prefill_length="
+                       f"{self._max_prefill_length}")
+    return self._prefill(self.weights(params), jnp.asarray(tokens, jnp.int32),
+                         jnp.asarray(lengths, jnp.int32))
+
+  def insert_many(self, prefix: dict, decode_state: dict, slots, rows, max_new) -> dict:
+    """Starts answers: slot `slots[n]` gets prompt `rows[n]` of `prefix`, `[N]` ints each.
+
+    A slot index >= max_slots is skipped (padding). max_new `[N]`: answer budgets (capped by
+    the cache). A prompt inserted into G slots is prefilled once (groups share a prefix).
+    """
+    as_i32 = lambda x: jnp.asarray(x, jnp.int32)
+    return self._insert(prefix, decode_state, as_i32(slots), as_i32(rows), as_i32(max_new))
+
+  def generate_steps(self, params, decode_state: dict, stop_after_finished: int):
+    """Up to `steps_per_call` decode steps in one call; returns (new state, `Steps`).
+
+    Stops early once every slot is free, or once `stop_after_finished` answers have ended
+    during this call (so that the caller can refill their slots).
+    """
+    return self._generate_steps(self.weights(params), decode_state,
+                                jnp.asarray(stop_after_finished, jnp.int32))
+
+  def capacity_for(self, positions: int) -> int:
+    """Smallest cache capacity bucket holding `positions` positions (at most max_len)."""
+    buckets = self.cache_bucket
+    while buckets < positions:
+      buckets *= 2
+    return min(buckets, self.max_len)
+
+  @staticmethod
+  def capacity(decode_state: dict) -> int:
+    return decode_state["cache"]["v"][0].shape[2]
+
+  def resize(self, decode_state: dict, capacity: int) -> dict:
+    """The state with cache capacity `capacity` (zero-padded, or cut: the caller makes sure
+    no live slot needs a cut position). One compile per (old, new) capacity pair."""
+    if capacity == self.capacity(decode_state):
+      return decode_state
+    return self._resize(decode_state, capacity)
+
   # --- jitted implementations ----------------------------------------------------------
 
-  def _model(self, params):
-    return nnx.merge(self._graphdef, params)
+  def _resize_impl(self, state, capacity):
+    def fit(x, axis):  # pad or cut `axis` to `capacity`
+      if x.shape[axis] >= capacity:
+        return jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
+      pad = [(0, 0)] * x.ndim
+      pad[axis] = (0, capacity - x.shape[axis])
+      return jnp.pad(x, pad)
 
-  def _prefill_impl(self, params, tokens, true_length):
-    logits, kvs = self._model(params)(tokens[None], return_kv=True)  # [1, T, V]
-    return {
-        "k": jnp.stack([k[0] for k, _ in kvs]),  # [L, T, K, D]
-        "v": jnp.stack([v[0] for _, v in kvs]),
-        "logits": logits[0, true_length - 1],  # [V]
-        "length": true_length,
-    }
+    cache = {"k": [fit(k, 3) for k in state["cache"]["k"]],
+             "v": [fit(v, 2) for v in state["cache"]["v"]]}
+    return {**state, "cache": cache}
 
-  def _insert_impl(self, prefix, state, slot):
-    def put(cache, new):  # cache [L, S, M, K, D], new [L, T, K, D]
-      return jax.lax.dynamic_update_slice(cache, new[:, None].astype(cache.dtype), (0, slot, 0, 0, 0))
+  def _model(self, weights: EngineParams):
+    return nnx.merge(self._graphdef, weights.params)
 
+  def _prefill_impl(self, weights, tokens, lengths):
+    logits, kvs = self._model(weights).prefill(tokens, lengths)  # [B, V], L x [B, T, K, D]
+    return {"kvs": kvs, "logits": logits, "lengths": lengths, "version": weights.version}
+
+  def _insert_impl(self, prefix, state, slots, rows, max_new):
+    kvs = [(k[rows], v[rows]) for k, v in prefix["kvs"]]  # [N, T, K, D]
+    length = prefix["lengths"][rows]  # [N]
+    put = lambda a, value: a.at[slots].set(value, mode="drop")  # slots >= S: dropped
     return {
         **state,
-        "cache": {"k": put(state["cache"]["k"], prefix["k"]), "v": put(state["cache"]["v"], prefix["v"])},
-        "next_logits": state["next_logits"].at[slot].set(prefix["logits"]),
-        "positions": state["positions"].at[slot].set(prefix["length"]),
+        "cache": write_prefix(state["cache"], kvs, slots),
+        "next_logits": put(state["next_logits"], prefix["logits"][rows]),
+        "positions": put(state["positions"], length),
+        "lengths": put(state["lengths"], 0),
+        "limits": put(state["limits"], jnp.minimum(max_new, self.max_len - length)),
+        "live": put(state["live"], True),
+        "finish": put(state["finish"], -1),
+        "versions": put(state["versions"], prefix["version"]),
+        "recent": put(state["recent"], _NO_TOKEN),
     }
 
-  def _generate_impl(self, params, state):
+  def _loop_constants(self, weights, state) -> dict:
+    """What every decode step of a call reuses: the RoPE table of the cache positions
+    (computed once per call) and the fused weight matrices (once per snapshot)."""
+    return {"rope_table": self._model(weights).rope_table(self.capacity(state)),
+            "weights": weights.decode}
+
+  def _step(self, weights, state, consts):
+    """One decode step. Returns (state, tokens `[S]`, log-probs `[S]`, valid `[S]`).
+
+    consts: `_loop_constants(weights, state)`.
+    """
+    live = state["live"]  # [S]
     key = jax.random.fold_in(state["key"], state["step"])
-    processed = process_logits(state["next_logits"], self.sampling)  # [S, V]
-    tokens = jax.random.categorical(key, processed, axis=-1)  # [S]
-    logp = jnp.take_along_axis(jax.nn.log_softmax(processed, -1), tokens[:, None], -1)  # [S, 1]
-    positions = jnp.minimum(state["positions"], self.max_len - 1)
-    logits, cache = self._model(params).decode(tokens, positions, state["cache"])
-    new_state = {**state, "cache": cache, "next_logits": logits,
-                 "positions": state["positions"] + 1, "step": state["step"] + 1}
-    s = tokens.shape[0]
-    data = jnp.stack([tokens, jnp.ones((s,), jnp.int32), state["positions"] + 1], axis=1)
-    result = SampledTokens(data.astype(jnp.int32), (0, 1), (1, 2), (2, 3), 1, logp)
-    return new_state, result
+    u = jax.random.uniform(key, live.shape)  # [S]
+    tokens, logp = sample(process_logits(state["next_logits"], self.sampling), u)  # [S], [S]
+    capacity = self.capacity(state)
+    positions = jnp.minimum(state["positions"], capacity - 1)  # retired slots: harmless
+    live_len = jnp.max(jnp.where(live, positions + 1, 1))
+    logits, cache = self._model(weights).decode(tokens, positions, state["cache"],
+                                                live_len=live_len, chunk=self.attn_chunk,
+                                                **consts)
+    lengths = state["lengths"] + live
+    shifted = jnp.concatenate([state["recent"][:, 1:], tokens[:, None]], axis=1)  # [S, W]
+    recent = jnp.where(live[:, None], shifted, state["recent"])
+    hit_eos = tokens == state["eos"]
+    hit_stop = _ends_with_any(recent, state["stops"])
+    done = live & (hit_eos | hit_stop | (lengths >= state["limits"]))
+    reason = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, FINISH_LENGTH))
+    new_state = {
+        **state, "cache": cache, "next_logits": logits, "positions": state["positions"] + live,
+        "lengths": lengths, "live": live & ~done, "recent": recent,
+        "finish": jnp.where(done, reason, state["finish"]),
+        "versions": jnp.where(live, jnp.minimum(state["versions"], weights.version), state["versions"]),
+        "step": state["step"] + 1,
+    }
+    return new_state, tokens, logp, live
+
+  def _generate_impl(self, weights, state):
+    new_state, tokens, logp, valid = self._step(weights, state, self._loop_constants(weights, state))
+    data = jnp.stack([tokens, valid.astype(jnp.int32), new_state["lengths"]], axis=1)  # [S, 3]
+    return new_state, SampledTokens(data, (0, 1), (1, 2), (2, 3), 1, logp[:, None])
+
+  def _generate_steps_impl(self, weights, state, stop_after_finished):
+    t_max, s = self.steps_per_call, self._max_slots
+    free_at_start = jnp.sum(~state["live"])
+    consts = self._loop_constants(weights, state)
+
+    def cond(carry):
+      t, st, _ = carry
+      finished = jnp.sum(~st["live"]) - free_at_start
+      return (t < t_max) & jnp.any(st["live"]) & (finished < stop_after_finished)
+
+    def body(carry):
+      t, st, (tok_buf, lp_buf, valid_buf) = carry
+      st, tokens, logp, valid = self._step(weights, st, consts)
+      put = lambda buf, row: jax.lax.dynamic_update_slice(buf, row[None], (t, 0))
+      return t + 1, st, (put(tok_buf, tokens), put(lp_buf, logp), put(valid_buf, valid))
+
+    bufs = (jnp.zeros((t_max, s), jnp.int32), jnp.zeros((t_max, s), jnp.float32),
+            jnp.zeros((t_max, s), bool))
+    n, state, (tokens, logp, valid) = jax.lax.while_loop(cond, body, (jnp.int32(0), state, bufs))
+    return state, Steps(tokens, logp, valid, n, state["live"], state["finish"],
+                        state["versions"], state["lengths"])
+
+
+def _ends_with_any(recent: jax.Array, stops: jax.Array) -> jax.Array:
+  """recent `[S, W]`, stops `[N, W]` (-1 = any token) -> `[S]` bool: recent ends with one."""
+  match = (stops[None] == -1) | (recent[:, None] == stops[None])  # [S, N, W]
+  return jnp.any(jnp.all(match, axis=-1), axis=-1)

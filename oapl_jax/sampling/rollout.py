@@ -1,20 +1,26 @@
-"""Sample G answers per prompt through the `Engine`, refilling slots as answers finish.
+"""Sample G answers per prompt through the `Engine` with continuous batching.
 
-A group's prompt is prefilled once and its prefix inserted into G free slots. After every
-`generate` step, slots whose answer hit EOS or `max_new_tokens` are freed, and the next
-pending prompt is inserted as soon as G slots are free.
+Pending prompts wait in a queue. Whenever at least G slots are free, the next prompts are
+prefilled in batches (padded to a few length and batch-size buckets, so nothing recompiles
+per prompt length) and each prompt's prefix is inserted into G free slots (a group shares its
+prefill). Then `Engine.generate_steps` decodes all live slots on device, many steps per call,
+and returns as soon as enough answers have ended (EOS, stop sequence, length budget) for the
+next refill. Host work per call: one transfer of the call's tokens and a loop over slots.
+Before each call the cache is resized to the smallest capacity bucket that the live answers
+(and the prompts being inserted) can reach in that call (`Engine.resize`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
 import numpy as np
 
-from oapl_jax.sampling.engine import Engine
+from oapl_jax.sampling.engine import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Engine
 
-FINISH_EOS, FINISH_LENGTH = 0, 1
+__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rollout", "rollout"]
 
 
 @dataclasses.dataclass
@@ -23,7 +29,13 @@ class Rollout:
 
   prompts: list of P token lists. answers `[P*G, A]` int (pad after the end),
   logprobs `[P*G, A]` float32 (engine log-probs of the answer tokens, 0 on padding),
-  lengths `[P*G]` (answer tokens incl. EOS), finish `[P*G]` (FINISH_EOS / FINISH_LENGTH).
+  lengths `[P*G]` (answer tokens incl. EOS / stop sequence), finish `[P*G]` (FINISH_EOS /
+  FINISH_LENGTH / FINISH_STOP), versions `[P*G]` (policy version of the weights that produced
+  each answer, from `Engine.load_params(..., version=)`; -1 for bare params).
+  stats: slot_steps (decode steps x slots), live_slot_steps (of which a slot was producing an
+  answer), the same two counted only while prompts were still waiting for a slot
+  (queued_slot_steps, queued_live_slot_steps: the final drain left out), decode_calls,
+  prefill_calls.
   """
 
   prompts: list[list[int]]
@@ -32,10 +44,22 @@ class Rollout:
   logprobs: np.ndarray
   lengths: np.ndarray
   finish: np.ndarray
+  versions: np.ndarray
+  stats: dict = dataclasses.field(default_factory=dict)
 
   @property
   def num_samples(self) -> int:
     return self.answers.shape[0]
+
+  @property
+  def slot_utilisation(self) -> float:
+    """Live slot-steps / total slot-steps of the decode calls."""
+    return self.stats["live_slot_steps"] / max(self.stats["slot_steps"], 1)
+
+  @property
+  def queued_slot_utilisation(self) -> float:
+    """The same, over the decode calls made while prompts were waiting (no final drain)."""
+    return self.stats["queued_live_slot_steps"] / max(self.stats["queued_slot_steps"], 1)
 
 
 def _bucket(length: int, max_len: int) -> int:
@@ -43,50 +67,156 @@ def _bucket(length: int, max_len: int) -> int:
   return min(max(8, 1 << (length - 1).bit_length()), max_len)
 
 
-def rollout(engine: Engine, params, prompts: list[list[int]], *, group_size: int,
-            max_new_tokens: int, eos_id: int, pad_id: int, key: jax.Array) -> Rollout:
-  """Samples `group_size` answers for each prompt (token lists). Deterministic given `key`."""
-  slots = engine.max_concurrent_decodes
-  if group_size > slots:
-    raise ValueError(f"group_size={group_size} > engine slots={slots}")
+def _pow2_at_least(n: int) -> int:
+  return 1 << (n - 1).bit_length()
+
+
+def _check(engine: Engine, prompts, group_size: int, max_new_tokens: int, limits) -> None:
+  if group_size > engine.max_concurrent_decodes:
+    raise ValueError(f"group_size={group_size} > engine slots={engine.max_concurrent_decodes}")
   for p in prompts:
+    if not 1 <= len(p) <= engine.max_prefill_length:
+      raise ValueError(f"prompt of {len(p)} tokens: must be 1..max_prefill_length="
+                       f"{engine.max_prefill_length}")
     if len(p) + max_new_tokens > engine.max_len:
       raise ValueError(f"prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} "
                        f"exceeds the KV cache length {engine.max_len}")
-  n = len(prompts) * group_size
-  answers = np.full((n, max_new_tokens), pad_id, np.int32)
-  logprobs = np.zeros((n, max_new_tokens), np.float32)
-  lengths = np.zeros((n,), np.int32)
-  finish = np.full((n,), FINISH_LENGTH, np.int32)
+  if len(limits) != len(prompts) or not all(1 <= n <= max_new_tokens for n in limits):
+    raise ValueError(f"answer_limits must give each of the {len(prompts)} prompts a budget in "
+                     f"1..max_new_tokens={max_new_tokens}")
 
-  state = engine.init_decode_state(key)
-  row_of_slot = np.full((slots,), -1)  # which answer row each slot is producing
-  free = list(range(slots))
-  pending = list(range(len(prompts)))
-  while pending or (row_of_slot >= 0).any():
-    while pending and len(free) >= group_size:
-      p = pending.pop(0)
-      tokens = prompts[p]
-      padded = np.full((_bucket(len(tokens), engine.max_prefill_length),), pad_id, np.int32)
-      padded[: len(tokens)] = tokens
-      prefix = engine.prefill(params=params, padded_tokens=padded, true_length=len(tokens))
+
+class _Slots:
+  """Host bookkeeping: which answer row each slot produces, and the free slots."""
+
+  def __init__(self, num_slots: int):
+    self.row = np.full((num_slots,), -1)
+    self.position = np.zeros((num_slots,), np.int64)  # next cache position of a live slot
+    self.free = list(range(num_slots))
+
+  def take(self) -> int:
+    return self.free.pop(0)
+
+  def release(self, slot: int) -> None:
+    self.row[slot] = -1
+    self.free.append(slot)
+    self.free.sort()
+
+
+def _padded(prompts, chunk, pad_id: int, max_len: int):
+  """tokens `[b, T]` and lengths `[b]` of prompts `chunk`: b = next power of 2, T = the length
+  bucket of the longest (padding rows: one pad token)."""
+  b = _pow2_at_least(len(chunk))
+  t = _bucket(max(len(prompts[p]) for p in chunk), max_len)
+  tokens = np.full((b, t), pad_id, np.int32)
+  lengths = np.ones((b,), np.int32)
+  for j, p in enumerate(chunk):
+    tokens[j, :len(prompts[p])] = prompts[p]
+    lengths[j] = len(prompts[p])
+  return tokens, lengths
+
+
+def _start_groups(engine, params, state, prompts, batch, slots: _Slots, *, group_size, limits,
+                  pad_id, stats):
+  """Prefills prompts `batch`, up to `max_prefill_batch` per call (sorted by length, so
+  little padding), and inserts each prompt's prefix into G free slots."""
+  batch = sorted(batch, key=lambda p: len(prompts[p]))
+  for i in range(0, len(batch), engine.max_prefill_batch):
+    chunk = batch[i:i + engine.max_prefill_batch]
+    tokens, lengths = _padded(prompts, chunk, pad_id, engine.max_prefill_length)
+    prefix = engine.prefill_batch(params, tokens, lengths)
+    n = tokens.shape[0] * group_size
+    dst = np.full((n,), engine.max_concurrent_decodes, np.int32)  # padding rows: dropped
+    budget = np.ones((n,), np.int32)
+    for j, p in enumerate(chunk):
       for g in range(group_size):
-        slot = free.pop(0)
-        state = engine.insert(prefix, state, slot)
-        row_of_slot[slot] = p * group_size + g
-    state, result = engine.generate(params, state)
-    result = result.convert_to_numpy()
-    for slot in np.nonzero(row_of_slot >= 0)[0]:
-      row = row_of_slot[slot]
-      t = lengths[row]
-      token = result.data[slot, 0]
-      answers[row, t] = token
-      logprobs[row, t] = result.log_probs[slot, 0]
-      lengths[row] = t + 1
-      done_eos = token == eos_id
-      if done_eos or t + 1 >= max_new_tokens:
-        finish[row] = FINISH_EOS if done_eos else FINISH_LENGTH
-        row_of_slot[slot] = -1
-        free.append(slot)
-    free.sort()
-  return Rollout(list(prompts), group_size, answers, logprobs, lengths, finish)
+        slot = slots.take()
+        slots.row[slot], slots.position[slot] = p * group_size + g, len(prompts[p])
+        dst[j * group_size + g], budget[j * group_size + g] = slot, limits[p]
+    rows = np.repeat(np.arange(tokens.shape[0]), group_size)
+    state = engine.insert_many(prefix, state, dst, rows, budget)
+    stats["prefill_calls"] += 1
+  return state
+
+
+class _Answers:
+  """Host buffers of the rollout's `N = P*G` answers (see `Rollout`), filled call by call."""
+
+  def __init__(self, n: int, max_new_tokens: int, pad_id: int):
+    self.tokens = np.full((n, max_new_tokens), pad_id, np.int32)
+    self.logprobs = np.zeros((n, max_new_tokens), np.float32)
+    self.lengths = np.zeros((n,), np.int32)
+    self.finish = np.full((n,), FINISH_LENGTH, np.int32)
+    self.versions = np.full((n,), -1, np.int32)
+
+  def collect(self, out, slots: _Slots) -> None:
+    """Appends one `generate_steps` result (numpy `Steps`); frees the slots that finished."""
+    steps = int(out.num_steps)
+    for slot in np.nonzero(slots.row >= 0)[0]:
+      row, t0 = slots.row[slot], self.lengths[slots.row[slot]]
+      count = int(out.valid[:steps, slot].sum())  # a slot's live steps are a prefix of the call
+      self.tokens[row, t0:t0 + count] = out.tokens[:count, slot]
+      self.logprobs[row, t0:t0 + count] = out.log_probs[:count, slot]
+      self.lengths[row] = t0 + count
+      slots.position[slot] += count
+      if not out.live[slot]:
+        self.finish[row], self.versions[row] = out.finish[slot], out.versions[slot]
+        slots.release(slot)
+
+
+def _count(stats: dict, out, num_slots: int, queued: bool) -> None:
+  """Adds one decode call to the slot-step counters (see `Rollout.stats`)."""
+  steps = int(out.num_steps)
+  live = int(out.valid[:steps].sum())
+  stats["decode_calls"] += 1
+  stats["slot_steps"] += steps * num_slots
+  stats["live_slot_steps"] += live
+  if queued:
+    stats["queued_slot_steps"] += steps * num_slots
+    stats["queued_live_slot_steps"] += live
+
+
+def _capacity(engine: Engine, prompts, batch, slots: _Slots) -> int:
+  """Cache capacity bucket for the next call: the prompts being inserted (padded) and every
+  live answer must fit, `steps_per_call` steps ahead."""
+  reach = [_bucket(len(prompts[p]), engine.max_prefill_length) for p in batch]
+  reach += [len(prompts[p]) + engine.steps_per_call for p in batch]
+  reach += list(slots.position[slots.row >= 0] + engine.steps_per_call)
+  return engine.capacity_for(max(reach))
+
+
+def rollout(engine: Engine, params, prompts: list[list[int]], *, group_size: int,
+            max_new_tokens: int, eos_id: int, pad_id: int, key: jax.Array,
+            stop_sequences=(), answer_limits=None) -> Rollout:
+  """Samples `group_size` answers for each prompt (token lists). Deterministic given `key`.
+
+  params: an `nnx.State` or `engine.load_params(state, version=v)` (answers are stamped v).
+  stop_sequences: token-id sequences that end an answer (kept in it, finish FINISH_STOP).
+  answer_limits: optional per-prompt answer budgets (each <= max_new_tokens).
+  """
+  limits = [max_new_tokens] * len(prompts) if answer_limits is None else list(answer_limits)
+  _check(engine, prompts, group_size, max_new_tokens, limits)
+  params = engine.weights(params)
+  num_slots, g = engine.max_concurrent_decodes, group_size
+  answers = _Answers(len(prompts) * g, max_new_tokens, pad_id)
+  stats = dict.fromkeys(("slot_steps", "live_slot_steps", "queued_slot_steps",
+                         "queued_live_slot_steps", "decode_calls", "prefill_calls"), 0)
+  # Refill once `quantum` slots are free: fewer, larger prefills for a few idle slot-steps.
+  quantum = g * -(-max(g, num_slots // 8) // g)
+  state = engine.init_decode_state(key, eos_id=eos_id, stop_sequences=stop_sequences,
+                                   capacity=engine.capacity_for(1))
+  slots = _Slots(num_slots)
+  pending = collections.deque(range(len(prompts)))
+  while pending or (slots.row >= 0).any():
+    batch = [pending.popleft() for _ in range(min(len(slots.free) // g, len(pending)))]
+    state = engine.resize(state, _capacity(engine, prompts, batch, slots))
+    if batch:
+      state = _start_groups(engine, params, state, prompts, batch, slots, group_size=g,
+                            limits=limits, pad_id=pad_id, stats=stats)
+    wanted = min(quantum, len(pending) * g) - len(slots.free) if pending else num_slots + 1
+    state, out = engine.generate_steps(params, state, max(wanted, 1))
+    out = jax.device_get(out)
+    _count(stats, out, num_slots, queued=bool(pending))
+    answers.collect(out, slots)
+  return Rollout(list(prompts), group_size, answers.tokens, answers.logprobs, answers.lengths,
+                 answers.finish, answers.versions, stats)

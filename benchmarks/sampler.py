@@ -1,0 +1,279 @@
+"""Sampling throughput: our JetStream engine vs transformers' `generate`, same weights, on CPU.
+
+One tiny Qwen3 (vocab 1024, hidden 256, 4 layers, 4 query / 2 KV heads of 64, MLP 768,
+QK-norm, tied embeddings, float32), random weights exported with `oapl_jax.models.to_hf` and
+loaded by `AutoModelForCausalLM` (PyTorch CPU) for the reference.
+
+  python benchmarks/sampler.py [--reps 5] [--skip-hf]
+
+1. fixed: 32 prompts x 32 tokens, exactly 128 new tokens each, temperature 1 (our engine: no
+   EOS; transformers: do_sample=True, min_new_tokens=max_new_tokens). Generated tokens/s of
+   the whole call (prefill, decode, host work), median of `--reps`, and the ratio; the two
+   alternate repetition by repetition (transformers in a child process of its own), so that
+   both see the same machine load. Compile time (first call minus a warm one) apart. Peak
+   RSS (VmHWM): ours = this process (JAX, and the TensorFlow that `jetstream` imports),
+   transformers = its child process.
+2. cache size: the same workload with a 1024- and a 4096-position KV cache; and with the
+   paper's code-run sampling (temperature 0.6, top-p 0.95: a sort per step).
+3. weight swap: `Engine.load_params(new snapshot, version=)` time (on device, and from host
+   numpy), whether anything recompiled, the first rollout after the swap.
+4. continuous batching: 1024 prompts (8-32 tokens) through 32 slots, answer lengths forced
+   by per-prompt budgets drawn from a Pareto (long-tailed) distribution, 1..256 tokens.
+   Slot utilisation = live slot-steps / total slot-steps, overall and while prompts were
+   still queued (the final drain, when the last long answers run alone, left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BATCH, PROMPT_LEN, NEW_TOKENS, SLOTS = 32, 32, 128, 32
+_SETTLE = 0.3  # seconds of idleness before each alternating repetition (spinning threads)
+
+
+def _top_p():
+  from oapl_jax.sampling import SamplingParams
+  return SamplingParams(temperature=0.6, top_p=0.95)  # the paper's code-run sampling
+
+
+def model_config():
+  from oapl_jax.models import ModelConfig
+  return ModelConfig(vocab_size=1024, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                     head_dim=64, mlp_dim=768, qk_norm=True, tie_embeddings=True,
+                     param_dtype="float32", dtype="float32")
+
+
+def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  return [[int(t) for t in rng.integers(3, 1024, rng.integers(lo, hi + 1))] for _ in range(n)]
+
+
+def peak_rss_mb() -> float:
+  """This process's peak resident memory (VmHWM: unlike ru_maxrss, not inherited by a child)."""
+  with open("/proc/self/status") as f:
+    return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 1024
+
+
+def _timed(fn, reps: int, exclude=None):
+  """(first-call seconds, median of `reps` warm calls, last result). exclude(): seconds of
+  each call spent on something else (the alternating transformers repetition)."""
+  t0 = time.perf_counter()
+  out = fn(0)
+  first = time.perf_counter() - t0
+  times = []
+  for r in range(reps):
+    t0 = time.perf_counter()
+    out = fn(r + 1)
+    times.append(time.perf_counter() - t0 - (exclude() if exclude else 0.0))
+  return first, statistics.median(times), out
+
+
+def _compiles(engine) -> dict:
+  return {f: getattr(engine, f)._cache_size() for f in ("_prefill", "_insert", "_generate_steps", "_resize")}
+
+
+def bench_ours(graphdef, params, reps: int, hf=None) -> dict:
+  """Our engine on every workload; the fixed one alternates repetitions with `hf` (if any)."""
+  import jax
+  from oapl_jax.sampling import Engine, SamplingParams, rollout
+
+  top_p = _top_p()
+  cfg, fixed = model_config(), prompts(BATCH, PROMPT_LEN, PROMPT_LEN, seed=0)
+  out = {}
+  runs = [("fixed", PROMPT_LEN + NEW_TOKENS, SamplingParams(temperature=1.0)),
+          ("cache_1024", 1024, SamplingParams()), ("cache_4096", 4096, SamplingParams()),
+          ("top_p", PROMPT_LEN + NEW_TOKENS, top_p)]
+  for name, max_len, sampling in runs:
+    engine = Engine(graphdef, cfg, sampling, max_slots=SLOTS, max_prefill_length=PROMPT_LEN,
+                    max_len=max_len, max_prefill_batch=BATCH)
+    weights = engine.load_params(params, version=0)
+
+    def go(r):
+      if hf is not None and name == "fixed" and r > 0:
+        hf.rep(r)  # alternate with transformers, so that both see the same machine load
+      return rollout(engine, weights, fixed, group_size=1, max_new_tokens=NEW_TOKENS,
+                     eos_id=-1, pad_id=0, key=jax.random.key(r))
+
+    first, median, ro = _timed(go, reps, exclude=(lambda: hf.last) if hf and name == "fixed" else None)
+    assert (ro.lengths == NEW_TOKENS).all()
+    out[name] = {"tokens_per_s": BATCH * NEW_TOKENS / median, "seconds": median,
+                 "compile_seconds": first - median, "decode_calls": ro.stats["decode_calls"],
+                 "cache_capacities_compiled": engine._generate_steps._cache_size()}
+    if name == "fixed":
+      state = engine.init_decode_state()
+      out["decode_state_mb"] = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
+      out["compiles_after_fixed"] = _compiles(engine)
+      out.update(bench_swap(engine, params, median))
+  out["peak_rss_mb_after_fixed"] = peak_rss_mb()
+  out["continuous"] = bench_continuous(graphdef, params, reps)
+  out["peak_rss_mb"] = peak_rss_mb()
+  return out
+
+
+def bench_swap(engine, params, steady_seconds: float) -> dict:
+  """The lag sync: a new snapshot into the engine, and the first rollout with it."""
+  import jax
+  import numpy as np
+  from oapl_jax.sampling import rollout
+
+  snapshot = jax.block_until_ready(jax.tree.map(lambda x: x * 1.01, params))
+  host = jax.tree.map(np.asarray, snapshot)
+  before = _compiles(engine)
+  t0 = time.perf_counter()
+  weights = jax.block_until_ready(engine.load_params(snapshot, version=1))
+  swap_device = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  weights = jax.block_until_ready(engine.load_params(host, version=1))
+  swap_host = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  ro = rollout(engine, weights, prompts(BATCH, PROMPT_LEN, PROMPT_LEN, seed=0), group_size=1,
+               max_new_tokens=NEW_TOKENS, eos_id=-1, pad_id=0, key=jax.random.key(99))
+  first_after = time.perf_counter() - t0
+  assert (ro.versions == 1).all()
+  return {"swap_seconds_on_device": swap_device, "swap_seconds_from_host": swap_host,
+          "recompiled_after_swap": _compiles(engine) != before,
+          "first_rollout_after_swap_seconds": first_after, "steady_rollout_seconds": steady_seconds}
+
+
+def bench_continuous(graphdef, params, reps: int) -> dict:
+  import jax
+  import numpy as np
+  from oapl_jax.sampling import Engine, SamplingParams, rollout
+
+  n_prompts, max_answer = 1024, 256
+  work = prompts(n_prompts, 8, 32, seed=1)
+  rng = np.random.default_rng(2)
+  limits = np.clip((rng.pareto(1.2, n_prompts) + 1) * 12, 1, max_answer).astype(int)
+  engine = Engine(graphdef, model_config(), SamplingParams(temperature=1.0), max_slots=SLOTS,
+                  max_prefill_length=32, max_len=32 + max_answer, max_prefill_batch=8)
+  weights = engine.load_params(params)
+  go = lambda r: rollout(engine, weights, work, group_size=1, max_new_tokens=max_answer,
+                         eos_id=-1, pad_id=0, key=jax.random.key(r), answer_limits=limits)
+  first, median, ro = _timed(go, max(1, reps // 2))
+  assert (ro.lengths == limits).all()
+  return {"prompts": n_prompts, "slots": SLOTS, "answer_tokens": int(limits.sum()),
+          "answer_length_mean": float(limits.mean()), "answer_length_p50": float(np.median(limits)),
+          "answer_length_max": int(limits.max()), "slot_utilisation": ro.slot_utilisation,
+          "queued_slot_utilisation": ro.queued_slot_utilisation,
+          "tokens_per_s": float(limits.sum()) / median, "seconds": median,
+          "compile_seconds": first - median, "decode_calls": ro.stats["decode_calls"],
+          "prefill_calls": ro.stats["prefill_calls"], "compiles": _compiles(engine)}
+
+
+def hf_child(model_dir: str, requests, replies) -> None:
+  """transformers' generate on the exported checkpoint, one repetition per request (its own
+  process: its own threads and peak memory)."""
+  import numpy as np
+  import torch
+  import transformers
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+  model.eval()
+  ids = torch.tensor(np.array(prompts(BATCH, PROMPT_LEN, PROMPT_LEN, seed=0)))
+  kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                top_p=1.0, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                pad_token_id=0, eos_token_id=1)
+  while (seed := requests.get()) is not None:
+    torch.manual_seed(seed)
+    time.sleep(_SETTLE)  # the other side's worker threads go idle first
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+      out = model.generate(ids, **kwargs)
+    seconds = time.perf_counter() - t0
+    assert out.shape == (BATCH, PROMPT_LEN + NEW_TOKENS)
+    replies.put(seconds)
+  replies.put({"torch_threads": torch.get_num_threads(), "peak_rss_mb": peak_rss_mb(),
+               "transformers": transformers.__version__, "torch": torch.__version__})
+
+
+class HFWorker:
+  """A child process running `hf_child`; `rep(seed)` runs one generate and records its time."""
+
+  def __init__(self, model):
+    from oapl_jax.models import to_hf
+    self._dir = tempfile.TemporaryDirectory()
+    to_hf(model, self._dir.name)
+    ctx = multiprocessing.get_context("spawn")
+    self._requests, self._replies = ctx.Queue(), ctx.Queue()
+    self._child = ctx.Process(target=hf_child, args=(self._dir.name, self._requests, self._replies))
+    self._child.start()
+    self.first = self.rep(0)  # loading and first-call costs, not counted
+    self.times, self.last = [], 0.0
+
+  def rep(self, seed: int) -> float:
+    t0 = time.perf_counter()
+    self._requests.put(seed)
+    seconds = self._replies.get(timeout=1800)
+    time.sleep(_SETTLE)
+    self.last = time.perf_counter() - t0
+    if seed:
+      self.times.append(seconds)
+    return seconds
+
+  def finish(self) -> dict:
+    self._requests.put(None)
+    info = self._replies.get(timeout=600)
+    self._child.join()
+    self._dir.cleanup()
+    median = statistics.median(self.times)
+    return {"tokens_per_s": BATCH * NEW_TOKENS / median, "seconds": median,
+            "first_call_seconds": self.first, **info}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--skip-hf", action="store_true")
+  args = parser.parse_args()
+
+  import jax
+  from flax import nnx
+  from oapl_jax.models import Transformer
+
+  model = Transformer(model_config(), rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  hf = None if args.skip_hf else HFWorker(model)
+  ours = bench_ours(graphdef, params, args.reps, hf)
+  result = {"config": {"batch": BATCH, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
+                       "temperature": 1.0, "reps": args.reps, "jax": jax.__version__,
+                       "cpus": os.cpu_count()},
+            "ours": ours}
+  fixed = ours["fixed"]
+  print(f"ours   fixed (cache {PROMPT_LEN + NEW_TOKENS}): {fixed['tokens_per_s']:8.0f} tok/s  "
+        f"({fixed['seconds']:.3f} s, compile {fixed['compile_seconds']:.1f} s)")
+  for size in (1024, 4096):
+    c = ours[f"cache_{size}"]
+    print(f"ours   fixed (cache {size}): {c['tokens_per_s']:8.0f} tok/s  ({c['seconds']:.3f} s)")
+  c = ours["top_p"]
+  print(f"ours   fixed, temperature 0.6, top-p 0.95: {c['tokens_per_s']:8.0f} tok/s  ({c['seconds']:.3f} s)")
+  if hf is not None:
+    result["transformers"] = hf.finish()
+    result["ratio"] = fixed["tokens_per_s"] / result["transformers"]["tokens_per_s"]
+    print(f"transformers generate:      {result['transformers']['tokens_per_s']:8.0f} tok/s  "
+          f"({result['transformers']['seconds']:.3f} s)  -> ratio {result['ratio']:.2f}x")
+  cb = ours["continuous"]
+  print(f"continuous batching: utilisation {cb['slot_utilisation']:.3f} "
+        f"({cb['queued_slot_utilisation']:.3f} while prompts queued), "
+        f"{cb['tokens_per_s']:.0f} tok/s, {cb['answer_tokens']} tokens "
+        f"(mean answer {cb['answer_length_mean']:.0f}, max {cb['answer_length_max']})")
+  print(f"weight swap: {ours['swap_seconds_on_device'] * 1e3:.2f} ms on device, "
+        f"{ours['swap_seconds_from_host'] * 1e3:.1f} ms from host; recompiled: "
+        f"{ours['recompiled_after_swap']}; first rollout after it "
+        f"{ours['first_rollout_after_swap_seconds']:.3f} s (steady {ours['steady_rollout_seconds']:.3f} s)")
+  print(f"peak RSS: ours {ours['peak_rss_mb']:.0f} MB (decode state {ours['decode_state_mb']:.1f} MB)"
+        + (f", transformers {result['transformers']['peak_rss_mb']:.0f} MB" if not args.skip_hf else ""))
+  print(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+  main()
