@@ -47,6 +47,10 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.sampling.max_prompt_len = 4096  # Longest prompt in tokens (prefill buffer); longer prompts are an error.
   c.sampling.max_new_tokens = 8192  # Answer length limit in tokens (EOS included).
   c.sampling.max_slots = 64  # Engine decode slots (answers decoded concurrently).
+  c.sampling.steps_per_call = 32  # Decode steps per jitted engine call (fewer host round trips).
+  c.sampling.attn_chunk = 1024  # Decode attention reads the KV cache in chunks of this many positions.
+  c.sampling.cache_bucket = 64  # KV cache grows in power-of-two multiples of this (one compile each).
+  c.sampling.max_prefill_batch = 8  # Prompts prefilled together in one call.
 
   c.rl = ml_collections.ConfigDict()
   c.rl.loss = "oapl"  # Loss name in oapl_jax.rl.losses.LOSSES.

@@ -85,7 +85,9 @@ def seq_len(config) -> int:
 def make_engine(config, model_cfg, graphdef) -> Engine:
   s = config.sampling
   return Engine(graphdef, model_cfg, SamplingParams.from_config(s), max_slots=s.max_slots,
-                max_prefill_length=s.max_prompt_len, max_len=seq_len(config))
+                max_prefill_length=s.max_prompt_len, max_len=seq_len(config),
+                steps_per_call=s.steps_per_call, attn_chunk=s.attn_chunk,
+                cache_bucket=s.cache_bucket, max_prefill_batch=s.max_prefill_batch)
 
 
 def loss_kwargs(rl) -> dict:
@@ -167,7 +169,8 @@ def sample_groups(config, engine, snapshot, task, tokenizer, counters: Counters)
   key = jax.random.fold_in(jax.random.key(config.seed), counters.rollouts)
   problems = task.train_problems(rng, config.rl.groups_per_rollout)
   prompts = [tokenizer.encode(p.prompt, add_bos=True) for p in problems]
-  ro = rollout(engine, snapshot, prompts, group_size=config.rl.group_size,
+  weights = engine.load_params(snapshot, version=counters.version)  # answers carry the version
+  ro = rollout(engine, weights, prompts, group_size=config.rl.group_size,
                max_new_tokens=config.sampling.max_new_tokens, eos_id=tokenizer.eos_id,
                pad_id=tokenizer.pad_id, key=key)
   rewards = score_rollout(task, tokenizer, problems, ro)
