@@ -199,14 +199,18 @@ def _read_parquet(path: str, out: _Collector) -> None:
   i = 0
   for batch in pf.iter_batches(batch_size=1024):
     for raw in batch.to_pylist():
-      where = f"{path}:row {i}"
+      _add_decoded(out, f"{path}:row {i}", raw)
       i += 1
-      try:
-        row = _plain(raw)
-      except UnicodeDecodeError as e:
-        out.bad(where, f"not valid UTF-8 text (byte {e.start})")
-        continue
-      out.add(where, row)
+
+
+def _add_decoded(out: _Collector, where: str, raw) -> None:
+  """Adds a Parquet/TFDS row with bytes decoded to text; undecodable text is a bad row."""
+  try:
+    row = _plain(raw)
+  except UnicodeDecodeError as e:
+    out.bad(where, f"not valid UTF-8 text (byte {e.start})")
+    return
+  out.add(where, row)
 
 
 def _read_tfds(source: str, split: str | None, data_dir: str | None, out: _Collector) -> None:
@@ -227,13 +231,7 @@ def _read_tfds(source: str, split: str | None, data_dir: str | None, out: _Colle
         f"is downloaded: prepare it first (e.g. `tfds build {name.split('/')[0]} "
         f"--data_dir=...`) or copy a prepared folder there.") from None
   for i, raw in enumerate(tfds.as_numpy(ds)):
-    where = f"{source}/{split}:row {i}"
-    try:
-      row = _plain(raw)
-    except UnicodeDecodeError as e:
-      out.bad(where, f"not valid UTF-8 text (byte {e.start})")
-      continue
-    out.add(where, row)
+    _add_decoded(out, f"{source}/{split}:row {i}", raw)
 
 
 def read_rows(source: str, *, split: str | None = None, data_dir: str | None = None,
