@@ -63,6 +63,19 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.rl.groups_per_step = 32  # Groups (prompts) in one trainer step's batch.
   c.rl.groups_per_rollout = 32  # Groups the engine samples into the buffer per call.
   c.rl.mode = "sync"  # Only "sync" exists so far: sample into the buffer, then train.
+  # The baseline, selected with rl.loss = "grpo" (oapl.md; losses.grpo). Same loop, buffer and
+  # lag; pi_prox is always recomputed by the trainer on the engine's snapshot, and IS corrects
+  # from the engine's log-probs to pi_prox. rl.beta1/beta2/old_logprobs are OAPL-only.
+  c.rl.grpo = ml_collections.ConfigDict()
+  c.rl.grpo.adv_norm = "std"  # "std": (R - mean) / (std + eps) (GRPO); "none": R - mean (Dr.GRPO).
+  c.rl.grpo.adv_eps = 1e-6  # eps added to the group's std.
+  c.rl.grpo.eps_low = 0.2  # PPO clip: ratio >= 1 - eps_low.
+  c.rl.grpo.eps_high = 0.28  # PPO clip: ratio <= 1 + eps_high; > eps_low is "clip-higher" (DAPO).
+  c.rl.grpo.is_level = "token"  # IS weight pi_prox / pi_sampler per "token" or per "sequence".
+  c.rl.grpo.is_mode = "truncate"  # "truncate": min(w, C) (TIS); "mask": drop if w outside [1/C, C]; "none".
+  c.rl.grpo.is_cap = 2.0  # C, the IS cap.
+  c.rl.grpo.norm = "token_mean"  # "token_mean", "seq_mean", or "constant" (Dr.GRPO: / (B * max_new_tokens)).
+  c.rl.grpo.kl_coef = 0.0  # Weight of a k3 KL penalty to the reference (the base weights RL starts from); 0 = off.
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 500  # OAPL trainer (optimizer) steps.
@@ -143,6 +156,16 @@ def validate(c) -> None:
   _check(rl.lag >= 1, "rl.lag", rl.lag, "must be >= 1")
   _check(rl.old_logprobs in OLD_LOGPROB_SOURCES, "rl.old_logprobs", rl.old_logprobs,
          f"must be one of {OLD_LOGPROB_SOURCES}")
+  g = rl.grpo
+  _check(g.adv_norm in losses.ADV_NORMS, "rl.grpo.adv_norm", g.adv_norm, f"must be one of {losses.ADV_NORMS}")
+  _check(g.adv_eps >= 0, "rl.grpo.adv_eps", g.adv_eps, "must be >= 0")
+  _check(0 <= g.eps_low < 1, "rl.grpo.eps_low", g.eps_low, "must be in [0, 1)")
+  _check(g.eps_high >= 0, "rl.grpo.eps_high", g.eps_high, "must be >= 0")
+  _check(g.is_level in losses.IS_LEVELS, "rl.grpo.is_level", g.is_level, f"must be one of {losses.IS_LEVELS}")
+  _check(g.is_mode in losses.IS_MODES, "rl.grpo.is_mode", g.is_mode, f"must be one of {losses.IS_MODES}")
+  _check(g.is_cap >= 1, "rl.grpo.is_cap", g.is_cap, "must be >= 1")
+  _check(g.norm in losses.NORMS, "rl.grpo.norm", g.norm, f"must be one of {losses.NORMS}")
+  _check(g.kl_coef >= 0, "rl.grpo.kl_coef", g.kl_coef, "must be >= 0 (0 = off)")
   _check(rl.mode in MODES, "rl.mode", rl.mode, f"must be one of {MODES}")
   _check(rl.groups_per_step >= 1, "rl.groups_per_step", rl.groups_per_step, "must be >= 1")
   _check(rl.groups_per_rollout >= 1, "rl.groups_per_rollout", rl.groups_per_rollout, "must be >= 1")

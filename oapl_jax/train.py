@@ -4,7 +4,8 @@
     each trainer step s:
         if the buffer holds fewer than `rl.groups_per_step` groups, the engine (holding
             pi_old) samples `rl.groups_per_rollout` groups into it, stamped with `version`
-        take the oldest groups, one optimizer step on the loss
+        take the oldest groups, one optimizer step on the loss (`rl.loss`: OAPL, or the
+            GRPO+IS baseline, whose pi_prox is the trainer's log-probs on the snapshot)
         if (s + 1) % L == 0: pi_old <- pi_theta, version += 1, empty the buffer
 
 Data order and sampling keys are functions of (seed, rollout index), so a run is exactly
@@ -90,9 +91,21 @@ def make_engine(config, model_cfg, graphdef) -> Engine:
                 cache_bucket=s.cache_bucket, max_prefill_batch=s.max_prefill_batch)
 
 
-def loss_kwargs(rl) -> dict:
-  """The settings the configured loss takes, read from `config.rl`."""
-  return {"oapl": {"beta1": rl.beta1, "beta2": rl.beta2}}[rl.loss]
+def loss_kwargs(config) -> dict:
+  """The settings the configured loss (`config.rl.loss`) takes, read from the config."""
+  rl = config.rl
+  if rl.loss == "oapl":
+    return {"beta1": rl.beta1, "beta2": rl.beta2}
+  g = rl.grpo
+  return {"adv_norm": g.adv_norm, "adv_eps": g.adv_eps, "eps_low": g.eps_low,
+          "eps_high": g.eps_high, "is_level": g.is_level, "is_mode": g.is_mode,
+          "is_cap": g.is_cap, "norm": g.norm, "kl_coef": g.kl_coef,
+          "max_tokens": config.sampling.max_new_tokens}
+
+
+def uses_reference(config) -> bool:
+  """Whether the run keeps a frozen reference policy (GRPO's KL penalty)."""
+  return config.rl.loss == "grpo" and config.rl.grpo.kl_coef > 0
 
 
 def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -101,27 +114,39 @@ def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def make_train_step(config, graphdef, optimizer):
-  """Jitted (params, opt_state, snapshot, batch) -> (params, opt_state, metrics).
+  """Jitted (params, opt_state, snapshot, batch, reference) -> (params, opt_state, metrics).
 
   batch: tokens `[B, T]`, mask / sampler_logprobs `[B, T-1]`, rewards `[B]`, B = whole groups.
+  `reference` is the frozen reference policy (GRPO with a KL penalty) or None.
   Gradient accumulation splits B into `train.grad_accum` micro-batches of whole groups; the
-  loss is the mean over micro-batch means, i.e. the full-batch mean.
+  loss is the full-batch one (OAPL: mean over micro-batch means; GRPO token-mean: every
+  micro-batch divides by the full batch's token count / accum).
   """
   rl = config.rl
   sampling = SamplingParams.from_config(config.sampling)
-  loss_fn_impl = functools.partial(losses.LOSSES[rl.loss], group_size=rl.group_size, **loss_kwargs(rl))
+  loss_impl = functools.partial(losses.LOSSES[rl.loss], group_size=rl.group_size, **loss_kwargs(config))
   accum = config.train.grad_accum
+  # GRPO's pi_prox is always the trainer's log-probs on the snapshot; OAPL's pi_old only if asked.
+  needs_snapshot = rl.loss == "grpo" or rl.old_logprobs == "snapshot"
 
-  def micro_loss(params, snapshot, mb):
+  def frozen_logprobs(params, tokens):
+    return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), tokens, sampling)[0])
+
+  def micro_loss(params, snapshot, reference, mb, num_tokens):
     logp, ent = token_logprobs(nnx.merge(graphdef, params), mb["tokens"], sampling)  # [b, T-1]
     mask, sampler = mb["mask"], mb["sampler_logprobs"]
     m = {}
-    if rl.old_logprobs == "snapshot":
-      old = jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, snapshot), mb["tokens"], sampling)[0])
-      m["snapshot_vs_sampler_abs"] = _token_mean(jnp.abs(old - sampler), mask)
+    snap = None
+    if needs_snapshot:
+      snap = frozen_logprobs(snapshot, mb["tokens"])
+      m["snapshot_vs_sampler_abs"] = _token_mean(jnp.abs(snap - sampler), mask)
+    if rl.loss == "oapl":
+      old = snap if rl.old_logprobs == "snapshot" else sampler
+      loss, loss_metrics = loss_impl(logp, old, mask, mb["rewards"])
     else:
-      old = sampler
-    loss, loss_metrics = loss_fn_impl(logp, old, mask, mb["rewards"])
+      ref = None if reference is None else frozen_logprobs(reference, mb["tokens"])
+      loss, loss_metrics = loss_impl(logp, snap, sampler, mask, mb["rewards"], ref_logprobs=ref,
+                                     num_tokens=num_tokens)
     m.update(loss_metrics, entropy=_token_mean(ent, mask),
              trainer_vs_sampler_abs=_token_mean(jnp.abs(logp - sampler), mask))
     return loss, m
@@ -129,19 +154,21 @@ def make_train_step(config, graphdef, optimizer):
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def train_step(params, opt_state, snapshot, batch):
+  def train_step(params, opt_state, snapshot, batch, reference=None):
+    num_tokens = batch["mask"].sum() / accum  # per micro-batch share of the full batch's tokens
     micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
     def body(grads, mb):
-      (loss, m), g = grad_fn(params, snapshot, mb)
+      (loss, m), g = grad_fn(params, snapshot, reference, mb, num_tokens)
       return jax.tree.map(jnp.add, grads, g), (loss, m)
 
     grads, (loss, m) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
     grads = jax.tree.map(lambda g: g / accum, grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
+    reduce = {"is_weight_min": jnp.min, "is_weight_max": jnp.max}
     metrics = {"loss": loss.mean(), "grad_norm": optax.global_norm(grads),
-               **jax.tree.map(jnp.mean, m)}
+               **{k: reduce.get(k, jnp.mean)(v) for k, v in m.items()}}
     return params, opt_state, metrics
 
   return train_step
@@ -213,6 +240,7 @@ class Run:
     self.params = params
     self.opt_state = self.optimizer.init(params)
     self.snapshot = _copy(params)
+    self.reference = _copy(params) if uses_reference(config) else None  # frozen: the RL start
     self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
 
   # checkpoints
@@ -222,6 +250,8 @@ class Run:
   def save(self) -> None:
     state = {"params": self.params, "opt_state": self.opt_state, "snapshot": self.snapshot,
              "buffer": self.buffer.state()}
+    if self.reference is not None:
+      state["reference"] = self.reference
     meta = {"counters": dataclasses.asdict(self.counters), "model": self.model_meta()}
     self.ckpt.save(self.counters.step, state, meta)
 
@@ -230,8 +260,11 @@ class Run:
     if step is None:
       return False
     target = {"params": self.params, "opt_state": self.opt_state, "snapshot": self.snapshot}
+    if self.reference is not None:
+      target["reference"] = self.reference
     state, meta = self.ckpt.restore(step, target, self.model_meta())
     self.params, self.opt_state, self.snapshot = state["params"], state["opt_state"], state["snapshot"]
+    self.reference = state.get("reference")
     self.buffer.load(state["buffer"])
     self.counters = Counters(**meta["counters"])
     return True
@@ -258,7 +291,8 @@ class Run:
     batch = self.buffer.take(rl.groups_per_step)
     lags = c.step - batch["snapshot_step"]
     device_batch = {k: batch[k] for k in ("tokens", "mask", "sampler_logprobs", "rewards")}
-    self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, self.snapshot, device_batch)
+    self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, self.snapshot, device_batch,
+                                                     self.reference)
     m = jax.device_get(m)
     c.step += 1
     elapsed = time.perf_counter() - t0
@@ -302,7 +336,7 @@ def _write_json(path: str, obj) -> None:
 
 
 def run(config, workdir: str) -> dict:
-  """Warm-up -> eval before -> OAPL -> eval after. Resumes from the last checkpoint in workdir."""
+  """Warm-up -> eval before -> RL (OAPL or the GRPO baseline) -> eval after. Resumes from the last checkpoint in workdir."""
   r = Run(config, workdir)
   before_path = os.path.join(workdir, "eval_before.json")
   warmup_info = {}
@@ -320,13 +354,15 @@ def run(config, workdir: str) -> dict:
       _say(f"warm-up: {config.warmup.steps} steps, final loss {loss:.3f}, {warmup_info['seconds']:.1f}s")
     r.opt_state = r.optimizer.init(r.params)
     r.snapshot = _copy(r.params)
+    if r.reference is not None:
+      r.reference = _copy(r.params)
     eval_before = r.evaluate(r.params, "before")
     _write_json(before_path, {"eval": eval_before, "warmup": warmup_info})
     r.save()
 
   metrics_log = MetricsLog(workdir, resume_step=r.counters.step)
   bar = tqdm.tqdm(total=config.train.steps, initial=r.counters.step, disable=not config.log.progress,
-                  desc="oapl", unit="step")
+                  desc=config.rl.loss, unit="step")
   evals = []
   while r.counters.step < config.train.steps:
     m = r.step()

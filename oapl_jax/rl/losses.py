@@ -133,4 +133,176 @@ def oapl(
     return loss, metrics
 
 
-LOSSES: dict[str, Callable[..., tuple[jax.Array, dict[str, jax.Array]]]] = {"oapl": oapl}
+# --- the baseline: GRPO with importance sampling ------------------------------------------------
+
+ADV_NORMS = ("std", "none")  # GRPO (divide by the group's std) | Dr.GRPO (no division)
+IS_LEVELS = ("token", "sequence")
+IS_MODES = ("truncate", "mask", "none")  # min(w, C) | drop outside [1/C, C] | w = 1
+NORMS = ("token_mean", "seq_mean", "constant")
+
+
+def group_advantages(rewards: jax.Array, *, group_size: int, adv_norm: str = "std",
+                     eps: float = 1e-6) -> jax.Array:
+    """GRPO advantages ``R_i - mean_group(R)``, divided by ``std_group(R) + eps`` if ``adv_norm="std"``.
+
+    The std is the unbiased sample std (``ddof=1``), as in the GRPO reference implementations;
+    ``adv_norm="none"`` is Dr.GRPO. Returns ``[B]``, no gradient.
+    """
+    if adv_norm not in ADV_NORMS:
+        raise ValueError(f"adv_norm must be one of {ADV_NORMS}, got {adv_norm!r}")
+    (batch,) = rewards.shape
+    num_groups = _check_groups(batch, group_size)
+    r = jax.lax.stop_gradient(rewards).reshape(num_groups, group_size)  # [N, G]
+    adv = r - r.mean(axis=1, keepdims=True)  # [N, G]
+    if adv_norm == "std":
+        adv = adv / (jnp.std(r, axis=1, keepdims=True, ddof=1 if group_size > 1 else 0) + eps)
+    return adv.reshape(batch)  # [B]
+
+
+def importance_weights(prox_logprobs: jax.Array, sampler_logprobs: jax.Array, mask: jax.Array, *,
+                       level: str, mode: str, cap: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """IS correction from the sampler (engine) to pi_prox (trainer on the same weights).
+
+    ``w = exp(log pi_prox - log pi_sampler)`` per token (``level="token"``) or per answer, the
+    exponent summed over its tokens and broadcast back (``"sequence"``); then ``"truncate"``:
+    ``min(w, C)``, ``"mask"``: 0 where ``w`` is outside ``[1/C, C]``, ``"none"``: 1.
+
+    Returns ``(weights [B, T], raw weights [B, T], kept [B, T])``, all stop-gradient; ``kept``
+    is 0 on counted tokens that ``"mask"`` dropped. Entries outside ``mask`` are 1 and unused.
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"is_level must be one of {IS_LEVELS}, got {level!r}")
+    if mode not in IS_MODES:
+        raise ValueError(f"is_mode must be one of {IS_MODES}, got {mode!r}")
+    _check_positive("is_cap", cap)
+    valid = mask > 0
+    log_w = jnp.where(valid, jax.lax.stop_gradient(prox_logprobs) - sampler_logprobs, 0.0)  # [B, T]
+    if level == "sequence":
+        log_w = jnp.broadcast_to(log_w.sum(axis=1, keepdims=True), log_w.shape)
+    raw = jnp.exp(log_w)  # [B, T]
+    ones = jnp.ones_like(raw)
+    if mode == "truncate":
+        w, kept = jnp.minimum(raw, cap), ones
+    elif mode == "mask":
+        kept = ((raw >= 1.0 / cap) & (raw <= cap)).astype(raw.dtype)
+        w = raw * kept
+    else:
+        w, kept = ones, ones
+    w = jnp.where(valid, w, 1.0)
+    return jax.lax.stop_gradient(w), jax.lax.stop_gradient(raw), jnp.where(valid, kept, 1.0)
+
+
+def grpo(
+    logprobs: jax.Array,
+    prox_logprobs: jax.Array,
+    sampler_logprobs: jax.Array,
+    mask: jax.Array,
+    rewards: jax.Array,
+    *,
+    group_size: int,
+    adv_norm: str = "std",
+    adv_eps: float = 1e-6,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    is_level: str = "token",
+    is_mode: str = "truncate",
+    is_cap: float = 2.0,
+    norm: str = "token_mean",
+    max_tokens: int | None = None,
+    num_tokens: jax.Array | None = None,
+    ref_logprobs: jax.Array | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """GRPO's clipped surrogate with an importance-sampling correction (oapl.md, the baseline).
+
+    Per counted token ``t`` of answer ``i``::
+
+        r_t   = exp(log pi_theta_t - log pi_prox_t)          # PPO ratio vs the sampling snapshot
+        w_t   = IS weight pi_prox / pi_sampler (see importance_weights), no gradient
+        obj_t = w_t * min(r_t * A_i, clip(r_t, 1 - eps_low, 1 + eps_high) * A_i)
+                - kl_coef * k3(pi_theta, pi_ref)_t
+        loss  = -normalise(obj)
+
+    ``norm``: ``"token_mean"`` (sum over counted tokens / their count; ``num_tokens`` overrides
+    the count, so gradient-accumulation micro-batches can share the full batch's), ``"seq_mean"``
+    (each answer's token mean, then the mean over answers), ``"constant"`` (Dr.GRPO: sum / (B *
+    ``max_tokens``)). ``k3 = exp(ref - logp) - (ref - logp) - 1`` is the usual non-negative
+    estimator of KL(pi_theta || pi_ref).
+
+    With ``logprobs == prox_logprobs == sampler_logprobs`` (lag 0, no engine mismatch) every
+    ratio and weight is 1 and the gradient is plain GRPO's, ``-A_i * grad log pi_theta_t / N``.
+
+    Args:
+      logprobs: ``[B, T]`` log pi_theta (carries gradient).
+      prox_logprobs: ``[B, T]`` the trainer's log-probs under the snapshot that sampled.
+      sampler_logprobs: ``[B, T]`` the engine's log-probs.
+      mask: ``[B, T]`` 1 on counted answer tokens, 0 elsewhere (log-probs there may be -inf).
+      rewards: ``[B]``, groups of ``group_size`` contiguous answers.
+      ref_logprobs: ``[B, T]`` reference log-probs, needed when ``kl_coef > 0``.
+
+    Returns:
+      ``(loss, metrics)``; metrics: ``clip_fraction`` (tokens whose clipped term is the min),
+      ``is_weight_mean/min/max`` (raw weights over counted tokens), ``is_masked_fraction``,
+      ``ratio_mean``, ``advantage_abs_mean``, and ``kl`` when ``kl_coef > 0``.
+    """
+    if not (logprobs.shape == prox_logprobs.shape == sampler_logprobs.shape == mask.shape) \
+            or logprobs.ndim != 2:
+        raise ValueError(
+            "logprobs, prox_logprobs, sampler_logprobs, mask must share one [B, T] shape, got "
+            f"{logprobs.shape}, {prox_logprobs.shape}, {sampler_logprobs.shape}, {mask.shape}")
+    if rewards.shape != logprobs.shape[:1]:
+        raise ValueError(f"rewards must be [B]={logprobs.shape[:1]}, got {rewards.shape}")
+    if not (0 <= eps_low < 1 and eps_high >= 0):
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if norm == "constant" and not max_tokens:
+        raise ValueError("norm='constant' (Dr.GRPO) needs max_tokens")
+    if kl_coef and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+
+    valid = mask > 0  # [B, T]
+    m = jnp.where(valid, mask, 0.0)  # [B, T]
+    prox = jax.lax.stop_gradient(jnp.where(valid, prox_logprobs, 0.0))
+    sampler = jax.lax.stop_gradient(jnp.where(valid, sampler_logprobs, 0.0))
+    logp = jnp.where(valid, logprobs, 0.0)
+
+    adv = group_advantages(rewards, group_size=group_size, adv_norm=adv_norm, eps=adv_eps)[:, None]
+    w, raw_w, kept = importance_weights(prox, sampler, mask, level=is_level, mode=is_mode, cap=is_cap)
+    ratio = jnp.exp(logp - prox)  # [B, T]
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    obj = w * jnp.minimum(unclipped, clipped)  # [B, T]
+    metrics = {}
+    if kl_coef:
+        ref = jax.lax.stop_gradient(jnp.where(valid, ref_logprobs, 0.0))
+        k3 = jnp.exp(ref - logp) - (ref - logp) - 1.0
+        obj = obj - kl_coef * k3
+        metrics["kl"] = jnp.sum(k3 * m) / jnp.maximum(m.sum(), 1.0)
+    obj = obj * m
+
+    if norm == "token_mean":
+        denom = m.sum() if num_tokens is None else num_tokens
+        loss = -obj.sum() / jnp.maximum(denom, 1.0)
+    elif norm == "seq_mean":
+        loss = -jnp.mean(obj.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0))
+    else:
+        loss = -obj.sum() / (logprobs.shape[0] * max_tokens)
+
+    n = jnp.maximum(m.sum(), 1.0)
+    tmean = lambda x: jnp.sum(x * m) / n  # noqa: E731
+    is_clipped = (clipped < unclipped).astype(jnp.float32)  # the min picked the clipped term
+    big = jnp.finfo(jnp.float32).max
+    metrics.update({
+        "clip_fraction": tmean(is_clipped),
+        "is_weight_mean": tmean(raw_w),
+        "is_weight_min": jnp.min(jnp.where(valid, raw_w, big)),
+        "is_weight_max": jnp.max(jnp.where(valid, raw_w, 0.0)),
+        "is_masked_fraction": tmean(1.0 - kept),
+        "ratio_mean": tmean(jax.lax.stop_gradient(ratio)),
+        "advantage_abs_mean": jnp.mean(jnp.abs(adv)),
+    })
+    return loss, metrics
+
+
+LOSSES: dict[str, Callable[..., tuple[jax.Array, dict[str, jax.Array]]]] = {"oapl": oapl, "grpo": grpo}
