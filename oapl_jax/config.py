@@ -39,6 +39,9 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.warmup.batch_size = 128  # Demonstrations per step.
   c.warmup.lr = 1e-2  # AdamW peak learning rate (cosine decay, 5% linear warm-up).
   c.warmup.digit_noise = 0.3  # In noisy demos, chance each answer digit is replaced by a wrong one.
+  # Folder caching warmed-up base models, keyed by seed + model + task + warm-up settings, so
+  # runs that differ only in RL settings (a study's methods and lags) share one base; None = off.
+  c.warmup.cache_dir = placeholder(str)
 
   c.sampling = ml_collections.ConfigDict()
   c.sampling.temperature = 1.0  # Logits are divided by this before sampling (> 0).

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import tqdm
 from flax import nnx
 
@@ -335,6 +338,45 @@ def _write_json(path: str, obj) -> None:
   os.replace(tmp, path)
 
 
+def _warmup_cache_path(config) -> str | None:
+  """`<warmup.cache_dir>/<hash>`, the hash of everything the warmed-up base depends on."""
+  if not config.warmup.cache_dir:
+    return None
+  key = {"seed": config.seed, "model": config.model.to_dict(), "task": config.task.to_dict(),
+         "warmup": {k: v for k, v in config.warmup.items() if k != "cache_dir"},
+         "seq_len": seq_len(config)}
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+  return os.path.join(os.path.abspath(config.warmup.cache_dir), f"seed{config.seed}-{digest}")
+
+
+def warm_up(r: Run, config) -> tuple[dict, dict]:
+  """The supervised warm-up's (params, info); read from / written to `warmup.cache_dir` if set."""
+  path = _warmup_cache_path(config)
+  if path and os.path.isfile(os.path.join(path, "info.json")):
+    params = ocp.StandardCheckpointer().restore(
+        os.path.join(path, "params"), jax.tree.map(ocp.utils.to_shape_dtype_struct, r.params))
+    with open(os.path.join(path, "info.json")) as f:
+      info = {**json.load(f), "cached": path}
+    _say(f"warm-up: base model read from {path}")
+    return params, info
+  t0 = time.perf_counter()
+  params, loss = warmup.run(r.graphdef, r.params, r.task, r.tokenizer, config.warmup,
+                            seq_len=seq_len(config), seed=config.seed)
+  info = {"seconds": time.perf_counter() - t0, "final_loss": loss, "steps": config.warmup.steps}
+  _say(f"warm-up: {config.warmup.steps} steps, final loss {loss:.3f}, {info['seconds']:.1f}s")
+  if path:  # written aside, then renamed: a concurrent or killed writer never leaves half a cache
+    tmp = f"{path}.tmp{os.getpid()}"
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.join(tmp, "params"), params)
+    ckptr.wait_until_finished()
+    _write_json(os.path.join(tmp, "info.json"), info)
+    try:
+      os.rename(tmp, path)
+    except OSError:  # another run cached the same base first
+      shutil.rmtree(tmp, ignore_errors=True)
+  return params, info
+
+
 def run(config, workdir: str) -> dict:
   """Warm-up -> eval before -> RL (OAPL or the GRPO baseline) -> eval after. Resumes from the last checkpoint in workdir."""
   r = Run(config, workdir)
@@ -347,11 +389,7 @@ def run(config, workdir: str) -> dict:
     eval_before, warmup_info = saved["eval"], saved["warmup"]
   else:
     if config.warmup.steps:
-      t0 = time.perf_counter()
-      r.params, loss = warmup.run(r.graphdef, r.params, r.task, r.tokenizer, config.warmup,
-                                  seq_len=seq_len(config), seed=config.seed)
-      warmup_info = {"seconds": time.perf_counter() - t0, "final_loss": loss, "steps": config.warmup.steps}
-      _say(f"warm-up: {config.warmup.steps} steps, final loss {loss:.3f}, {warmup_info['seconds']:.1f}s")
+      r.params, warmup_info = warm_up(r, config)
     r.opt_state = r.optimizer.init(r.params)
     r.snapshot = _copy(r.params)
     if r.reference is not None:

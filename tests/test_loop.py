@@ -80,3 +80,19 @@ def test_checkpoint_of_another_model_is_refused(smoke_config, tmp_path):
     assert "another model" in str(e) and "hidden_size" in str(e)
   else:
     raise AssertionError("restoring a checkpoint of another architecture did not fail")
+
+
+def test_warmup_cache_shares_one_base_model(smoke_config, tmp_path):
+  """Runs that differ only in RL settings read the same warmed-up base from the cache."""
+  c = smoke_config
+  c.warmup.cache_dir = str(tmp_path / "cache")
+  c.train.steps = 1
+  first = train.run(c, str(tmp_path / "a"))
+  c.rl.loss = "grpo"  # an RL setting: same base
+  second = train.run(c, str(tmp_path / "b"))
+  assert "cached" not in first["warmup"] and second["warmup"]["cached"].startswith(str(tmp_path))
+  assert first["eval_before"] == second["eval_before"]
+  c.warmup.digit_noise = 0.1  # a warm-up setting: another base
+  third = train.run(c, str(tmp_path / "c"))
+  assert "cached" not in third["warmup"]
+  assert len(list((tmp_path / "cache").iterdir())) == 2

@@ -25,7 +25,8 @@ def score_rollout(task, tokenizer, problems, ro) -> np.ndarray:
 
 def evaluate(engine, params, task, tokenizer, *, samples_per_problem: int, max_new_tokens: int,
              key: jax.Array) -> dict:
-  """Returns {"pass@1": ..., "pass@2": ..., ..., "num_problems", "samples_per_problem", "mean_answer_tokens"}."""
+  """Returns {"pass@1": ..., "pass@2": ..., ..., "num_problems", "samples_per_problem",
+  "mean_answer_tokens", "correct_per_problem"} (k = powers of two up to n)."""
   problems = task.eval_problems()
   prompts = [tokenizer.encode(p.prompt, add_bos=True) for p in problems]
   n = samples_per_problem
@@ -33,4 +34,5 @@ def evaluate(engine, params, task, tokenizer, *, samples_per_problem: int, max_n
                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, key=key)
   correct = score_rollout(task, tokenizer, problems, ro).reshape(len(problems), n) > 0.5
   return {**pass_at_k_table(correct, default_ks(n)), "num_problems": len(problems),
-          "samples_per_problem": n, "mean_answer_tokens": float(ro.lengths.mean())}
+          "samples_per_problem": n, "mean_answer_tokens": float(ro.lengths.mean()),
+          "correct_per_problem": correct.sum(axis=1).tolist()}  # any pass@k can be recomputed
