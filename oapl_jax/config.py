@@ -105,6 +105,28 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.log.progress = True  # Show a progress bar (step, reward, speed).
   return c
 
+def from_file(spec: str) -> ml_collections.ConfigDict:
+  """The config of `path/to/config.py[:arg]`, as `--config=` would read it (unlocked).
+
+  For notebooks and scripts: `c = from_file("configs/tiny.py:smoke"); c.rl.lag = 20`.
+  """
+  import importlib.util
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} does not exist")
+  module_spec = importlib.util.spec_from_file_location(
+      "_oapl_config_" + os.path.splitext(os.path.basename(path))[0], path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg or None)
+
+
+def repo_config(name: str) -> ml_collections.ConfigDict:
+  """A config of this repository's `configs/` folder by name, e.g. `repo_config("tiny.py:smoke")`."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return from_file(os.path.join(root, "configs", name))
+
+
 OLD_LOGPROB_SOURCES = ("sampler", "snapshot")
 MODES = ("sync",)
 TASKS = ("addition", "math", "code", "reasoning_gym")

@@ -49,3 +49,9 @@ def _plain(v):
     return float(v) if not isinstance(v, int) else v
   except TypeError:
     return v
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """The rows of `<workdir>/metrics.jsonl`, one dict per logged trainer step."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]

@@ -314,6 +314,22 @@ class Run:
       self.refresh_engine()
     return metrics
 
+  def sample_answers(self, *, num_problems: int = 4, n: int = 4, params=None, seed: int = 0) -> list[dict]:
+    """`n` decoded answers to each of the first held-out problems, with their rewards.
+
+    params: default pi_theta. Returns [{"prompt": str, "answers": [str], "rewards": [float]}].
+    """
+    problems = self.task.eval_problems()[:num_problems]
+    prompts = [self.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
+    ro = rollout(self.engine, self.params if params is None else params, prompts, group_size=n,
+                 max_new_tokens=self.config.sampling.max_new_tokens, eos_id=self.tokenizer.eos_id,
+                 pad_id=self.tokenizer.pad_id, key=jax.random.key(seed))
+    rewards = score_rollout(self.task, self.tokenizer, problems, ro)
+    return [{"prompt": p.prompt,
+             "answers": [self.tokenizer.decode(ro.answers[i, :ro.lengths[i]]) for i in range(j * n, (j + 1) * n)],
+             "rewards": [float(r) for r in rewards[j * n:(j + 1) * n]]}
+            for j, p in enumerate(problems)]
+
   def evaluate(self, params, tag: str) -> dict:
     key = jax.random.fold_in(jax.random.key(self.config.seed), 1_000_003)  # same draws before/after
     t0 = time.perf_counter()

@@ -1,0 +1,1 @@
+"""Experiments built from the public API (runs, reports, plots)."""

@@ -1,0 +1,443 @@
+"""The lag study: OAPL and GRPO+IS at several engine lags L, several seeds, on the tiny task.
+
+The paper ran GRPO+IS only at lag 1 and OAPL at lag 50-100. This study runs both (and OAPL
+with the paper's betas) on the embedded addition task at each L, from one shared base model
+per seed, with the same number of generated answers per run, and writes a report with plots.
+
+    python -m oapl_jax.studies.lag_study --out=/tmp/lag_study                 # the full study
+    python -m oapl_jax.studies.lag_study --out=/tmp/ls --reduced --lags 1 2 --seeds 0   # seconds
+
+Runs already finished under `--out` (a `summary.json`) are skipped, so an interrupted study
+resumes. From Python: `run_study(...)`, then `write_report(...)`; `load_runs` reads results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shlex
+import sys
+import time
+
+import numpy as np
+
+from oapl_jax import config as config_lib
+from oapl_jax.eval.passk import pass_at_k
+from oapl_jax.metrics import read_metrics
+
+# method name -> (label, config overrides). Everything else is configs/tiny.py.
+METHODS: dict[str, tuple[str, dict]] = {
+    "oapl": ("OAPL (beta1=1, beta2=0.1)", {"rl.loss": "oapl"}),
+    "oapl_paper_betas": ("OAPL, paper betas (beta1=1, beta2=1e-3)",
+                         {"rl.loss": "oapl", "rl.beta1": 1.0, "rl.beta2": 1e-3}),
+    "grpo_tis": ("GRPO+IS (token TIS, C=2)",
+                 {"rl.loss": "grpo", "rl.grpo.is_level": "token", "rl.grpo.is_mode": "truncate",
+                  "rl.grpo.is_cap": 2.0}),
+}
+DEFAULT_LAGS = (1, 10, 50, 100)
+DEFAULT_SEEDS = (0, 1, 2)
+# The study's settings on top of configs/tiny.py: every run generates the same answers per step
+# (one fresh rollout of 16 groups per step, none dropped), and evaluation has 64 samples per
+# problem for pass@1..64 (every 50 steps too, for the pass@1 curve).
+FULL = {"rl.groups_per_step": 16, "rl.groups_per_rollout": 16, "eval.samples_per_problem": 64,
+        "eval.every": 50, "checkpoint.every": 1000, "log.progress": False}
+# CI-sized: a few steps of everything, same code path.
+REDUCED = {"warmup.steps": 30, "warmup.noisy_steps": 10, "task.num_eval": 8, "train.steps": 4,
+           "rl.groups_per_step": 2, "rl.groups_per_rollout": 2, "eval.samples_per_problem": 8,
+           "eval.every": 2, "sampling.max_slots": 32, "checkpoint.every": 1000, "log.progress": False}
+
+
+def _set(config, dotted: str, value) -> None:
+  *parents, leaf = dotted.split(".")
+  node = config
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+
+
+def study_config(method: str, lag: int, seed: int, *, reduced: bool = False,
+                 cache_dir: str | None = None, overrides: dict | None = None):
+  """configs/tiny.py with the study's settings, the method's, `rl.lag=lag` and `seed`."""
+  if method not in METHODS:
+    raise ValueError(f"unknown method {method!r}; known: {sorted(METHODS)}")
+  c = config_lib.repo_config("tiny.py")
+  for k, v in {**(REDUCED if reduced else FULL), **METHODS[method][1], **(overrides or {})}.items():
+    _set(c, k, v)
+  c.rl.lag, c.seed = lag, seed
+  c.warmup.cache_dir = cache_dir
+  return c
+
+
+def run_dir(out: str, method: str, lag: int, seed: int) -> str:
+  return os.path.join(out, "runs", f"{method}_lag{lag}_seed{seed}")
+
+
+def run_study(out: str, *, methods=tuple(METHODS), lags=DEFAULT_LAGS, seeds=DEFAULT_SEEDS,
+              reduced: bool = False, overrides: dict | None = None, echo=print) -> list[str]:
+  """Runs every (seed, lag, method) not finished yet; returns the run folders.
+
+  Seeds outermost, so a study stopped early has every method and lag for its first seeds.
+  All runs of a seed share one warmed-up base model (`<out>/base_models`).
+  """
+  from oapl_jax import train  # heavy import, only when running
+  todo = [(s, l, m) for s in seeds for l in lags for m in methods]
+  dirs = []
+  for i, (seed, lag, method) in enumerate(todo, 1):
+    d = run_dir(out, method, lag, seed)
+    dirs.append(d)
+    if os.path.isfile(os.path.join(d, "summary.json")):
+      echo(f"[{i}/{len(todo)}] {os.path.basename(d)}: done already")
+      continue
+    t0 = time.perf_counter()
+    config = study_config(method, lag, seed, reduced=reduced, overrides=overrides,
+                          cache_dir=os.path.join(out, "base_models"))
+    s = train.run(config, d)
+    with open(os.path.join(d, "study_wall_seconds.json"), "w") as f:
+      json.dump(time.perf_counter() - t0, f)
+    echo(f"[{i}/{len(todo)}] {os.path.basename(d)}: pass@1 {s['eval_before']['pass@1']:.3f} -> "
+         f"{s['eval_after']['pass@1']:.3f} ({time.perf_counter() - t0:.0f}s)")
+  return dirs
+
+
+# --- results -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RunResult:
+  method: str
+  lag: int
+  seed: int
+  summary: dict
+  metrics: list[dict]
+  wall_seconds: float | None = None  # the run's wall time in the study (warm-up, evals, compiles)
+
+  def passk(self, when: str, ks) -> np.ndarray:
+    """pass@k for each k from the per-problem correct counts of eval `when` (before / after)."""
+    e = self.summary[f"eval_{when}"]
+    n = e["samples_per_problem"]
+    return np.array([np.mean([pass_at_k(n, c, k) for c in e["correct_per_problem"]]) for k in ks])
+
+  def pass1_curve(self) -> tuple[np.ndarray, np.ndarray]:
+    """(generated answers, pass@1): before, every eval during training, after."""
+    samples_at = {m["step"]: m["samples_generated"] for m in self.metrics}
+    xs, ys = [0], [self.summary["eval_before"]["pass@1"]]
+    for e in self.summary["evals_during"]:
+      xs.append(samples_at[e["step"]])
+      ys.append(e["pass@1"])
+    xs.append(self.summary["samples_generated"])
+    ys.append(self.summary["eval_after"]["pass@1"])
+    return np.array(xs, float), np.array(ys, float)
+
+  def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+    rows = [m for m in self.metrics if key in m]
+    return np.array([m["step"] for m in rows]), np.array([m[key] for m in rows], float)
+
+
+_RUN_NAME = re.compile(r"^(?P<method>.+)_lag(?P<lag>\d+)_seed(?P<seed>\d+)$")
+
+
+def load_runs(out: str) -> list[RunResult]:
+  """Every finished run under `<out>/runs`."""
+  results = []
+  root = os.path.join(out, "runs")
+  for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+    match = _RUN_NAME.match(name)
+    path = os.path.join(root, name, "summary.json")
+    if not match or not os.path.isfile(path):
+      continue
+    with open(path) as f:
+      summary = json.load(f)
+    metrics = read_metrics(os.path.join(root, name))
+    wall_path = os.path.join(root, name, "study_wall_seconds.json")
+    wall = json.load(open(wall_path)) if os.path.isfile(wall_path) else None
+    results.append(RunResult(match["method"], int(match["lag"]), int(match["seed"]), summary,
+                             metrics, wall))
+  return results
+
+
+def _group(results):
+  groups: dict[tuple[str, int], list[RunResult]] = {}
+  for r in results:
+    groups.setdefault((r.method, r.lag), []).append(r)
+  return groups
+
+
+def _mean_sd(values) -> tuple[float, float]:
+  v = np.asarray(values, float)
+  return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
+
+
+def _smooth(y: np.ndarray, window: int) -> np.ndarray:
+  if len(y) < window or window <= 1:
+    return y
+  return np.convolve(y, np.ones(window) / window, mode="valid")
+
+
+def _entropy_window(r: RunResult, first: bool, n: int = 20) -> float:
+  _, ent = r.series("entropy")
+  return float(ent[:n].mean() if first else ent[-n:].mean())
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def plot(results, fig_dir: str) -> dict[str, str]:
+  """Writes the three figures as PNG; returns {name: path}."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  os.makedirs(fig_dir, exist_ok=True)
+  groups = _group(results)
+  methods = [m for m in METHODS if any(k[0] == m for k in groups)]
+  lags = sorted({k[1] for k in groups})
+  colors = dict(zip(lags, plt.cm.viridis(np.linspace(0.0, 0.85, len(lags)))))
+  paths = {}
+
+  fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 3.8), sharey=True, squeeze=False)
+  for ax, method in zip(axes[0], methods):
+    for lag in lags:
+      runs = groups.get((method, lag), [])
+      if not runs:
+        continue
+      curves = [r.pass1_curve() for r in runs]
+      n = min(len(c[0]) for c in curves)
+      x = np.mean([c[0][:n] for c in curves], axis=0)
+      y = np.array([c[1][:n] for c in curves])
+      ax.plot(x, y.mean(0), "o-", ms=3, color=colors[lag], label=f"L={lag} ({len(runs)} seeds)")
+      ax.fill_between(x, y.min(0), y.max(0), color=colors[lag], alpha=0.15)
+    ax.set(title=METHODS[method][0], xlabel="generated answers")
+    ax.grid(alpha=0.3)
+  axes[0][0].set_ylabel("held-out pass@1")
+  axes[0][0].legend(fontsize=8)
+  fig.suptitle("pass@1 vs generated answers (mean over seeds; band: min-max)")
+  fig.tight_layout()
+  paths["pass1"] = os.path.join(fig_dir, "pass1_vs_samples.png")
+  fig.savefig(paths["pass1"], dpi=110)
+  plt.close(fig)
+
+  fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 3.8), sharey=True, squeeze=False)
+  for ax, method in zip(axes[0], methods):
+    for lag in lags:
+      runs = groups.get((method, lag), [])
+      if not runs:
+        continue
+      series = [r.series("entropy") for r in runs]
+      n = min(len(s[1]) for s in series)
+      window = max(1, min(10, n // 5))
+      y = np.array([_smooth(s[1][:n], window) for s in series])
+      x = series[0][0][:n][window - 1:] if window > 1 and n >= window else series[0][0][:n]
+      ax.plot(x, y.mean(0), color=colors[lag], label=f"L={lag}")
+      ax.fill_between(x, y.min(0), y.max(0), color=colors[lag], alpha=0.15)
+    ax.set(title=METHODS[method][0], xlabel="trainer step")
+    ax.grid(alpha=0.3)
+  axes[0][0].set_ylabel("entropy of pi_theta on sampled answers (nats/token)")
+  axes[0][0].legend(fontsize=8)
+  fig.suptitle("policy entropy vs trainer step (moving average; band: min-max over seeds)")
+  fig.tight_layout()
+  paths["entropy"] = os.path.join(fig_dir, "entropy_vs_step.png")
+  fig.savefig(paths["entropy"], dpi=110)
+  plt.close(fig)
+
+  n_max = min(r.summary["eval_after"]["samples_per_problem"] for r in results)
+  ks = np.arange(1, n_max + 1)
+  fig, axes = plt.subplots(1, len(lags), figsize=(4.2 * len(lags), 3.8), sharey=True, squeeze=False)
+  method_colors = dict(zip(METHODS, ["tab:blue", "tab:green", "tab:red"]))
+  for ax, lag in zip(axes[0], lags):
+    befores = {r.seed: r.passk("before", ks) for m in methods for r in groups.get((m, lag), [])}
+    if befores:
+      b = np.array(list(befores.values()))
+      ax.plot(ks, b.mean(0), "k--", label="before (base)")
+      ax.fill_between(ks, b.min(0), b.max(0), color="k", alpha=0.1)
+    for method in methods:
+      runs = groups.get((method, lag), [])
+      if runs:
+        a = np.array([r.passk("after", ks) for r in runs])
+        ax.plot(ks, a.mean(0), color=method_colors[method], label=METHODS[method][0])
+        ax.fill_between(ks, a.min(0), a.max(0), color=method_colors[method], alpha=0.15)
+    ax.set(title=f"L={lag}", xlabel="k", xscale="log")
+    ax.grid(alpha=0.3)
+  axes[0][0].set_ylabel("held-out pass@k")
+  axes[0][0].legend(fontsize=7, loc="lower right")
+  fig.suptitle(f"pass@k (k = 1..{n_max}) before and after training (mean over seeds; band: min-max)")
+  fig.tight_layout()
+  paths["passk"] = os.path.join(fig_dir, "passk_before_after.png")
+  fig.savefig(paths["passk"], dpi=110)
+  plt.close(fig)
+  return paths
+
+
+def summarise(results) -> list[dict]:
+  """One row per (method, lag): means and seed spread of the final figures."""
+  rows = []
+  for (method, lag), runs in sorted(_group(results).items(), key=lambda kv: (list(METHODS).index(kv[0][0]), kv[0][1])):
+    n = min(r.summary["eval_after"]["samples_per_problem"] for r in runs)
+    row = {"method": method, "lag": lag, "seeds": sorted(r.seed for r in runs)}
+    for name, values in {
+        "pass1_before": [r.summary["eval_before"]["pass@1"] for r in runs],
+        "pass1_after": [r.summary["eval_after"]["pass@1"] for r in runs],
+        f"pass{n}_before": [r.summary["eval_before"][f"pass@{n}"] for r in runs],
+        f"pass{n}_after": [r.summary["eval_after"][f"pass@{n}"] for r in runs],
+        "entropy_start": [_entropy_window(r, True) for r in runs],
+        "entropy_end": [_entropy_window(r, False) for r in runs],
+        "samples": [r.summary["samples_generated"] for r in runs],
+        "train_seconds": [r.summary["train_seconds"] for r in runs],
+    }.items():
+      row[name] = _mean_sd(values)
+    ks = np.arange(1, n + 1)
+    gaps = np.mean([r.passk("after", ks) - r.passk("before", ks) for r in runs], axis=0)
+    row["passk_not_up"] = [int(k) for k, g in zip(ks, gaps) if g < 0]
+    row["passk_n"] = n
+    rows.append(row)
+  return rows
+
+
+def _fmt(ms, digits=3) -> str:
+  m, s = ms
+  return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def findings(rows) -> list[str]:
+  """Plain sentences on the paper's three findings, computed from the rows."""
+  by = {(r["method"], r["lag"]): r for r in rows}
+  lags = sorted({r["lag"] for r in rows})
+  out = []
+  for oapl_name in ("oapl", "oapl_paper_betas"):
+    for lag in lags:
+      a, g = by.get((oapl_name, lag)), by.get(("grpo_tis", lag))
+      if not (a and g):
+        continue
+      (ma, sa), (mg, sg) = a["pass1_after"], g["pass1_after"]
+      diff = ma - mg
+      spread = max(sa, sg)
+      verdict = ("OAPL higher" if diff > 0 else "GRPO+IS higher" if diff < 0 else "equal")
+      sure = "larger than" if abs(diff) > spread else "within"
+      out.append(f"* pass@1 after, L={lag}: {METHODS[oapl_name][0]} {ma:.3f} vs GRPO+IS {mg:.3f} -> "
+                 f"{verdict} by {abs(diff):.3f}, {sure} the seed spread (largest sd {spread:.3f}).")
+  for r in rows:
+    (e0, _), (e1, _) = r["entropy_start"], r["entropy_end"]
+    change = (e1 - e0) / e0 if e0 else float("nan")
+    out.append(f"* entropy, {METHODS[r['method']][0]}, L={r['lag']}: {e0:.3f} -> {e1:.3f} nats/token "
+               f"({change:+.0%}, first vs last 20 steps).")
+  for r in rows:
+    bad = r["passk_not_up"]
+    out.append(f"* pass@k after >= before for every k = 1..{r['passk_n']}, {METHODS[r['method']][0]}, "
+               f"L={r['lag']}: " + ("yes." if not bad else f"no, lower at k = {_ranges(bad)}."))
+  return out
+
+
+def _ranges(ks) -> str:
+  parts, start = [], ks[0]
+  for prev, k in zip(ks, ks[1:] + [None]):
+    if k != prev + 1:
+      parts.append(str(start) if start == prev else f"{start}-{prev}")
+      start = k
+  return ", ".join(parts)
+
+
+NOTES_BEGIN, NOTES_END = "<!-- notes: kept when the report is regenerated -->", "<!-- end notes -->"
+
+
+def write_report(out: str, report: str, *, command: str) -> str:
+  """Writes `report` (markdown) and its PNGs (in `<report without .md>/`) from the runs in `out`.
+
+  Text between the notes markers of an existing report is kept, so a hand-written reading of
+  the results survives regeneration.
+  """
+  results = load_runs(out)
+  if not results:
+    raise FileNotFoundError(f"no finished runs under {out}/runs")
+  fig_dir = os.path.splitext(report)[0]
+  paths = plot(results, fig_dir)
+  rows = summarise(results)
+  notes = "_(no notes yet)_"
+  if os.path.isfile(report):
+    old = open(report).read()
+    if NOTES_BEGIN in old and NOTES_END in old:
+      notes = old.split(NOTES_BEGIN, 1)[1].split(NOTES_END, 1)[0].strip()
+  rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(report)))  # noqa: E731
+  first = results[0].summary["config"]
+  walls = [r.wall_seconds for r in results if r.wall_seconds]
+  wall_seconds = sum(walls) if len(walls) == len(results) else None
+  n = rows[0]["passk_n"]
+  lines = [
+      "# Lag study: OAPL vs GRPO+IS at engine lags L on the tiny task",
+      "",
+      "Produced by (from the repository root):",
+      "",
+      f"    {command}",
+      "",
+      f"{len(results)} runs: methods {', '.join(sorted({r.method for r in results}))}; "
+      f"L = {', '.join(map(str, sorted({r.lag for r in results})))}; "
+      f"seeds {', '.join(map(str, sorted({r.seed for r in results})))}. "
+      f"Each run: `configs/tiny.py` (two-digit addition, a 2-layer width-128 model whose base is "
+      f"made by a supervised warm-up shared by all runs of a seed), "
+      f"{first['train']['steps']} trainer steps of {first['rl']['groups_per_step']} groups x "
+      f"G={first['rl']['group_size']} fresh answers, lr {first['train']['lr']}, "
+      f"pass@k on {first['task']['num_eval']} held-out problems with "
+      f"{first['eval']['samples_per_problem']} samples each (unbiased estimator)."
+      + (f" Wall time of all runs: {wall_seconds / 60:.0f} min (2-core CPU)." if wall_seconds else ""),
+      "",
+      "## Final numbers (mean ± sd over seeds)",
+      "",
+      f"| method | L | pass@1 before | pass@1 after | pass@{n} before | pass@{n} after | entropy first 20 steps | entropy last 20 steps | answers generated | train s |",
+      "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    lines.append(
+        f"| {METHODS[r['method']][0]} | {r['lag']} | {_fmt(r['pass1_before'])} | {_fmt(r['pass1_after'])} | "
+        f"{_fmt(r[f'pass{n}_before'])} | {_fmt(r[f'pass{n}_after'])} | {_fmt(r['entropy_start'])} | "
+        f"{_fmt(r['entropy_end'])} | {r['samples'][0]:.0f} | {r['train_seconds'][0]:.0f} |")
+  lines += [
+      "",
+      "## Plots",
+      "",
+      f"![pass@1 vs generated answers]({rel(paths['pass1'])})",
+      "",
+      f"![entropy vs trainer step]({rel(paths['entropy'])})",
+      "",
+      f"![pass@k before and after]({rel(paths['passk'])})",
+      "",
+      "## The paper's findings, checked (computed from the runs)",
+      "",
+      *findings(rows),
+      "",
+      "## Reading",
+      "",
+      NOTES_BEGIN,
+      notes,
+      NOTES_END,
+      "",
+  ]
+  os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
+  with open(report, "w") as f:
+    f.write("\n".join(lines))
+  return report
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", required=True, help="folder for the runs (resumable)")
+  p.add_argument("--report", default=None, help="markdown report to write (default: <out>/lag_study.md)")
+  p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+  p.add_argument("--lags", nargs="+", type=int, default=list(DEFAULT_LAGS))
+  p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
+  p.add_argument("--reduced", action="store_true", help="CI-sized runs (a few steps each)")
+  p.add_argument("--report-only", action="store_true", help="write the report from finished runs")
+  args = p.parse_args(argv)
+  if any(l < 1 for l in args.lags):
+    p.error("--lags must be >= 1")
+  command = "python -m oapl_jax.studies.lag_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+  if not args.report_only:
+    run_study(args.out, methods=args.methods, lags=args.lags, seeds=args.seeds, reduced=args.reduced)
+  report = args.report or os.path.join(args.out, "lag_study.md")
+  print(f"report: {write_report(args.out, report, command=command)}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
