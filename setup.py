@@ -33,6 +33,9 @@ setup(
             "pytest>=8,<10",
             "chex>=0.1.88,<0.2",
             "torch==2.13.0",  # the CPU build on these machines; any other spec pulls a CUDA build
+            "nbclient>=0.10,<0.12",  # tests/test_notebooks.py executes notebooks/*.ipynb
+            "nbformat>=5.10,<6",
+            "ipykernel>=6.29,<8",  # the notebooks' python3 kernel
         ],
     },
 )
