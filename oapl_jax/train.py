@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-import tqdm
+from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
 from flax import nnx
 
 from oapl_jax import config as config_lib

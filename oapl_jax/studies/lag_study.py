@@ -186,18 +186,22 @@ def _entropy_window(r: RunResult, first: bool, n: int = 20) -> float:
 
 def plot(results, fig_dir: str) -> dict[str, str]:
   """Writes the three figures as PNG; returns {name: path}."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib  # figures built without pyplot: the caller's backend (a notebook's) is untouched
+  import matplotlib.ticker
+  from matplotlib.figure import Figure
+
+  def subplots(ncols, width):
+    fig = Figure(figsize=(width * ncols, 3.8))
+    return fig, fig.subplots(1, ncols, sharey=True, squeeze=False)
 
   os.makedirs(fig_dir, exist_ok=True)
   groups = _group(results)
   methods = [m for m in METHODS if any(k[0] == m for k in groups)]
   lags = sorted({k[1] for k in groups})
-  colors = dict(zip(lags, plt.cm.viridis(np.linspace(0.0, 0.85, len(lags)))))
+  colors = dict(zip(lags, matplotlib.colormaps["viridis"](np.linspace(0.0, 0.85, len(lags)))))
   paths = {}
 
-  fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 3.8), sharey=True, squeeze=False)
+  fig, axes = subplots(len(methods), 5)
   for ax, method in zip(axes[0], methods):
     for lag in lags:
       runs = groups.get((method, lag), [])
@@ -217,9 +221,8 @@ def plot(results, fig_dir: str) -> dict[str, str]:
   fig.tight_layout()
   paths["pass1"] = os.path.join(fig_dir, "pass1_vs_samples.png")
   fig.savefig(paths["pass1"], dpi=110)
-  plt.close(fig)
 
-  fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 3.8), sharey=True, squeeze=False)
+  fig, axes = subplots(len(methods), 5)
   for ax, method in zip(axes[0], methods):
     for lag in lags:
       runs = groups.get((method, lag), [])
@@ -240,11 +243,10 @@ def plot(results, fig_dir: str) -> dict[str, str]:
   fig.tight_layout()
   paths["entropy"] = os.path.join(fig_dir, "entropy_vs_step.png")
   fig.savefig(paths["entropy"], dpi=110)
-  plt.close(fig)
 
   n_max = min(r.summary["eval_after"]["samples_per_problem"] for r in results)
   ks = np.arange(1, n_max + 1)
-  fig, axes = plt.subplots(1, len(lags), figsize=(4.2 * len(lags), 3.8), sharey=True, squeeze=False)
+  fig, axes = subplots(len(lags), 4.2)
   method_colors = dict(zip(METHODS, ["tab:blue", "tab:green", "tab:red"]))
   for ax, lag in zip(axes[0], lags):
     befores = {r.seed: r.passk("before", ks) for m in methods for r in groups.get((m, lag), [])}
@@ -259,6 +261,9 @@ def plot(results, fig_dir: str) -> dict[str, str]:
         ax.plot(ks, a.mean(0), color=method_colors[method], label=METHODS[method][0])
         ax.fill_between(ks, a.min(0), a.max(0), color=method_colors[method], alpha=0.15)
     ax.set(title=f"L={lag}", xlabel="k", xscale="log")
+    ticks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= n_max]
+    ax.set_xticks(ticks, [str(k) for k in ticks])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.grid(alpha=0.3)
   axes[0][0].set_ylabel("held-out pass@k")
   axes[0][0].legend(fontsize=7, loc="lower right")
@@ -266,7 +271,6 @@ def plot(results, fig_dir: str) -> dict[str, str]:
   fig.tight_layout()
   paths["passk"] = os.path.join(fig_dir, "passk_before_after.png")
   fig.savefig(paths["passk"], dpi=110)
-  plt.close(fig)
   return paths
 
 
