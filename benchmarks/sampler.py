@@ -19,8 +19,10 @@ loaded by `AutoModelForCausalLM` (PyTorch CPU) for the reference.
    numpy), whether anything recompiled, the first rollout after the swap.
 4. continuous batching: 1024 prompts (8-32 tokens) through 32 slots, answer lengths forced
    by per-prompt budgets drawn from a Pareto (long-tailed) distribution, 1..256 tokens.
-   Slot utilisation = live slot-steps / total slot-steps, overall and while prompts were
-   still queued (the final drain, when the last long answers run alone, left out).
+   Slot utilisation = live slot-steps / computed slot-steps (a decode call of n steps at
+   width W computes n * W rows; W = 32, or less once `rollout` has narrowed the state in the
+   final drain: `Engine.min_decode_width`), overall and while prompts were still queued (the
+   final drain, when the last long answers run on, left out; there W is always 32).
 """
 
 from __future__ import annotations

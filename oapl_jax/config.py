@@ -54,6 +54,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.sampling.attn_chunk = 1024  # Decode attention reads the KV cache in chunks of this many positions.
   c.sampling.cache_bucket = 64  # KV cache grows in power-of-two multiples of this (one compile each).
   c.sampling.max_prefill_batch = 8  # Prompts prefilled together in one call.
+  c.sampling.min_decode_width = 8  # Once no prompt waits, decoding narrows (halving) down to this many slots; >= max_slots: off.
 
   c.rl = ml_collections.ConfigDict()
   c.rl.loss = "oapl"  # Loss name in oapl_jax.rl.losses.LOSSES.
@@ -199,6 +200,7 @@ def validate(c) -> None:
   _check(s.temperature > 0, "sampling.temperature", s.temperature, "must be > 0")
   _check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
   _check(s.top_k >= 0, "sampling.top_k", s.top_k, "must be >= 0 (0 = off)")
+  _check(s.min_decode_width >= 1, "sampling.min_decode_width", s.min_decode_width, "must be >= 1")
   _check(s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "must be >= 1")
   _check(s.max_slots >= rl.group_size, "sampling.max_slots", s.max_slots,
          f"must be >= rl.group_size={rl.group_size}")

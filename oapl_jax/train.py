@@ -91,7 +91,8 @@ def make_engine(config, model_cfg, graphdef) -> Engine:
   return Engine(graphdef, model_cfg, SamplingParams.from_config(s), max_slots=s.max_slots,
                 max_prefill_length=s.max_prompt_len, max_len=seq_len(config),
                 steps_per_call=s.steps_per_call, attn_chunk=s.attn_chunk,
-                cache_bucket=s.cache_bucket, max_prefill_batch=s.max_prefill_batch)
+                cache_bucket=s.cache_bucket, max_prefill_batch=s.max_prefill_batch,
+                min_decode_width=s.min_decode_width)
 
 
 def loss_kwargs(config) -> dict:

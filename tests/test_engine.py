@@ -209,6 +209,32 @@ def test_slot_utilisation_with_long_tailed_lengths(small_model):
   assert ro.slot_utilisation > 0.75, ro.stats
 
 
+def test_narrowing_the_drain_changes_nothing_but_the_width(small_model):
+  """The final drain halves the decode width as answers end (16 -> 8 -> 4 -> 2 here): the
+  answers and log-probs are those of a rollout that never narrows, the log-probs still match
+  the trainer's, and fewer idle slot-steps are computed."""
+  _, _, params = small_model
+  prompts = _load_prompts(40, seed=6)
+  limits = np.minimum(np.random.default_rng(7).pareto(1.2, len(prompts)) * 3 + 1, 24).astype(int)
+  limits[-1] = 24  # a long answer started last: a long drain
+  sampling = SamplingParams(temperature=0.9, top_p=0.95)
+  go = lambda e: rollout(e, params, prompts, group_size=2, max_new_tokens=24, eos_id=2,
+                         pad_id=0, key=jax.random.key(3), answer_limits=limits)
+  narrow = _engine(small_model, sampling, slots=16, min_decode_width=2, **SMALL)
+  full = _engine(small_model, sampling, slots=16, min_decode_width=16, **SMALL)
+  a, b = go(narrow), go(full)
+  assert narrow._narrow._cache_size() >= 2 and full._narrow._cache_size() == 0
+  np.testing.assert_array_equal(a.answers, b.answers)
+  np.testing.assert_array_equal(a.lengths, b.lengths)
+  np.testing.assert_array_equal(a.finish, b.finish)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+  assert a.stats["live_slot_steps"] == b.stats["live_slot_steps"] == a.lengths.sum()
+  assert a.stats["slot_steps"] < b.stats["slot_steps"] and a.slot_utilisation > b.slot_utilisation
+  assert a.queued_slot_utilisation == b.queued_slot_utilisation
+  trainer, sampler, mask = _trainer_logprobs(small_model, a, sampling)
+  np.testing.assert_allclose(trainer[mask], sampler[mask], atol=1e-5)
+
+
 def test_rollout_is_reproducible_and_swap_changes_output(small_model):
   _, _, params = small_model
   engine = _engine(small_model, SamplingParams())

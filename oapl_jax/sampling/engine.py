@@ -9,6 +9,8 @@ Decode state (a dict pytree, one row per slot `S`, cache capacity `M <= max_len`
   finish       `[S]` why the slot's answer ended (FINISH_*; -1 while live)
   versions     `[S]` oldest policy version of the weights that produced the answer
   recent       `[S, W]` the answer's last W tokens (stop sequences); eos `[]`, stops `[N, W]`
+  slot_ids     `[S]` each row's slot index in the full-width state (`narrow` keeps it, so a
+               slot draws the same random numbers at any width)
   key          PRNG key;  step `[]`: folded into the key at every decode step
 
 A decode step samples one token per slot from the processed `next_logits` (temperature,
@@ -21,7 +23,9 @@ API: JetStream's `prefill` / `insert` / `generate` (one step, `SampledTokens`) s
 `jetstream.core.orchestrator` can drive the engine, plus the batched calls `rollout` uses:
 `prefill_batch`, `insert_many` (one prefix into many slots: groups share their prompt) and
 `generate_steps` (up to `steps_per_call` steps in one jitted while-loop, which returns early
-once enough slots have finished to be refilled).
+once enough slots have finished to be refilled), and `narrow` (keep some slots, drop the
+rest: once no prompt waits, `rollout` halves the decode width as answers finish, so the final
+drain does not compute rows nobody uses; one compile per (width, capacity)).
 
 Decode cost follows the live length twice over: attention reads the cache in chunks only up
 to the longest live answer (`attn_chunk`), and `rollout` keeps the cache itself at the
@@ -140,6 +144,8 @@ class Engine(engine_api.Engine):
     steps_per_call: decode steps `generate_steps` may run in one jitted call.
     attn_chunk: decode attention reads the cache in chunks of this many positions.
     cache_bucket: smallest cache capacity `rollout` uses; capacities are it times powers of 2.
+    min_decode_width: `rollout` narrows the decode state (halving its width) during the final
+      drain, but not below this many slots; >= max_slots turns narrowing off.
     max_prefill_batch: prompts `prefill_batch` takes at once (batches padded to powers of 2).
     tokenizer: one of our tokenizers, needed only under JetStream's orchestrator
       (`build_tokenizer`); the engine itself works on token ids.
@@ -149,7 +155,7 @@ class Engine(engine_api.Engine):
                max_slots: int, max_prefill_length: int, max_len: int,
                mesh: jax.sharding.Mesh | None = None, steps_per_call: int = 32,
                attn_chunk: int = 1024, cache_bucket: int = 64, max_prefill_batch: int = 8,
-               tokenizer=None):
+               min_decode_width: int = 8, tokenizer=None):
     if max_prefill_length >= max_len:
       raise ValueError(f"max_prefill_length={max_prefill_length} must be < max_len={max_len}")
     self._graphdef = graphdef
@@ -162,6 +168,7 @@ class Engine(engine_api.Engine):
     self.attn_chunk = attn_chunk
     self.cache_bucket = cache_bucket
     self.max_prefill_batch = max_prefill_batch
+    self.min_decode_width = min_decode_width
     self._tokenizer = tokenizer
     self._mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     self._prefill = jax.jit(self._prefill_impl)
@@ -169,6 +176,7 @@ class Engine(engine_api.Engine):
     self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
     self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,))
     self._resize = jax.jit(self._resize_impl, static_argnums=(1,))
+    self._narrow = jax.jit(self._narrow_impl)
     self._decode_weights = jax.jit(lambda params: nnx.merge(graphdef, params).decode_weights())
 
   # --- JetStream API -------------------------------------------------------------------
@@ -219,6 +227,7 @@ class Engine(engine_api.Engine):
         "finish": jnp.full((s,), -1, jnp.int32),
         "versions": jnp.full((s,), -1, jnp.int32),
         "recent": jnp.full((s, width), _NO_TOKEN, jnp.int32),
+        "slot_ids": jnp.arange(s, dtype=jnp.int32),
         "eos": jnp.asarray(eos_id, jnp.int32),
         "stops": jnp.asarray(stops),
         "key": jax.random.key(0) if key is None else key,
@@ -322,7 +331,25 @@ class Engine(engine_api.Engine):
       return decode_state
     return self._resize(decode_state, capacity)
 
+  @staticmethod
+  def width(decode_state: dict) -> int:
+    """Decode slots the state holds (max_slots, or fewer after `narrow`)."""
+    return decode_state["live"].shape[0]
+
+  def narrow(self, decode_state: dict, keep) -> dict:
+    """The state with only slots `keep` (`[W]` ints, row `i` of the result = slot `keep[i]`),
+    W < the current width. Each kept slot carries on exactly as it would have (its random
+    numbers follow its original slot index). One compile per
+    (old width, new width, capacity)."""
+    return self._narrow(decode_state, jnp.asarray(keep, jnp.int32))
+
   # --- jitted implementations ----------------------------------------------------------
+
+  def _narrow_impl(self, state, keep):
+    per_slot = ("next_logits", "positions", "lengths", "limits", "live", "finish", "versions",
+                "recent", "slot_ids")
+    cache = {name: [x[keep] for x in layers] for name, layers in state["cache"].items()}
+    return {**state, "cache": cache, **{name: state[name][keep] for name in per_slot}}
 
   def _resize_impl(self, state, capacity):
     def fit(x, axis):  # pad or cut `axis` to `capacity`
@@ -373,7 +400,7 @@ class Engine(engine_api.Engine):
     """
     live = state["live"]  # [S]
     key = jax.random.fold_in(state["key"], state["step"])
-    u = jax.random.uniform(key, live.shape)  # [S]
+    u = jax.random.uniform(key, (self._max_slots,))[state["slot_ids"]]  # [S]: by slot, any width
     tokens, logp = sample(process_logits(state["next_logits"], self.sampling), u)  # [S], [S]
     capacity = self.capacity(state)
     positions = jnp.minimum(state["positions"], capacity - 1)  # retired slots: harmless
@@ -403,7 +430,7 @@ class Engine(engine_api.Engine):
     return new_state, SampledTokens(data, (0, 1), (1, 2), (2, 3), 1, logp[:, None])
 
   def _generate_steps_impl(self, weights, state, stop_after_finished):
-    t_max, s = self.steps_per_call, self._max_slots
+    t_max, s = self.steps_per_call, self.width(state)
     free_at_start = jnp.sum(~state["live"])
     consts = self._loop_constants(weights, state)
 

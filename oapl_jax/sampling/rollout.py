@@ -8,6 +8,15 @@ and returns as soon as enough answers have ended (EOS, stop sequence, length bud
 next refill. Host work per call: one transfer of the call's tokens and a loop over slots.
 Before each call the cache is resized to the smallest capacity bucket that the live answers
 (and the prompts being inserted) can reach in that call (`Engine.resize`).
+
+The final drain (no prompt waits, the last long answers run on) narrows the decode state: as
+soon as at most half of its slots are live, the live ones move into a state of half the width
+(`Engine.narrow`, down to `engine.min_decode_width`), so that a step computes fewer rows.
+Answers do not change (a slot's random numbers follow its original index).
+
+Slot utilisation (`Rollout.slot_utilisation`) = live slot-steps / computed slot-steps, where a
+decode call of n steps at width W computes n * W slot-steps (W = max_slots, or less once
+narrowed): the fraction of decode rows computed that produced an answer token.
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ class Rollout:
   lengths `[P*G]` (answer tokens incl. EOS / stop sequence), finish `[P*G]` (FINISH_EOS /
   FINISH_LENGTH / FINISH_STOP), versions `[P*G]` (policy version of the weights that produced
   each answer, from `Engine.load_params(..., version=)`; -1 for bare params).
-  stats: slot_steps (decode steps x slots), live_slot_steps (of which a slot was producing an
+  stats: slot_steps (decode steps x slots computed: the state's width, which narrows in the
+  final drain), live_slot_steps (of which a slot was producing an
   answer), the same two counted only while prompts were still waiting for a slot
   (queued_slot_steps, queued_live_slot_steps: the final drain left out), decode_calls,
   prefill_calls.
@@ -53,7 +63,7 @@ class Rollout:
 
   @property
   def slot_utilisation(self) -> float:
-    """Live slot-steps / total slot-steps of the decode calls."""
+    """Live slot-steps / computed slot-steps (steps x decode width) of the decode calls."""
     return self.stats["live_slot_steps"] / max(self.stats["slot_steps"], 1)
 
   @property
@@ -101,6 +111,20 @@ class _Slots:
     self.row[slot] = -1
     self.free.append(slot)
     self.free.sort()
+
+  def narrowed(self, keep: np.ndarray) -> "_Slots":
+    """The bookkeeping of `Engine.narrow(state, keep)`: new slot i is old slot keep[i]."""
+    new = _Slots(len(keep))
+    new.row, new.position = self.row[keep].copy(), self.position[keep].copy()
+    new.free = [i for i in range(len(keep)) if new.row[i] < 0]
+    return new
+
+
+def _narrow_width(engine: Engine, width: int, live: int) -> int:
+  """The decode width for `live` answers in the drain: halved while they fit."""
+  while width % 2 == 0 and width // 2 >= max(live, engine.min_decode_width, 1):
+    width //= 2
+  return width
 
 
 def _padded(prompts, chunk, pad_id: int, max_len: int):
@@ -208,15 +232,25 @@ def rollout(engine: Engine, params, prompts: list[list[int]], *, group_size: int
   slots = _Slots(num_slots)
   pending = collections.deque(range(len(prompts)))
   while pending or (slots.row >= 0).any():
+    live = int((slots.row >= 0).sum())
+    if not pending and _narrow_width(engine, len(slots.row), live) < len(slots.row):
+      width = _narrow_width(engine, len(slots.row), live)
+      keep = np.concatenate([np.nonzero(slots.row >= 0)[0], np.nonzero(slots.row < 0)[0]])[:width]
+      state, slots = engine.narrow(state, keep), slots.narrowed(keep)
     batch = [pending.popleft() for _ in range(min(len(slots.free) // g, len(pending)))]
     state = engine.resize(state, _capacity(engine, prompts, batch, slots))
     if batch:
       state = _start_groups(engine, params, state, prompts, batch, slots, group_size=g,
                             limits=limits, pad_id=pad_id, stats=stats)
-    wanted = min(quantum, len(pending) * g) - len(slots.free) if pending else num_slots + 1
+    if pending:
+      wanted = min(quantum, len(pending) * g) - len(slots.free)
+    else:  # the drain: return once the state can be narrowed (or everything has ended)
+      width, live = len(slots.row), int((slots.row >= 0).sum())
+      half = width // 2 if width % 2 == 0 and width // 2 >= engine.min_decode_width else 0
+      wanted = live - half if half else width + 1
     state, out = engine.generate_steps(params, state, max(wanted, 1))
     out = jax.device_get(out)
-    _count(stats, out, num_slots, queued=bool(pending))
+    _count(stats, out, len(slots.row), queued=bool(pending))
     answers.collect(out, slots)
   return Rollout(list(prompts), group_size, answers.tokens, answers.logprobs, answers.lengths,
                  answers.finish, answers.versions, stats)
