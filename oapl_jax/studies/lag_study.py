@@ -279,7 +279,8 @@ def summarise(results) -> list[dict]:
   rows = []
   for (method, lag), runs in sorted(_group(results).items(), key=lambda kv: (list(METHODS).index(kv[0][0]), kv[0][1])):
     n = min(r.summary["eval_after"]["samples_per_problem"] for r in runs)
-    row = {"method": method, "lag": lag, "seeds": sorted(r.seed for r in runs)}
+    row = {"method": method, "lag": lag, "seeds": sorted(r.seed for r in runs),
+           "pass1_after_by_seed": {r.seed: r.summary["eval_after"]["pass@1"] for r in runs}}
     for name, values in {
         "pass1_before": [r.summary["eval_before"]["pass@1"] for r in runs],
         "pass1_after": [r.summary["eval_after"]["pass@1"] for r in runs],
@@ -314,13 +315,16 @@ def findings(rows) -> list[str]:
       a, g = by.get((oapl_name, lag)), by.get(("grpo_tis", lag))
       if not (a and g):
         continue
-      (ma, sa), (mg, sg) = a["pass1_after"], g["pass1_after"]
+      (ma, _), (mg, _) = a["pass1_after"], g["pass1_after"]
       diff = ma - mg
-      spread = max(sa, sg)
       verdict = ("OAPL higher" if diff > 0 else "GRPO+IS higher" if diff < 0 else "equal")
-      sure = "larger than" if abs(diff) > spread else "within"
+      # paired by seed: both runs of a seed start from the same base and see the same prompts
+      seeds = sorted(set(a["pass1_after_by_seed"]) & set(g["pass1_after_by_seed"]))
+      paired = [a["pass1_after_by_seed"][s] - g["pass1_after_by_seed"][s] for s in seeds]
+      wins = sum(d > 0 for d in paired)
       out.append(f"* pass@1 after, L={lag}: {METHODS[oapl_name][0]} {ma:.3f} vs GRPO+IS {mg:.3f} -> "
-                 f"{verdict} by {abs(diff):.3f}, {sure} the seed spread (largest sd {spread:.3f}).")
+                 f"{verdict} by {abs(diff):.3f}; per seed (OAPL - GRPO+IS, same base): "
+                 + ", ".join(f"{d:+.3f}" for d in paired) + f" (OAPL higher in {wins} of {len(paired)}).")
   for r in rows:
     (e0, _), (e1, _) = r["entropy_start"], r["entropy_end"]
     change = (e1 - e0) / e0 if e0 else float("nan")
@@ -370,7 +374,7 @@ def write_report(out: str, report: str, *, command: str) -> str:
   lines = [
       "# Lag study: OAPL vs GRPO+IS at engine lags L on the tiny task",
       "",
-      "Produced by (from the repository root):",
+      "Produced by (from the repository root; `bash launch/lag_study.sh` runs the same):",
       "",
       f"    {command}",
       "",
@@ -436,7 +440,13 @@ def main(argv=None) -> int:
   if any(l < 1 for l in args.lags):
     p.error("--lags must be >= 1")
   command = "python -m oapl_jax.studies.lag_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+  command_file = os.path.join(args.out, "study_command.txt")
+  if args.report_only and os.path.isfile(command_file):  # the command that ran the study
+    command = open(command_file).read().strip()
   if not args.report_only:
+    os.makedirs(args.out, exist_ok=True)
+    with open(command_file, "w") as f:
+      f.write(command + "\n")
     run_study(args.out, methods=args.methods, lags=args.lags, seeds=args.seeds, reduced=args.reduced)
   report = args.report or os.path.join(args.out, "lag_study.md")
   print(f"report: {write_report(args.out, report, command=command)}")
