@@ -34,7 +34,7 @@ from flax import nnx
 from oapl_jax import config as config_lib
 from oapl_jax import warmup
 from oapl_jax.checkpoint import Checkpointer
-from oapl_jax.eval.evaluate import evaluate, score_rollout
+from oapl_jax.eval.evaluate import decode_answers, evaluate, score_rollout
 from oapl_jax.metrics import MetricsLog
 from oapl_jax.models import ModelConfig, Transformer, from_hf
 from oapl_jax.rl import losses
@@ -325,9 +325,9 @@ class Run:
     ro = rollout(self.engine, self.params if params is None else params, prompts, group_size=n,
                  max_new_tokens=self.config.sampling.max_new_tokens, eos_id=self.tokenizer.eos_id,
                  pad_id=self.tokenizer.pad_id, key=jax.random.key(seed))
+    texts = decode_answers(self.tokenizer, ro)
     rewards = score_rollout(self.task, self.tokenizer, problems, ro)
-    return [{"prompt": p.prompt,
-             "answers": [self.tokenizer.decode(ro.answers[i, :ro.lengths[i]]) for i in range(j * n, (j + 1) * n)],
+    return [{"prompt": p.prompt, "answers": texts[j * n:(j + 1) * n],
              "rewards": [float(r) for r in rewards[j * n:(j + 1) * n]]}
             for j, p in enumerate(problems)]
 

@@ -9,6 +9,11 @@ from oapl_jax.eval.passk import default_ks, pass_at_k_table
 from oapl_jax.sampling.rollout import rollout
 
 
+def decode_answers(tokenizer, ro) -> list[str]:
+  """The text of every answer of a rollout, row order."""
+  return [tokenizer.decode(ro.answers[i, :ro.lengths[i]]) for i in range(ro.num_samples)]
+
+
 def score_rollout(task, tokenizer, problems, ro) -> np.ndarray:
   """Rewards `[P*G]` of a rollout whose prompt p is `problems[p]`.
 
@@ -16,7 +21,7 @@ def score_rollout(task, tokenizer, problems, ro) -> np.ndarray:
   whole rollout at once; others are scored answer by answer with `score(response, problem)`.
   """
   g = ro.group_size
-  responses = [tokenizer.decode(ro.answers[i, :ro.lengths[i]]) for i in range(ro.num_samples)]
+  responses = decode_answers(tokenizer, ro)
   owners = [problems[i // g] for i in range(ro.num_samples)]
   if hasattr(task, "score_batch"):
     return np.asarray(task.score_batch(responses, owners), np.float32)

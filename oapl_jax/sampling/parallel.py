@@ -62,20 +62,17 @@ def parallel_rollout(shards, prompts: list[list[int]], *, group_size: int, key: 
   if errors:
     raise errors[0]
   parts = [r for r in results if r is not None]
-  width = max(r.answers.shape[1] for r in parts)
-  g = group_size
-  rows = len(prompts) * g
-  answers = np.full((rows, width), kwargs["pad_id"], parts[0].answers.dtype)
-  logprobs = np.zeros((rows, width), np.float32)
-  lengths, finish, versions = (np.zeros(rows, r.dtype) for r in
-                               (parts[0].lengths, parts[0].finish, parts[0].versions))
-  for i, r in enumerate(results):
-    if r is None:
-      continue
-    for j in range(len(r.prompts)):  # local prompt j is global prompt i + j * n
-      dst, src = slice((i + j * n) * g, (i + j * n + 1) * g), slice(j * g, (j + 1) * g)
-      answers[dst, :r.answers.shape[1]] = r.answers[src]
-      logprobs[dst, :r.logprobs.shape[1]] = r.logprobs[src]
-      lengths[dst], finish[dst], versions[dst] = r.lengths[src], r.finish[src], r.versions[src]
+  g, width = group_size, max(r.answers.shape[1] for r in parts)
+  # shard i's local prompt j is global prompt i + j * n; its rows go to that prompt's G rows
+  rows = np.concatenate([((i + n * np.arange(len(r.prompts)))[:, None] * g + np.arange(g)).ravel()
+                         for i, r in enumerate(results) if r is not None])
+  pad = lambda x, value: np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=value)  # noqa: E731
+  merged = {}
+  for name, value in (("answers", kwargs["pad_id"]), ("logprobs", 0.0), ("lengths", None),
+                      ("finish", None), ("versions", None)):
+    stacked = np.concatenate([getattr(r, name) if value is None else pad(getattr(r, name), value)
+                              for r in parts])
+    merged[name] = np.empty_like(stacked)
+    merged[name][rows] = stacked
   stats = {k: sum(r.stats[k] for r in parts) for k in parts[0].stats}
-  return Rollout(list(prompts), g, answers, logprobs, lengths, finish, versions, stats)
+  return Rollout(list(prompts), g, stats=stats, **merged)

@@ -118,7 +118,8 @@ class RunResult:
     """pass@k for each k from the per-problem correct counts of eval `when` (before / after)."""
     e = self.summary[f"eval_{when}"]
     n = e["samples_per_problem"]
-    return np.array([np.mean([pass_at_k(n, c, k) for c in e["correct_per_problem"]]) for k in ks])
+    counts, problems = np.unique(e["correct_per_problem"], return_counts=True)  # each c once
+    return np.array([np.dot(problems, [pass_at_k(n, c, k) for c in counts]) / problems.sum() for k in ks])
 
   def pass1_curve(self) -> tuple[np.ndarray, np.ndarray]:
     """(generated answers, pass@1): before, every eval during training, after."""
@@ -201,48 +202,48 @@ def plot(results, fig_dir: str) -> dict[str, str]:
   colors = dict(zip(lags, matplotlib.colormaps["viridis"](np.linspace(0.0, 0.85, len(lags)))))
   paths = {}
 
-  fig, axes = subplots(len(methods), 5)
-  for ax, method in zip(axes[0], methods):
-    for lag in lags:
-      runs = groups.get((method, lag), [])
-      if not runs:
-        continue
-      curves = [r.pass1_curve() for r in runs]
-      n = min(len(c[0]) for c in curves)
-      x = np.mean([c[0][:n] for c in curves], axis=0)
-      y = np.array([c[1][:n] for c in curves])
-      ax.plot(x, y.mean(0), "o-", ms=3, color=colors[lag], label=f"L={lag} ({len(runs)} seeds)")
-      ax.fill_between(x, y.min(0), y.max(0), color=colors[lag], alpha=0.15)
-    ax.set(title=METHODS[method][0], xlabel="generated answers")
-    ax.grid(alpha=0.3)
-  axes[0][0].set_ylabel("held-out pass@1")
-  axes[0][0].legend(fontsize=8)
-  fig.suptitle("pass@1 vs generated answers (mean over seeds; band: min-max)")
-  fig.tight_layout()
-  paths["pass1"] = os.path.join(fig_dir, "pass1_vs_samples.png")
-  fig.savefig(paths["pass1"], dpi=110)
+  def save(fig, name: str, title: str) -> str:
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = os.path.join(fig_dir, name)
+    fig.savefig(path, dpi=110)
+    return path
 
-  fig, axes = subplots(len(methods), 5)
-  for ax, method in zip(axes[0], methods):
-    for lag in lags:
-      runs = groups.get((method, lag), [])
-      if not runs:
-        continue
-      series = [r.series("entropy") for r in runs]
-      n = min(len(s[1]) for s in series)
-      window = max(1, min(10, n // 5))
-      y = np.array([_smooth(s[1][:n], window) for s in series])
-      x = series[0][0][:n][window - 1:] if window > 1 and n >= window else series[0][0][:n]
-      ax.plot(x, y.mean(0), color=colors[lag], label=f"L={lag}")
-      ax.fill_between(x, y.min(0), y.max(0), color=colors[lag], alpha=0.15)
-    ax.set(title=METHODS[method][0], xlabel="trainer step")
-    ax.grid(alpha=0.3)
-  axes[0][0].set_ylabel("entropy of pi_theta on sampled answers (nats/token)")
-  axes[0][0].legend(fontsize=8)
-  fig.suptitle("policy entropy vs trainer step (moving average; band: min-max over seeds)")
-  fig.tight_layout()
-  paths["entropy"] = os.path.join(fig_dir, "entropy_vs_step.png")
-  fig.savefig(paths["entropy"], dpi=110)
+  def per_method(curves, xlabel: str, ylabel: str, marker: str = "-"):
+    """One panel per method, a line per lag: `curves(runs)` -> (x `[n]`, y `[seeds, n]`)."""
+    fig, axes = subplots(len(methods), 5)
+    for ax, method in zip(axes[0], methods):
+      for lag in lags:
+        runs = groups.get((method, lag), [])
+        if runs:
+          x, y = curves(runs)
+          ax.plot(x, y.mean(0), marker, ms=3, color=colors[lag], label=f"L={lag} ({len(runs)} seeds)")
+          ax.fill_between(x, y.min(0), y.max(0), color=colors[lag], alpha=0.15)
+      ax.set(title=METHODS[method][0], xlabel=xlabel)
+      ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][0].legend(fontsize=8)
+    return fig
+
+  def pass1(runs):
+    curves = [r.pass1_curve() for r in runs]
+    n = min(len(c[0]) for c in curves)
+    return np.mean([c[0][:n] for c in curves], axis=0), np.array([c[1][:n] for c in curves])
+
+  def entropy(runs):
+    series = [r.series("entropy") for r in runs]
+    n = min(len(s[1]) for s in series)
+    window = max(1, min(10, n // 5))
+    y = np.array([_smooth(s[1][:n], window) for s in series])
+    return series[0][0][:n][n - y.shape[1]:], y  # steps at the end of each averaging window
+
+  paths["pass1"] = save(per_method(pass1, "generated answers", "held-out pass@1", "o-"),
+                        "pass1_vs_samples.png",
+                        "pass@1 vs generated answers (mean over seeds; band: min-max)")
+  paths["entropy"] = save(per_method(entropy, "trainer step",
+                                     "entropy of pi_theta on sampled answers (nats/token)"),
+                          "entropy_vs_step.png",
+                          "policy entropy vs trainer step (moving average; band: min-max over seeds)")
 
   n_max = min(r.summary["eval_after"]["samples_per_problem"] for r in results)
   ks = np.arange(1, n_max + 1)
@@ -267,10 +268,8 @@ def plot(results, fig_dir: str) -> dict[str, str]:
     ax.grid(alpha=0.3)
   axes[0][0].set_ylabel("held-out pass@k")
   axes[0][0].legend(fontsize=7, loc="lower right")
-  fig.suptitle(f"pass@k (k = 1..{n_max}) before and after training (mean over seeds; band: min-max)")
-  fig.tight_layout()
-  paths["passk"] = os.path.join(fig_dir, "passk_before_after.png")
-  fig.savefig(paths["passk"], dpi=110)
+  paths["passk"] = save(fig, "passk_before_after.png",
+                        f"pass@k (k = 1..{n_max}) before and after training (mean over seeds; band: min-max)")
   return paths
 
 
