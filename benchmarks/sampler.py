@@ -4,14 +4,18 @@ One tiny Qwen3 (vocab 1024, hidden 256, 4 layers, 4 query / 2 KV heads of 64, ML
 QK-norm, tied embeddings, float32), random weights exported with `oapl_jax.models.to_hf` and
 loaded by `AutoModelForCausalLM` (PyTorch CPU) for the reference.
 
-  python benchmarks/sampler.py [--reps 5] [--skip-hf]
+  python benchmarks/sampler.py [--reps 5] [--engines N] [--skip-hf]
 
 1. fixed: 32 prompts x 32 tokens, exactly 128 new tokens each, temperature 1 (our engine: no
    EOS; transformers: do_sample=True, min_new_tokens=max_new_tokens). Generated tokens/s of
-   the whole call (prefill, decode, host work), median of `--reps`, and the ratio; the two
-   alternate repetition by repetition (transformers in a child process of its own), so that
-   both see the same machine load. Compile time (first call minus a warm one) apart. Peak
-   RSS (VmHWM): ours = this process (JAX, and the TensorFlow that `jetstream` imports),
+   the whole call (prefill, decode, host work), median of `--reps`, and the ratios. Three
+   sides alternate repetition by repetition, so that all see the same machine load:
+   transformers (a child process of its own, torch using every core), our engine alone (one
+   `Engine`, 32 slots), and our engine as the trainer runs it with `sampling.engines=N`
+   (`oapl_jax.sampling.parallel.Replicas`: N engines of 32 / N slots, one per host device,
+   every N-th prompt each; N = `--engines`, default the number of cores; this script asks JAX
+   for N host devices before it starts). Compile time (first call minus a warm one) apart.
+   Peak RSS (VmHWM): ours = this process (JAX, and the TensorFlow that `jetstream` imports),
    transformers = its child process.
 2. cache size: the same workload with a 1024- and a 4096-position KV cache; and with the
    paper's code-run sampling (temperature 0.6, top-p 0.95: a sort per step).
@@ -66,9 +70,8 @@ def peak_rss_mb() -> float:
     return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 1024
 
 
-def _timed(fn, reps: int, exclude=None):
-  """(first-call seconds, median of `reps` warm calls, last result). exclude(): seconds of
-  each call spent on something else (the alternating transformers repetition)."""
+def _timed(fn, reps: int):
+  """(first-call seconds, median of `reps` warm calls, last result)."""
   t0 = time.perf_counter()
   out = fn(0)
   first = time.perf_counter() - t0
@@ -76,7 +79,7 @@ def _timed(fn, reps: int, exclude=None):
   for r in range(reps):
     t0 = time.perf_counter()
     out = fn(r + 1)
-    times.append(time.perf_counter() - t0 - (exclude() if exclude else 0.0))
+    times.append(time.perf_counter() - t0)
   return first, statistics.median(times), out
 
 
@@ -84,39 +87,75 @@ def _compiles(engine) -> dict:
   return {f: getattr(engine, f)._cache_size() for f in ("_prefill", "_insert", "_generate_steps", "_resize")}
 
 
-def bench_ours(graphdef, params, reps: int, hf=None) -> dict:
+def fixed_engines(graphdef, params, num: int, max_len: int, sampling):
+  """`num` replicas of the fixed workload's engine (32 / num slots each), weights loaded."""
+  from oapl_jax.sampling import Engine
+  from oapl_jax.sampling.parallel import Replicas
+  replicas = Replicas(lambda: Engine(graphdef, model_config(), sampling, max_slots=SLOTS // num,
+                                     max_prefill_length=PROMPT_LEN, max_len=max_len,
+                                     max_prefill_batch=BATCH // num), num)
+  return replicas, replicas.load_params(params, version=0)
+
+
+def fixed_rollout(replicas, weights, seed: int):
+  import jax
+  ro = replicas.rollout(weights, prompts(BATCH, PROMPT_LEN, PROMPT_LEN, seed=0), group_size=1,
+                        max_new_tokens=NEW_TOKENS, eos_id=-1, pad_id=0, key=jax.random.key(seed))
+  assert (ro.lengths == NEW_TOKENS).all()
+  return ro
+
+
+def bench_fixed(graphdef, params, reps: int, engines: int, hf=None) -> dict:
+  """The fixed workload: transformers (`hf`, if any), one engine and `engines` replicas,
+  alternating repetition by repetition."""
+  from oapl_jax.sampling import SamplingParams
+  sides = {"one": fixed_engines(graphdef, params, 1, PROMPT_LEN + NEW_TOKENS, SamplingParams())}
+  if engines > 1:
+    sides["replicas"] = fixed_engines(graphdef, params, engines, PROMPT_LEN + NEW_TOKENS,
+                                      SamplingParams())
+  first, times = {}, {name: [] for name in sides}
+  for name, (replicas, weights) in sides.items():
+    t0 = time.perf_counter()
+    fixed_rollout(replicas, weights, 0)
+    first[name] = time.perf_counter() - t0
+  for r in range(1, reps + 1):
+    if hf is not None:
+      hf.rep(r)
+    for name, (replicas, weights) in sides.items():
+      time.sleep(_SETTLE)
+      t0 = time.perf_counter()
+      ro = fixed_rollout(replicas, weights, r)
+      times[name].append(time.perf_counter() - t0)
+  out = {}
+  for name, (replicas, weights) in sides.items():
+    median = statistics.median(times[name])
+    out[name] = {"engines": len(replicas), "slots_per_engine": replicas.engine.max_concurrent_decodes,
+                 "tokens_per_s": BATCH * NEW_TOKENS / median, "seconds": median,
+                 "seconds_all": times[name], "compile_seconds": first[name] - median}
+  return out
+
+
+def bench_ours(graphdef, params, reps: int, engines: int, hf=None) -> dict:
   """Our engine on every workload; the fixed one alternates repetitions with `hf` (if any)."""
   import jax
-  from oapl_jax.sampling import Engine, SamplingParams, rollout
+  from oapl_jax.sampling import SamplingParams
 
-  top_p = _top_p()
-  cfg, fixed = model_config(), prompts(BATCH, PROMPT_LEN, PROMPT_LEN, seed=0)
-  out = {}
-  runs = [("fixed", PROMPT_LEN + NEW_TOKENS, SamplingParams(temperature=1.0)),
-          ("cache_1024", 1024, SamplingParams()), ("cache_4096", 4096, SamplingParams()),
-          ("top_p", PROMPT_LEN + NEW_TOKENS, top_p)]
-  for name, max_len, sampling in runs:
-    engine = Engine(graphdef, cfg, sampling, max_slots=SLOTS, max_prefill_length=PROMPT_LEN,
-                    max_len=max_len, max_prefill_batch=BATCH)
-    weights = engine.load_params(params, version=0)
-
-    def go(r):
-      if hf is not None and name == "fixed" and r > 0:
-        hf.rep(r)  # alternate with transformers, so that both see the same machine load
-      return rollout(engine, weights, fixed, group_size=1, max_new_tokens=NEW_TOKENS,
-                     eos_id=-1, pad_id=0, key=jax.random.key(r))
-
-    first, median, ro = _timed(go, reps, exclude=(lambda: hf.last) if hf and name == "fixed" else None)
-    assert (ro.lengths == NEW_TOKENS).all()
+  out = {"fixed": bench_fixed(graphdef, params, reps, engines, hf)}
+  replicas, weights = fixed_engines(graphdef, params, 1, PROMPT_LEN + NEW_TOKENS, SamplingParams())
+  fixed_rollout(replicas, weights, 0)
+  engine = replicas.engine
+  out["decode_state_mb"] = sum(x.nbytes for x in jax.tree.leaves(engine.init_decode_state())) / 2**20
+  out["compiles_after_fixed"] = _compiles(engine)
+  out.update(bench_swap(engine, params, out["fixed"]["one"]["seconds"]))
+  out["peak_rss_mb_after_fixed"] = peak_rss_mb()
+  for name, max_len, sampling in [("cache_1024", 1024, SamplingParams()),
+                                  ("cache_4096", 4096, SamplingParams()),
+                                  ("top_p", PROMPT_LEN + NEW_TOKENS, _top_p())]:
+    replicas, weights = fixed_engines(graphdef, params, 1, max_len, sampling)
+    first, median, ro = _timed(lambda r: fixed_rollout(replicas, weights, r), reps)
     out[name] = {"tokens_per_s": BATCH * NEW_TOKENS / median, "seconds": median,
                  "compile_seconds": first - median, "decode_calls": ro.stats["decode_calls"],
-                 "cache_capacities_compiled": engine._generate_steps._cache_size()}
-    if name == "fixed":
-      state = engine.init_decode_state()
-      out["decode_state_mb"] = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
-      out["compiles_after_fixed"] = _compiles(engine)
-      out.update(bench_swap(engine, params, median))
-  out["peak_rss_mb_after_fixed"] = peak_rss_mb()
+                 "cache_capacities_compiled": replicas.engine._generate_steps._cache_size()}
   out["continuous"] = bench_continuous(graphdef, params, reps)
   out["peak_rss_mb"] = peak_rss_mb()
   return out
@@ -210,14 +249,12 @@ class HFWorker:
     self._child = ctx.Process(target=hf_child, args=(self._dir.name, self._requests, self._replies))
     self._child.start()
     self.first = self.rep(0)  # loading and first-call costs, not counted
-    self.times, self.last = [], 0.0
+    self.times = []
 
   def rep(self, seed: int) -> float:
-    t0 = time.perf_counter()
     self._requests.put(seed)
     seconds = self._replies.get(timeout=1800)
     time.sleep(_SETTLE)
-    self.last = time.perf_counter() - t0
     if seed:
       self.times.append(seconds)
     return seconds
@@ -235,9 +272,13 @@ class HFWorker:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--engines", type=int, default=os.cpu_count(),
+                      help="replicas for the fixed workload's sampling.engines side (1: skip it)")
   parser.add_argument("--skip-hf", action="store_true")
   args = parser.parse_args()
 
+  from oapl_jax.sampling.parallel import request_host_devices
+  request_host_devices(args.engines)  # before JAX starts: a host device per engine
   import jax
   from flax import nnx
   from oapl_jax.models import Transformer
@@ -245,24 +286,30 @@ def main() -> None:
   model = Transformer(model_config(), rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
   hf = None if args.skip_hf else HFWorker(model)
-  ours = bench_ours(graphdef, params, args.reps, hf)
+  ours = bench_ours(graphdef, params, args.reps, args.engines, hf)
   result = {"config": {"batch": BATCH, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
                        "temperature": 1.0, "reps": args.reps, "jax": jax.__version__,
-                       "cpus": os.cpu_count()},
+                       "cpus": os.cpu_count(), "devices": len(jax.devices())},
             "ours": ours}
-  fixed = ours["fixed"]
-  print(f"ours   fixed (cache {PROMPT_LEN + NEW_TOKENS}): {fixed['tokens_per_s']:8.0f} tok/s  "
-        f"({fixed['seconds']:.3f} s, compile {fixed['compile_seconds']:.1f} s)")
+  if hf is not None:
+    result["transformers"] = hf.finish()
+  for name, fixed in ours["fixed"].items():
+    line = (f"ours   fixed (cache {PROMPT_LEN + NEW_TOKENS}), {fixed['engines']} engine(s) x "
+            f"{fixed['slots_per_engine']} slots: {fixed['tokens_per_s']:8.0f} tok/s  "
+            f"({fixed['seconds']:.3f} s, compile {fixed['compile_seconds']:.1f} s)")
+    if hf is not None:
+      fixed["ratio_over_transformers"] = fixed["tokens_per_s"] / result["transformers"]["tokens_per_s"]
+      line += f"  -> {fixed['ratio_over_transformers']:.2f}x transformers"
+    print(line)
   for size in (1024, 4096):
     c = ours[f"cache_{size}"]
     print(f"ours   fixed (cache {size}): {c['tokens_per_s']:8.0f} tok/s  ({c['seconds']:.3f} s)")
   c = ours["top_p"]
   print(f"ours   fixed, temperature 0.6, top-p 0.95: {c['tokens_per_s']:8.0f} tok/s  ({c['seconds']:.3f} s)")
   if hf is not None:
-    result["transformers"] = hf.finish()
-    result["ratio"] = fixed["tokens_per_s"] / result["transformers"]["tokens_per_s"]
     print(f"transformers generate:      {result['transformers']['tokens_per_s']:8.0f} tok/s  "
-          f"({result['transformers']['seconds']:.3f} s)  -> ratio {result['ratio']:.2f}x")
+          f"({result['transformers']['seconds']:.3f} s, torch threads "
+          f"{result['transformers']['torch_threads']})")
   cb = ours["continuous"]
   print(f"continuous batching: utilisation {cb['slot_utilisation']:.3f} "
         f"({cb['queued_slot_utilisation']:.3f} while prompts queued), "

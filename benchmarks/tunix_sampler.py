@@ -29,10 +29,12 @@ processing, as in our benchmark (whole `rollout` call). Compile time = first cal
 median warm call. A second, separate pass times prefill and decode apart (block_until_ready) to
 give the decode step time.
 
-With `--ours-python`, a child process of that interpreter runs our engine (`oapl_jax.sampling`
-`Engine` + `rollout`, as `benchmarks/sampler.py` does for its fixed / cache_1024 runs, with a
-cache of max_len = the same size) on the same prompts, and the two alternate repetition by
-repetition, so that both see the same machine load.
+With `--ours-python`, a child process of that interpreter runs our engine on the same prompts,
+as `benchmarks/sampler.py` does for its fixed workload (with a cache of max_len = the same
+size), once per `--ours-engines` count: 1 = one `Engine` with 32 slots; N = `sampling.engines=N`
+(N engines of 32 / N slots, one per host device: the child asks JAX for N). All sides alternate
+repetition by repetition, so that they see the same machine load. Tunix runs as shipped, in
+one process with JAX's default single CPU device.
 """
 
 from __future__ import annotations
@@ -98,29 +100,25 @@ def build_model(hf_dir: str | None):
 _OURS_WORKER = r"""
 import json, sys, time
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {repo!r} + "/benchmarks")
+from oapl_jax.sampling.parallel import request_host_devices
+request_host_devices({max_engines})
 import jax
 from flax import nnx
-from sampler import model_config, prompts, BATCH, PROMPT_LEN, NEW_TOKENS, SLOTS
+from sampler import fixed_engines, fixed_rollout, model_config
 from oapl_jax.models import Transformer
-from oapl_jax.sampling import Engine, SamplingParams, rollout
-cfg = model_config()
-graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
-work = prompts(BATCH, PROMPT_LEN, PROMPT_LEN, seed=0)
-engines = {{}}
-print(json.dumps({{"ready": True, "jax": jax.__version__}}), flush=True)
+from oapl_jax.sampling import SamplingParams
+graphdef, params = nnx.split(Transformer(model_config(), rngs=nnx.Rngs(0)), nnx.Param)
+sides = {{}}
+print(json.dumps({{"ready": True, "jax": jax.__version__, "devices": len(jax.devices())}}), flush=True)
 for line in sys.stdin:
-  cache, r = map(int, line.split())
-  if cache not in engines:
-    e = Engine(graphdef, cfg, SamplingParams(temperature=1.0), max_slots=SLOTS,
-               max_prefill_length=PROMPT_LEN, max_len=cache, max_prefill_batch=BATCH)
-    engines[cache] = (e, e.load_params(params, version=0))
-  e, w = engines[cache]
+  cache, engines, r = map(int, line.split())
+  if (cache, engines) not in sides:
+    sides[cache, engines] = fixed_engines(graphdef, params, engines, cache, SamplingParams())
+  replicas, weights = sides[cache, engines]
   time.sleep({settle})
   t0 = time.perf_counter()
-  ro = rollout(e, w, work, group_size=1, max_new_tokens=NEW_TOKENS, eos_id=-1, pad_id=0,
-               key=jax.random.key(r))
+  ro = fixed_rollout(replicas, weights, r)
   dt = time.perf_counter() - t0
-  assert (ro.lengths == NEW_TOKENS).all()
   print(json.dumps({{"seconds": dt, "decode_calls": ro.stats["decode_calls"]}}), flush=True)
 """
 
@@ -128,8 +126,8 @@ for line in sys.stdin:
 class Ours:
   """Our engine in a child process of another interpreter (the oapl_jax venv)."""
 
-  def __init__(self, python: str):
-    code = _OURS_WORKER.format(repo=REPO, settle=_SETTLE)
+  def __init__(self, python: str, max_engines: int):
+    code = _OURS_WORKER.format(repo=REPO, settle=_SETTLE, max_engines=max_engines)
     self._p = subprocess.Popen([python, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                text=True, cwd=REPO)
     self.info = self._read()
@@ -142,8 +140,8 @@ class Ours:
       if line.startswith("{"):
         return json.loads(line)
 
-  def rep(self, cache: int, seed: int) -> dict:
-    self._p.stdin.write(f"{cache} {seed}\n")
+  def rep(self, cache: int, engines: int, seed: int) -> dict:
+    self._p.stdin.write(f"{cache} {engines} {seed}\n")
     self._p.stdin.flush()
     return self._read()
 
@@ -160,6 +158,8 @@ def main() -> None:
                       help="HF checkpoint of our model (oapl_jax.models.to_hf): identical weights")
   parser.add_argument("--ours-python", default=None,
                       help="interpreter with oapl_jax: alternate with our engine rep by rep")
+  parser.add_argument("--ours-engines", default=f"1,{os.cpu_count()}",
+                      help="our sides: engine replicas (sampling.engines), each a host device")
   args = parser.parse_args()
 
   import jax
@@ -178,7 +178,8 @@ def main() -> None:
   build_seconds = time.perf_counter() - t0
   work = prompts(BATCH, PROMPT_LEN, PROMPT_LEN, seed=0)
   texts = [" ".join(map(str, p)) for p in work]
-  ours = Ours(args.ours_python) if args.ours_python else None
+  ours_engines = sorted({int(n) for n in args.ours_engines.split(",")})
+  ours = Ours(args.ours_python, max(ours_engines)) if args.ours_python else None
   tokens = BATCH * NEW_TOKENS
   result = {"config": {"batch": BATCH, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
                        "temperature": 1.0, "reps": args.reps, "jax": jax.__version__,
@@ -199,15 +200,15 @@ def main() -> None:
     t0 = time.perf_counter()
     call(0)
     first = time.perf_counter() - t0
-    ours_first = None
-    if ours:
+    ours_first, ours_times = {}, {n: [] for n in ours_engines}
+    for n in ours_engines if ours else ():
       t0 = time.perf_counter()
-      ours.rep(cache, 0)
-      ours_first = time.perf_counter() - t0
-    times, ours_times = [], []
+      ours.rep(cache, n, 0)
+      ours_first[n] = time.perf_counter() - t0
+    times = []
     for r in range(1, args.reps + 1):
-      if ours:
-        ours_times.append(ours.rep(cache, r)["seconds"])
+      for n in ours_engines if ours else ():
+        ours_times[n].append(ours.rep(cache, n, r)["seconds"])
         time.sleep(_SETTLE)
       t0 = time.perf_counter()
       call(r)
@@ -243,13 +244,14 @@ def main() -> None:
     line = (f"tunix  cache {cache:5d}: {run['tokens_per_s']:8.0f} tok/s  ({median:.3f} s, compile "
             f"{run['compile_seconds']:.1f} s, prefill {run['prefill_seconds'] * 1e3:.1f} ms, "
             f"decode step {run['decode_step_ms']:.2f} ms)")
-    if ours:
-      om = statistics.median(ours_times)
-      run["ours"] = {"tokens_per_s": tokens / om, "seconds": om, "seconds_all": ours_times,
-                     "compile_seconds": ours_first - _SETTLE - om}
-      run["ratio_ours_over_tunix"] = median / om
-      line += (f"\nours   cache {cache:5d}: {tokens / om:8.0f} tok/s  ({om:.3f} s)  -> ratio "
-               f"ours/tunix {median / om:.2f}x")
+    for n in ours_engines if ours else ():
+      om = statistics.median(ours_times[n])
+      run[f"ours_{n}_engines"] = {"tokens_per_s": tokens / om, "seconds": om,
+                                  "seconds_all": ours_times[n], "slots_per_engine": SLOTS // n,
+                                  "compile_seconds": ours_first[n] - _SETTLE - om,
+                                  "ratio_over_tunix": median / om}
+      line += (f"\nours   cache {cache:5d}, {n} engine(s) x {SLOTS // n} slots: {tokens / om:8.0f} "
+               f"tok/s  ({om:.3f} s)  -> {median / om:.2f}x tunix")
     print(line, flush=True)
     result["runs"][str(cache)] = run
   if ours:

@@ -49,7 +49,8 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.sampling.top_k = 0  # Keep the k most likely tokens; 0 = off.
   c.sampling.max_prompt_len = 4096  # Longest prompt in tokens (prefill buffer); longer prompts are an error.
   c.sampling.max_new_tokens = 8192  # Answer length limit in tokens (EOS included).
-  c.sampling.max_slots = 64  # Engine decode slots (answers decoded concurrently).
+  c.sampling.max_slots = 64  # Decode slots per engine (answers decoded concurrently).
+  c.sampling.engines = 1  # Engine replicas, one per local device, prompts split over them (on CPU: one host device per core; see README "Speed").
   c.sampling.steps_per_call = 32  # Decode steps per jitted engine call (fewer host round trips).
   c.sampling.attn_chunk = 1024  # Decode attention reads the KV cache in chunks of this many positions.
   c.sampling.cache_bucket = 64  # KV cache grows in power-of-two multiples of this (one compile each).
@@ -200,6 +201,7 @@ def validate(c) -> None:
   _check(s.temperature > 0, "sampling.temperature", s.temperature, "must be > 0")
   _check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
   _check(s.top_k >= 0, "sampling.top_k", s.top_k, "must be >= 0 (0 = off)")
+  _check(s.engines >= 1, "sampling.engines", s.engines, "must be >= 1")
   _check(s.min_decode_width >= 1, "sampling.min_decode_width", s.min_decode_width, "must be >= 1")
   _check(s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "must be >= 1")
   _check(s.max_slots >= rl.group_size, "sampling.max_slots", s.max_slots,

@@ -13,6 +13,7 @@ import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import train  # noqa: E402
+from oapl_jax.sampling.parallel import request_host_devices  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and summary.json go.")
@@ -24,6 +25,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; keep the console readable
     logging.set_verbosity(logging.WARNING)
+  request_host_devices(_CONFIG.value.sampling.engines)  # on CPU: a host device per engine
   print(f"jax {jax.__version__}, devices {jax.devices()}")
   summary = train.run(_CONFIG.value, _WORKDIR.value)
   keys = [k for k in summary["eval_after"] if k.startswith("pass@")]

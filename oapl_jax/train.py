@@ -40,7 +40,8 @@ from oapl_jax.models import ModelConfig, Transformer, from_hf
 from oapl_jax.rl import losses
 from oapl_jax.rl.buffer import GroupBuffer
 from oapl_jax.rl.logprobs import make_batch, token_logprobs
-from oapl_jax.sampling import Engine, SamplingParams, rollout
+from oapl_jax.sampling import Engine, SamplingParams
+from oapl_jax.sampling.parallel import Replicas, request_host_devices
 from oapl_jax.tasks import make_task
 
 
@@ -93,6 +94,11 @@ def make_engine(config, model_cfg, graphdef) -> Engine:
                 steps_per_call=s.steps_per_call, attn_chunk=s.attn_chunk,
                 cache_bucket=s.cache_bucket, max_prefill_batch=s.max_prefill_batch,
                 min_decode_width=s.min_decode_width)
+
+
+def make_engines(config, model_cfg, graphdef) -> Replicas:
+  """`sampling.engines` replicas of `make_engine`, one per local device."""
+  return Replicas(lambda: make_engine(config, model_cfg, graphdef), config.sampling.engines)
 
 
 def loss_kwargs(config) -> dict:
@@ -194,16 +200,18 @@ class Counters:
   train_seconds: float = 0.0  # wall time of the RL loop (sampling + training)
 
 
-def sample_groups(config, engine, snapshot, task, tokenizer, counters: Counters):
-  """One rollout call: `rl.groups_per_rollout` fresh training prompts x G answers -> batch."""
+def sample_groups(config, engines: Replicas, weights, task, tokenizer, counters: Counters):
+  """One rollout call: `rl.groups_per_rollout` fresh training prompts x G answers -> batch.
+
+  weights: the snapshot as `engines.load_params(snapshot, version=...)` (answers carry the version).
+  """
   rng = np.random.default_rng([config.seed, 1, counters.rollouts])
   key = jax.random.fold_in(jax.random.key(config.seed), counters.rollouts)
   problems = task.train_problems(rng, config.rl.groups_per_rollout)
   prompts = [tokenizer.encode(p.prompt, add_bos=True) for p in problems]
-  weights = engine.load_params(snapshot, version=counters.version)  # answers carry the version
-  ro = rollout(engine, weights, prompts, group_size=config.rl.group_size,
-               max_new_tokens=config.sampling.max_new_tokens, eos_id=tokenizer.eos_id,
-               pad_id=tokenizer.pad_id, key=key)
+  ro = engines.rollout(weights, prompts, group_size=config.rl.group_size,
+                       max_new_tokens=config.sampling.max_new_tokens, eos_id=tokenizer.eos_id,
+                       pad_id=tokenizer.pad_id, key=key)
   rewards = score_rollout(task, tokenizer, problems, ro)
   counters.rollouts += 1
   counters.samples_generated += ro.num_samples
@@ -227,6 +235,7 @@ class Run:
 
   def __init__(self, config, workdir: str):
     config_lib.validate(config)
+    request_host_devices(config.sampling.engines)  # on CPU, if JAX has not started yet
     self.config = config
     self.workdir = workdir
     os.makedirs(workdir, exist_ok=True)
@@ -237,7 +246,8 @@ class Run:
           f"{self.tokenizer.vocab_size}")
     self.model_cfg, self.graphdef, params = init_model(config)
     self.optimizer = make_optimizer(config.train, config.train.steps)
-    self.engine = make_engine(config, self.model_cfg, self.graphdef)
+    self.engines = make_engines(config, self.model_cfg, self.graphdef)
+    self._engine_weights = (None, None, None)  # (snapshot, version, its copies on the engines)
     self.train_step = make_train_step(config, self.graphdef, self.optimizer)
     self.buffer = GroupBuffer(config.rl.group_size)
     self.counters = Counters()
@@ -274,6 +284,14 @@ class Run:
     return True
 
   # the loop
+  def engine_weights(self) -> list:
+    """The snapshot on every engine's device, stamped with the version (placed once per snapshot)."""
+    snapshot, version, weights = self._engine_weights
+    if snapshot is not self.snapshot or version != self.counters.version:
+      weights = self.engines.load_params(self.snapshot, version=self.counters.version)
+      self._engine_weights = (self.snapshot, self.counters.version, weights)
+    return weights
+
   def refresh_engine(self) -> None:
     """pi_old <- pi_theta; version += 1; empty the buffer."""
     self.snapshot = _copy(self.params)
@@ -287,7 +305,7 @@ class Run:
     t0 = time.perf_counter()
     sampled_tokens, sample_seconds = 0, 0.0
     while len(self.buffer) < rl.groups_per_step:
-      batch, n_tokens = sample_groups(self.config, self.engine, self.snapshot, self.task,
+      batch, n_tokens = sample_groups(self.config, self.engines, self.engine_weights(), self.task,
                                       self.tokenizer, c)
       self.buffer.put(batch, version=c.version, snapshot_step=c.snapshot_step)
       sampled_tokens += n_tokens
@@ -322,9 +340,10 @@ class Run:
     """
     problems = self.task.eval_problems()[:num_problems]
     prompts = [self.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
-    ro = rollout(self.engine, self.params if params is None else params, prompts, group_size=n,
-                 max_new_tokens=self.config.sampling.max_new_tokens, eos_id=self.tokenizer.eos_id,
-                 pad_id=self.tokenizer.pad_id, key=jax.random.key(seed))
+    ro = self.engines.rollout(self.params if params is None else params, prompts, group_size=n,
+                              max_new_tokens=self.config.sampling.max_new_tokens,
+                              eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+                              key=jax.random.key(seed))
     texts = decode_answers(self.tokenizer, ro)
     rewards = score_rollout(self.task, self.tokenizer, problems, ro)
     return [{"prompt": p.prompt, "answers": texts[j * n:(j + 1) * n],
@@ -334,7 +353,7 @@ class Run:
   def evaluate(self, params, tag: str) -> dict:
     key = jax.random.fold_in(jax.random.key(self.config.seed), 1_000_003)  # same draws before/after
     t0 = time.perf_counter()
-    out = evaluate(self.engine, params, self.task, self.tokenizer,
+    out = evaluate(self.engines, params, self.task, self.tokenizer,
                    samples_per_problem=self.config.eval.samples_per_problem,
                    max_new_tokens=self.config.sampling.max_new_tokens, key=key)
     _say(f"eval {tag}: " + ", ".join(f"{k}={v:.3f}" for k, v in out.items() if k.startswith("pass@"))

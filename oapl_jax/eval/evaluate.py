@@ -6,7 +6,6 @@ import jax
 import numpy as np
 
 from oapl_jax.eval.passk import default_ks, pass_at_k_table
-from oapl_jax.sampling.rollout import rollout
 
 
 def decode_answers(tokenizer, ro) -> list[str]:
@@ -28,15 +27,17 @@ def score_rollout(task, tokenizer, problems, ro) -> np.ndarray:
   return np.array([task.score(r, p) for r, p in zip(responses, owners)], np.float32)
 
 
-def evaluate(engine, params, task, tokenizer, *, samples_per_problem: int, max_new_tokens: int,
+def evaluate(engines, params, task, tokenizer, *, samples_per_problem: int, max_new_tokens: int,
              key: jax.Array) -> dict:
-  """Returns {"pass@1": ..., "pass@2": ..., ..., "num_problems", "samples_per_problem",
+  """pass@k of `params` sampled through `engines` (a `sampling.parallel.Replicas`).
+
+  Returns {"pass@1": ..., "pass@2": ..., ..., "num_problems", "samples_per_problem",
   "mean_answer_tokens", "correct_per_problem"} (k = powers of two up to n)."""
   problems = task.eval_problems()
   prompts = [tokenizer.encode(p.prompt, add_bos=True) for p in problems]
   n = samples_per_problem
-  ro = rollout(engine, params, prompts, group_size=n, max_new_tokens=max_new_tokens,
-               eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, key=key)
+  ro = engines.rollout(params, prompts, group_size=n, max_new_tokens=max_new_tokens,
+                       eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, key=key)
   correct = score_rollout(task, tokenizer, problems, ro).reshape(len(problems), n) > 0.5
   return {**pass_at_k_table(correct, default_ks(n)), "num_problems": len(problems),
           "samples_per_problem": n, "mean_answer_tokens": float(ro.lengths.mean()),

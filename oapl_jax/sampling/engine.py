@@ -230,7 +230,7 @@ class Engine(engine_api.Engine):
         "slot_ids": jnp.arange(s, dtype=jnp.int32),
         "eos": jnp.asarray(eos_id, jnp.int32),
         "stops": jnp.asarray(stops),
-        "key": jax.random.key(0) if key is None else key,
+        "key": jax.random.key(0) if key is None else jnp.copy(key),  # the state is donated, the caller's key is not
         "step": jnp.zeros((), jnp.int32),
     }
 

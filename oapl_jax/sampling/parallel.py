@@ -1,74 +1,124 @@
-"""Data-parallel rollouts: one engine per device, each in its own host thread.
+"""Engine replicas: one engine per device, sampling as one (`sampling.engines` in the config).
 
-On a CPU host, one XLA process uses its cores poorly for decode-sized work (a process pinned to
-one core samples about as fast as one using two), while separate host devices
-(`--xla_force_host_platform_device_count=N`, set before JAX starts) each run on their own core.
-`parallel_rollout` splits the prompts round-robin over several `(device, engine, weights)`
-shards, runs `rollout` for each under `jax.default_device(device)` in a thread, and merges the
-results back into prompt order. Shard `i` samples with `fold_in(key, i)`, so the answers are
-deterministic given the key and the number of shards (not equal to a one-engine rollout's).
+The trainer samples through `Replicas`. With one replica it is `rollout` on one engine. With
+N, the prompts are split round-robin over N engines, each with its own weights on its own
+device and driven by its own host thread; the rows come back in prompt order. This is
+JetStream's own model of scale-out (its orchestrator takes a list of generate engines).
 
-Measured with `benchmarks/data_parallel_sampler.py`. Not used by the trainer yet.
+Why on a CPU host: one XLA process uses its cores poorly for decode-sized work (a process
+pinned to one core samples about as fast as one using two), while separate host devices each
+run on their own core. `request_host_devices(n)` asks JAX for n CPU devices; it must run
+before JAX starts its backends (`oapl_jax.main` calls it before anything else touches JAX).
+On TPU / GPU the replicas sit on the first N local accelerator devices.
+
+Replica i samples with `fold_in(key, i)` (one replica: `key` itself, so a one-replica run is
+exactly a plain `rollout`): answers are deterministic given the key and the number of
+replicas, and differ between replica counts.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import jax
 import numpy as np
 
-from oapl_jax.sampling.engine import Engine
+from oapl_jax.sampling.engine import Engine, EngineParams
 from oapl_jax.sampling.rollout import Rollout, rollout
 
 
-def shard_engines(make_engine, params, devices=None) -> list[tuple]:
-  """[(device, engine, weights)] with `make_engine()` built and `params` placed on each device."""
-  shards = []
-  for device in devices or jax.devices():
-    with jax.default_device(device):
-      engine: Engine = make_engine()
-      shards.append((device, engine, engine.load_params(jax.device_put(params, device))))
-  return shards
-
-
-def parallel_rollout(shards, prompts: list[list[int]], *, group_size: int, key: jax.Array,
-                     **kwargs) -> Rollout:
-  """`rollout` over `shards` (from `shard_engines`); rows in the order of `prompts`.
-
-  kwargs: the rest of `rollout`'s arguments (max_new_tokens, eos_id, pad_id, ...), except
-  `answer_limits`, which is split with the prompts if given.
-  """
-  n = len(shards)
-  limits = kwargs.pop("answer_limits", None)
-  results: list[Rollout | None] = [None] * n
-  errors: list[BaseException] = []
-
-  def work(i):
-    device, engine, weights = shards[i]
+def request_host_devices(n: int) -> None:
+  """Asks JAX for at least `n` CPU devices, if its backends have not started yet (else a no-op:
+  `Replicas` then says how many devices there are). Leaves an explicit
+  `--xla_force_host_platform_device_count` in XLA_FLAGS alone."""
+  if n <= 1 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  if jax.config.jax_num_cpu_devices < n:
     try:
-      with jax.default_device(device):
-        results[i] = rollout(engine, weights, prompts[i::n], group_size=group_size,
-                             key=jax.random.fold_in(key, i),
-                             answer_limits=None if limits is None else list(limits)[i::n], **kwargs)
-    except BaseException as e:  # re-raised in the caller's thread
-      errors.append(e)
+      jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # backends already started
+      pass
 
-  threads = [threading.Thread(target=work, args=(i,)) for i in range(n) if prompts[i::n]]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  if errors:
-    raise errors[0]
-  parts = [r for r in results if r is not None]
-  g, width = group_size, max(r.answers.shape[1] for r in parts)
-  # shard i's local prompt j is global prompt i + j * n; its rows go to that prompt's G rows
+
+class Replicas:
+  """`num` engines built by `make_engine()`, one on each of the first `num` local devices."""
+
+  def __init__(self, make_engine, num: int = 1, devices=None):
+    devices = list(devices or jax.local_devices())
+    if num > len(devices):
+      raise ValueError(
+          f"sampling.engines={num} needs {num} devices, JAX has {len(devices)} ({devices}). On "
+          f"CPU, start the process with XLA_FLAGS=--xla_force_host_platform_device_count={num}, "
+          f"or call oapl_jax.sampling.parallel.request_host_devices({num}) before any JAX "
+          f"operation (python -m oapl_jax.main does this).")
+    self.devices = devices[:num]
+    self.engines: list[Engine] = []
+    for device in self.devices:
+      with jax.default_device(device):
+        self.engines.append(make_engine())
+
+  def __len__(self) -> int:
+    return len(self.engines)
+
+  @property
+  def engine(self) -> Engine:
+    """The first replica (all are alike)."""
+    return self.engines[0]
+
+  def load_params(self, params, version: int = -1) -> list[EngineParams]:
+    """`params` (an `nnx.State`, on any device or host) placed on every replica's device."""
+    weights = []
+    for device, engine in zip(self.devices, self.engines):
+      with jax.default_device(device):
+        weights.append(engine.load_params(jax.device_put(params, device), version=version))
+    return weights
+
+  def rollout(self, weights, prompts: list[list[int]], *, group_size: int, key: jax.Array,
+              **kwargs) -> Rollout:
+    """`rollout` over the replicas; rows in the order of `prompts`.
+
+    weights: from `load_params`, or bare params (loaded here, version -1).
+    kwargs: the rest of `rollout`'s arguments (max_new_tokens, eos_id, pad_id, ...);
+    `answer_limits`, if given, is split with the prompts.
+    """
+    if not isinstance(weights, list):
+      weights = self.load_params(weights)
+    n = len(self.engines)
+    if n == 1:
+      return rollout(self.engines[0], weights[0], prompts, group_size=group_size, key=key, **kwargs)
+    limits = kwargs.pop("answer_limits", None)
+    results: list[Rollout | None] = [None] * n
+    errors: list[BaseException] = []
+
+    def work(i):
+      try:
+        with jax.default_device(self.devices[i]):
+          results[i] = rollout(self.engines[i], weights[i], prompts[i::n], group_size=group_size,
+                               key=jax.random.fold_in(key, i),
+                               answer_limits=None if limits is None else list(limits)[i::n], **kwargs)
+      except BaseException as e:  # re-raised in the caller's thread
+        errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n) if prompts[i::n]]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    if errors:
+      raise errors[0]
+    return _merge([r for r in results if r is not None], prompts, group_size, kwargs["pad_id"])
+
+
+def _merge(parts: list[Rollout], prompts, g: int, pad_id: int) -> Rollout:
+  """One `Rollout` from the replicas' (replica i held prompts i, i + n, i + 2n, ...)."""
+  n, width = len(parts), max(r.answers.shape[1] for r in parts)
+  # replica i's local prompt j is global prompt i + j * n; its rows go to that prompt's G rows
   rows = np.concatenate([((i + n * np.arange(len(r.prompts)))[:, None] * g + np.arange(g)).ravel()
-                         for i, r in enumerate(results) if r is not None])
+                         for i, r in enumerate(parts)])
   pad = lambda x, value: np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=value)  # noqa: E731
   merged = {}
-  for name, value in (("answers", kwargs["pad_id"]), ("logprobs", 0.0), ("lengths", None),
+  for name, value in (("answers", pad_id), ("logprobs", 0.0), ("lengths", None),
                       ("finish", None), ("versions", None)):
     stacked = np.concatenate([getattr(r, name) if value is None else pad(getattr(r, name), value)
                               for r in parts])
