@@ -131,7 +131,8 @@ def bench_fixed(graphdef, params, reps: int, engines: int, hf=None) -> dict:
     median = statistics.median(times[name])
     out[name] = {"engines": len(replicas), "slots_per_engine": replicas.engine.max_concurrent_decodes,
                  "tokens_per_s": BATCH * NEW_TOKENS / median, "seconds": median,
-                 "seconds_all": times[name], "compile_seconds": first[name] - median}
+                 "seconds_all": times[name], "compile_seconds": first[name] - median,
+                 "compiles": _compiles(replicas.engine), **bench_swap(replicas, params)}
   return out
 
 
@@ -141,12 +142,6 @@ def bench_ours(graphdef, params, reps: int, engines: int, hf=None) -> dict:
   from oapl_jax.sampling import SamplingParams
 
   out = {"fixed": bench_fixed(graphdef, params, reps, engines, hf)}
-  replicas, weights = fixed_engines(graphdef, params, 1, PROMPT_LEN + NEW_TOKENS, SamplingParams())
-  fixed_rollout(replicas, weights, 0)
-  engine = replicas.engine
-  out["decode_state_mb"] = sum(x.nbytes for x in jax.tree.leaves(engine.init_decode_state())) / 2**20
-  out["compiles_after_fixed"] = _compiles(engine)
-  out.update(bench_swap(engine, params, out["fixed"]["one"]["seconds"]))
   out["peak_rss_mb_after_fixed"] = peak_rss_mb()
   for name, max_len, sampling in [("cache_1024", 1024, SamplingParams()),
                                   ("cache_4096", 4096, SamplingParams()),
@@ -156,34 +151,36 @@ def bench_ours(graphdef, params, reps: int, engines: int, hf=None) -> dict:
     out[name] = {"tokens_per_s": BATCH * NEW_TOKENS / median, "seconds": median,
                  "compile_seconds": first - median, "decode_calls": ro.stats["decode_calls"],
                  "cache_capacities_compiled": replicas.engine._generate_steps._cache_size()}
+    if name == "cache_4096":
+      state = replicas.engine.init_decode_state()
+      out["decode_state_mb_cache_4096"] = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
   out["continuous"] = bench_continuous(graphdef, params, reps)
   out["peak_rss_mb"] = peak_rss_mb()
   return out
 
 
-def bench_swap(engine, params, steady_seconds: float) -> dict:
-  """The lag sync: a new snapshot into the engine, and the first rollout with it."""
+def bench_swap(replicas, params) -> dict:
+  """The lag sync as the trainer does it (`Replicas.load_params`: the snapshot copied to every
+  engine's device, decode weights made), and the first rollout with it."""
   import jax
   import numpy as np
-  from oapl_jax.sampling import rollout
 
   snapshot = jax.block_until_ready(jax.tree.map(lambda x: x * 1.01, params))
   host = jax.tree.map(np.asarray, snapshot)
-  before = _compiles(engine)
+  before = [_compiles(e) for e in replicas.engines]
   t0 = time.perf_counter()
-  weights = jax.block_until_ready(engine.load_params(snapshot, version=1))
+  jax.block_until_ready(replicas.load_params(snapshot, version=1))
   swap_device = time.perf_counter() - t0
   t0 = time.perf_counter()
-  weights = jax.block_until_ready(engine.load_params(host, version=1))
+  weights = jax.block_until_ready(replicas.load_params(host, version=1))
   swap_host = time.perf_counter() - t0
   t0 = time.perf_counter()
-  ro = rollout(engine, weights, prompts(BATCH, PROMPT_LEN, PROMPT_LEN, seed=0), group_size=1,
-               max_new_tokens=NEW_TOKENS, eos_id=-1, pad_id=0, key=jax.random.key(99))
+  ro = fixed_rollout(replicas, weights, 99)
   first_after = time.perf_counter() - t0
   assert (ro.versions == 1).all()
   return {"swap_seconds_on_device": swap_device, "swap_seconds_from_host": swap_host,
-          "recompiled_after_swap": _compiles(engine) != before,
-          "first_rollout_after_swap_seconds": first_after, "steady_rollout_seconds": steady_seconds}
+          "recompiled_after_swap": [_compiles(e) for e in replicas.engines] != before,
+          "first_rollout_after_swap_seconds": first_after}
 
 
 def bench_continuous(graphdef, params, reps: int) -> dict:
@@ -315,11 +312,13 @@ def main() -> None:
         f"({cb['queued_slot_utilisation']:.3f} while prompts queued), "
         f"{cb['tokens_per_s']:.0f} tok/s, {cb['answer_tokens']} tokens "
         f"(mean answer {cb['answer_length_mean']:.0f}, max {cb['answer_length_max']})")
-  print(f"weight swap: {ours['swap_seconds_on_device'] * 1e3:.2f} ms on device, "
-        f"{ours['swap_seconds_from_host'] * 1e3:.1f} ms from host; recompiled: "
-        f"{ours['recompiled_after_swap']}; first rollout after it "
-        f"{ours['first_rollout_after_swap_seconds']:.3f} s (steady {ours['steady_rollout_seconds']:.3f} s)")
-  print(f"peak RSS: ours {ours['peak_rss_mb']:.0f} MB (decode state {ours['decode_state_mb']:.1f} MB)"
+  for fixed in ours["fixed"].values():
+    print(f"weight swap into {fixed['engines']} engine(s): {fixed['swap_seconds_on_device'] * 1e3:.1f} ms "
+          f"from device, {fixed['swap_seconds_from_host'] * 1e3:.1f} ms from host; recompiled: "
+          f"{fixed['recompiled_after_swap']}; first rollout after it "
+          f"{fixed['first_rollout_after_swap_seconds']:.3f} s (steady {fixed['seconds']:.3f} s)")
+  print(f"peak RSS: ours {ours['peak_rss_mb']:.0f} MB (decode state at cache 4096: "
+        f"{ours['decode_state_mb_cache_4096']:.1f} MB)"
         + (f", transformers {result['transformers']['peak_rss_mb']:.0f} MB" if not args.skip_hf else ""))
   print(json.dumps(result, default=str))
 

@@ -50,7 +50,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.sampling.max_prompt_len = 4096  # Longest prompt in tokens (prefill buffer); longer prompts are an error.
   c.sampling.max_new_tokens = 8192  # Answer length limit in tokens (EOS included).
   c.sampling.max_slots = 64  # Decode slots per engine (answers decoded concurrently).
-  c.sampling.engines = 1  # Engine replicas, one per local device, prompts split over them (on CPU: one host device per core; see README "Speed").
+  c.sampling.engines = 1  # Engine replicas, one per local device, each with max_slots slots; prompts split over them (on CPU: a host device each; README "Sampling engine").
   c.sampling.steps_per_call = 32  # Decode steps per jitted engine call (fewer host round trips).
   c.sampling.attn_chunk = 1024  # Decode attention reads the KV cache in chunks of this many positions.
   c.sampling.cache_bucket = 64  # KV cache grows in power-of-two multiples of this (one compile each).
