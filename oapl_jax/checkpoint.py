@@ -1,7 +1,8 @@
 """Orbax checkpoints of the whole run state: pi_theta, optimizer, snapshot (pi_old), buffer.
 
-Each step directory holds two items: `state` (a pytree: params, opt_state, snapshot,
-buffer rows) and `meta` (JSON: counters, buffer shapes, the model architecture). Restoring
+Each step directory holds two items: `state` (a pytree: params, opt_state, snapshot, the
+buffer's rows and, in async mode, the rows of the rollout in flight) and `meta` (JSON:
+counters, the shapes of those rows, the model architecture). Restoring
 reads `meta` first, refuses a checkpoint of another architecture with a clear error, then
 restores `state` into the caller's abstract structure.
 """
@@ -16,6 +17,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 
+ROWS = ("buffer", "inflight")  # host row dicts of a run state (names of `state` entries)
+
+
 class Checkpointer:
   """Saves and restores run states under `<workdir>/checkpoints`."""
 
@@ -28,8 +32,9 @@ class Checkpointer:
     return self._mgr.latest_step()
 
   def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-    buffer = state["buffer"]
-    meta = {**meta, "buffer_shapes": {k: [list(v.shape), str(v.dtype)] for k, v in buffer.items()}}
+    """state: pytrees of device arrays, plus host row dicts (`ROWS`) whose shapes vary."""
+    meta = {**meta, **{f"{name}_shapes": {k: [list(v.shape), str(v.dtype)] for k, v in state[name].items()}
+                       for name in ROWS if name in state}}
     self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
     self._mgr.wait_until_finished()
@@ -41,8 +46,9 @@ class Checkpointer:
       raise ValueError(
           f"checkpoint {self.directory}/{step} is of another model:\n  saved:  {meta.get('model')}"
           f"\n  config: {model_meta}\nUse another --workdir or the matching config.model.")
-    buffer = {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta["buffer_shapes"].items()}
-    target = {**target, "buffer": buffer}
+    rows = {name: {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta[f"{name}_shapes"].items()}
+            for name in ROWS if f"{name}_shapes" in meta}
+    target = {**target, **rows}
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
     state = self._mgr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract))).state

@@ -67,7 +67,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.rl.count_truncated = True  # Answers cut at max_new_tokens still count in the loss.
   c.rl.groups_per_step = 32  # Groups (prompts) in one trainer step's batch.
   c.rl.groups_per_rollout = 32  # Groups the engine samples into the buffer per call.
-  c.rl.mode = "sync"  # Only "sync" exists so far: sample into the buffer, then train.
+  c.rl.mode = "sync"  # "sync": sample when the buffer runs short, then train. "async": the next rollout samples (engines on devices 1..N) while the trainer trains on device 0; OAPL with old_logprobs="sampler" only (README "Asynchronous mode").
   # The baseline, selected with rl.loss = "grpo" (oapl.md; losses.grpo). Same loop, buffer and
   # lag; pi_prox is always recomputed by the trainer on the engine's snapshot, and IS corrects
   # from the engine's log-probs to pi_prox. rl.beta1/beta2/old_logprobs are OAPL-only.
@@ -130,7 +130,7 @@ def repo_config(name: str) -> ml_collections.ConfigDict:
 
 
 OLD_LOGPROB_SOURCES = ("sampler", "snapshot")
-MODES = ("sync",)
+MODES = ("sync", "async")
 TASKS = ("addition", "math", "code", "reasoning_gym")
 
 
@@ -194,6 +194,10 @@ def validate(c) -> None:
   _check(g.norm in losses.NORMS, "rl.grpo.norm", g.norm, f"must be one of {losses.NORMS}")
   _check(g.kl_coef >= 0, "rl.grpo.kl_coef", g.kl_coef, "must be >= 0 (0 = off)")
   _check(rl.mode in MODES, "rl.mode", rl.mode, f"must be one of {MODES}")
+  _check(rl.mode == "sync" or (rl.loss == "oapl" and rl.old_logprobs == "sampler"), "rl.mode",
+         rl.mode, "async needs rl.loss='oapl' with rl.old_logprobs='sampler': a rollout in flight "
+         "at a refresh lands after it, and only the engine's own log-probs anchor it (the "
+         "trainer's snapshot is already the next one)")
   _check(rl.groups_per_step >= 1, "rl.groups_per_step", rl.groups_per_step, "must be >= 1")
   _check(rl.groups_per_rollout >= 1, "rl.groups_per_rollout", rl.groups_per_rollout, "must be >= 1")
 

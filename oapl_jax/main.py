@@ -25,7 +25,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; keep the console readable
     logging.set_verbosity(logging.WARNING)
-  request_host_devices(_CONFIG.value.sampling.engines)  # on CPU: a host device per engine
+  request_host_devices(train.devices_wanted(_CONFIG.value))  # on CPU: a host device per engine (+ trainer)
   print(f"jax {jax.__version__}, devices {jax.devices()}")
   summary = train.run(_CONFIG.value, _WORKDIR.value)
   keys = [k for k in summary["eval_after"] if k.startswith("pass@")]

@@ -1,15 +1,22 @@
-"""The lagged OAPL loop (Algorithm 1 of the paper), sync mode.
+"""The lagged OAPL loop (Algorithm 1 of the paper), in sync or async mode (`rl.mode`).
 
     pi_theta <- pi_old <- base weights; version = 0
     each trainer step s:
-        if the buffer holds fewer than `rl.groups_per_step` groups, the engine (holding
-            pi_old) samples `rl.groups_per_rollout` groups into it, stamped with `version`
+        while the buffer holds fewer than `rl.groups_per_step` groups: take the next rollout
+            (`rl.groups_per_rollout` groups sampled by the engines holding pi_old, stamped
+            with its version) into the buffer
+            sync:  the rollout is sampled here and now
+            async: it was launched when the previous one was taken, and sampled in a
+                   background thread while the trainer trained; the next one is launched now
         take the oldest groups, one optimizer step on the loss (`rl.loss`: OAPL, or the
             GRPO+IS baseline, whose pi_prox is the trainer's log-probs on the snapshot)
         if (s + 1) % L == 0: pi_old <- pi_theta, version += 1, empty the buffer
 
-Data order and sampling keys are functions of (seed, rollout index), so a run is exactly
-reproducible from its seed and resumes exactly from a checkpoint.
+In async mode a rollout launched before a refresh lands after it and is used, with its own
+stamps (realised lags >= L: the staleness of an asynchronous pipeline, never dropped).
+Data order and sampling keys are functions of (seed, rollout index), and rollouts are launched
+at fixed points of the step sequence, so a run in either mode is exactly reproducible from its
+seed and resumes exactly from a checkpoint (which holds a rollout in flight, too).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import logging
 import os
 import shutil
 import time
+from concurrent import futures
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +46,7 @@ from oapl_jax.eval.evaluate import decode_answers, evaluate, score_rollout
 from oapl_jax.metrics import MetricsLog
 from oapl_jax.models import ModelConfig, Transformer, from_hf
 from oapl_jax.rl import losses
-from oapl_jax.rl.buffer import GroupBuffer
+from oapl_jax.rl.buffer import GroupBuffer, stamp
 from oapl_jax.rl.logprobs import make_batch, token_logprobs
 from oapl_jax.sampling import Engine, SamplingParams
 from oapl_jax.sampling.parallel import Replicas, request_host_devices
@@ -96,9 +104,18 @@ def make_engine(config, model_cfg, graphdef) -> Engine:
                 min_decode_width=s.min_decode_width)
 
 
+def devices_wanted(config) -> int:
+  """Local devices a run uses: one per engine, plus the trainer's own in async mode."""
+  return config.sampling.engines + (config.rl.mode == "async")
+
+
 def make_engines(config, model_cfg, graphdef) -> Replicas:
-  """`sampling.engines` replicas of `make_engine`, one per local device."""
-  return Replicas(lambda: make_engine(config, model_cfg, graphdef), config.sampling.engines)
+  """`sampling.engines` replicas of `make_engine`, one per local device: the first ones, or in
+  async mode the ones after the trainer's device 0 (shared with it if there are too few)."""
+  devices = jax.local_devices()
+  if config.rl.mode == "async" and len(devices) > config.sampling.engines:
+    devices = devices[1:]
+  return Replicas(lambda: make_engine(config, model_cfg, graphdef), config.sampling.engines, devices)
 
 
 def loss_kwargs(config) -> dict:
@@ -200,24 +217,32 @@ class Counters:
   train_seconds: float = 0.0  # wall time of the RL loop (sampling + training)
 
 
-def sample_groups(config, engines: Replicas, weights, task, tokenizer, counters: Counters):
-  """One rollout call: `rl.groups_per_rollout` fresh training prompts x G answers -> batch.
+@dataclasses.dataclass
+class Sampled:
+  """One rollout's training rows, stamped with the weights that sampled them (`rl.buffer.stamp`)."""
 
-  weights: the snapshot as `engines.load_params(snapshot, version=...)` (answers carry the version).
+  rows: dict
+  tokens: int  # answer tokens generated
+
+
+def sample_groups(config, engines: Replicas, weights, task, tokenizer, *, index: int, version: int,
+                  snapshot_step: int) -> Sampled:
+  """Rollout number `index`: `rl.groups_per_rollout` fresh training prompts x G answers.
+
+  weights: the snapshot as `engines.load_params(snapshot, version=version)`, copied from pi_theta
+  at trainer step `snapshot_step`. Prompts and sampling keys are functions of (seed, index).
   """
-  rng = np.random.default_rng([config.seed, 1, counters.rollouts])
-  key = jax.random.fold_in(jax.random.key(config.seed), counters.rollouts)
+  rng = np.random.default_rng([config.seed, 1, index])
+  key = jax.random.fold_in(jax.random.key(config.seed), index)
   problems = task.train_problems(rng, config.rl.groups_per_rollout)
   prompts = [tokenizer.encode(p.prompt, add_bos=True) for p in problems]
   ro = engines.rollout(weights, prompts, group_size=config.rl.group_size,
                        max_new_tokens=config.sampling.max_new_tokens, eos_id=tokenizer.eos_id,
                        pad_id=tokenizer.pad_id, key=key)
   rewards = score_rollout(task, tokenizer, problems, ro)
-  counters.rollouts += 1
-  counters.samples_generated += ro.num_samples
   batch = make_batch(ro, rewards, seq_len=seq_len(config), pad_id=tokenizer.pad_id,
                      count_truncated=config.rl.count_truncated)
-  return batch, int(ro.lengths.sum())
+  return Sampled(stamp(batch, version=version, snapshot_step=snapshot_step), int(ro.lengths.sum()))
 
 
 def _copy(tree):
@@ -235,7 +260,7 @@ class Run:
 
   def __init__(self, config, workdir: str):
     config_lib.validate(config)
-    request_host_devices(config.sampling.engines)  # on CPU, if JAX has not started yet
+    request_host_devices(devices_wanted(config))  # on CPU, if JAX has not started yet
     self.config = config
     self.workdir = workdir
     os.makedirs(workdir, exist_ok=True)
@@ -248,6 +273,9 @@ class Run:
     self.optimizer = make_optimizer(config.train, config.train.steps)
     self.engines = make_engines(config, self.model_cfg, self.graphdef)
     self._engine_weights = (None, None, None)  # (snapshot, version, its copies on the engines)
+    # async mode: the next rollout runs in this thread while the trainer trains
+    self._pool = futures.ThreadPoolExecutor(1, "rollout") if config.rl.mode == "async" else None
+    self._inflight: futures.Future | None = None  # the rollout launched and not yet consumed
     self.train_step = make_train_step(config, self.graphdef, self.optimizer)
     self.buffer = GroupBuffer(config.rl.group_size)
     self.counters = Counters()
@@ -262,11 +290,15 @@ class Run:
     return dataclasses.asdict(self.model_cfg)
 
   def save(self) -> None:
+    """Checkpoints the run; a rollout in flight is waited for and saved with it."""
     state = {"params": self.params, "opt_state": self.opt_state, "snapshot": self.snapshot,
              "buffer": self.buffer.state()}
     if self.reference is not None:
       state["reference"] = self.reference
     meta = {"counters": dataclasses.asdict(self.counters), "model": self.model_meta()}
+    if self._inflight is not None:
+      sampled = self._inflight.result()
+      state["inflight"], meta["inflight_tokens"] = sampled.rows, sampled.tokens
     self.ckpt.save(self.counters.step, state, meta)
 
   def restore_latest(self) -> bool:
@@ -281,6 +313,10 @@ class Run:
     self.reference = state.get("reference")
     self.buffer.load(state["buffer"])
     self.counters = Counters(**meta["counters"])
+    self._inflight = None
+    if state.get("inflight"):
+      self._inflight = _done(Sampled({k: np.asarray(v) for k, v in state["inflight"].items()},
+                                     meta["inflight_tokens"]))
     return True
 
   # the loop
@@ -291,6 +327,27 @@ class Run:
       weights = self.engines.load_params(self.snapshot, version=self.counters.version)
       self._engine_weights = (self.snapshot, self.counters.version, weights)
     return weights
+
+  def _launch(self) -> futures.Future:
+    """Starts rollout number `counters.rollouts` with the engines' current snapshot: in the
+    background in async mode (it samples while the trainer trains), else here and now."""
+    c = self.counters
+    job = functools.partial(sample_groups, self.config, self.engines, self.engine_weights(),
+                            self.task, self.tokenizer, index=c.rollouts, version=c.version,
+                            snapshot_step=c.snapshot_step)
+    c.rollouts += 1
+    return _done(job()) if self._pool is None else self._pool.submit(job)
+
+  def settle(self) -> None:
+    """Waits for the rollout in flight, if any (before the engines sample anything else)."""
+    if self._inflight is not None:
+      self._inflight.result()
+
+  def close(self) -> None:
+    """Waits for the rollout in flight and stops the rollout thread (async mode)."""
+    self.settle()
+    if self._pool is not None:
+      self._pool.shutdown()
 
   def refresh_engine(self) -> None:
     """pi_old <- pi_theta; version += 1; empty the buffer."""
@@ -303,13 +360,17 @@ class Run:
     """One trainer step (sampling first if the buffer runs short). Returns its metrics."""
     c, rl = self.counters, self.config.rl
     t0 = time.perf_counter()
-    sampled_tokens, sample_seconds = 0, 0.0
+    sampled_tokens = 0
     while len(self.buffer) < rl.groups_per_step:
-      batch, n_tokens = sample_groups(self.config, self.engines, self.engine_weights(), self.task,
-                                      self.tokenizer, c)
-      self.buffer.put(batch, version=c.version, snapshot_step=c.snapshot_step)
-      sampled_tokens += n_tokens
-    sample_seconds = time.perf_counter() - t0
+      sampled = (self._inflight or self._launch()).result()
+      # async: the next rollout starts now, with the snapshot of this moment (a fixed point of
+      # the step sequence, so runs stay reproducible); it lands at a later step, maybe after a
+      # refresh, and is used then with its own stamps
+      self._inflight = None if self._pool is None else self._launch()
+      self.buffer.extend(sampled.rows)
+      c.samples_generated += len(sampled.rows["rewards"])
+      sampled_tokens += sampled.tokens
+    sample_seconds = time.perf_counter() - t0  # async: only the wait for a rollout in flight
     batch = self.buffer.take(rl.groups_per_step)
     lags = c.step - batch["snapshot_step"]
     device_batch = {k: batch[k] for k in ("tokens", "mask", "sampler_logprobs", "rewards")}
@@ -326,7 +387,9 @@ class Run:
                "groups_dropped": c.groups_dropped, "step_seconds": elapsed,
                "train_seconds": c.train_seconds}
     if sampled_tokens:
-      metrics["sample_tokens_per_s"] = sampled_tokens / max(sample_seconds, 1e-9)
+      metrics["sample_wait_seconds"] = sample_seconds
+      if self._pool is None:  # in async mode sampling overlaps training: no rate from the wait
+        metrics["sample_tokens_per_s"] = sampled_tokens / max(sample_seconds, 1e-9)
     if lags.max() == 0:  # pi_theta == pi_old at this step: the engine/trainer mismatch
       metrics["engine_mismatch_abs"] = m["trainer_vs_sampler_abs"]
     if c.step % rl.lag == 0:
@@ -338,6 +401,7 @@ class Run:
 
     params: default pi_theta. Returns [{"prompt": str, "answers": [str], "rewards": [float]}].
     """
+    self.settle()
     problems = self.task.eval_problems()[:num_problems]
     prompts = [self.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
     ro = self.engines.rollout(self.params if params is None else params, prompts, group_size=n,
@@ -351,6 +415,7 @@ class Run:
             for j, p in enumerate(problems)]
 
   def evaluate(self, params, tag: str) -> dict:
+    self.settle()
     key = jax.random.fold_in(jax.random.key(self.config.seed), 1_000_003)  # same draws before/after
     t0 = time.perf_counter()
     out = evaluate(self.engines, params, self.task, self.tokenizer,
@@ -359,6 +424,13 @@ class Run:
     _say(f"eval {tag}: " + ", ".join(f"{k}={v:.3f}" for k, v in out.items() if k.startswith("pass@"))
          + f" ({time.perf_counter() - t0:.1f}s)")
     return out
+
+
+def _done(result) -> futures.Future:
+  """A future that already holds `result`."""
+  f = futures.Future()
+  f.set_result(result)
+  return f
 
 
 def _say(msg: str) -> None:
@@ -454,6 +526,7 @@ def run(config, workdir: str) -> dict:
   metrics_log.close()
 
   eval_after = r.evaluate(r.params, "after")
+  r.close()
   summary = {
       "eval_before": eval_before, "eval_after": eval_after, "evals_during": evals,
       "train_seconds": r.counters.train_seconds, "samples_generated": r.counters.samples_generated,

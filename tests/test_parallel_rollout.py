@@ -67,6 +67,7 @@ SAMPLER = textwrap.dedent("""
 
 # The loop with two engines, the way `python -m oapl_jax.main` starts it: host devices requested
 # before JAX starts. A straight run and one stopped, checkpointed and resumed end the same.
+# Then async mode: the engine samples on device 1 while the trainer trains on device 0.
 LOOP = textwrap.dedent("""
     import sys
     from oapl_jax.sampling.parallel import request_host_devices
@@ -96,6 +97,13 @@ LOOP = textwrap.dedent("""
     assert same(second.params, straight.params) and same(second.snapshot, straight.snapshot)
     on = lambda w: {d for x in jax.tree.leaves(w) for d in x.devices()}
     assert [on(w) for w in second.engine_weights()] == [{d} for d in jax.devices()]
+    c.sampling.engines, c.rl.mode = 1, "async"  # the engine on device 1, the trainer on device 0
+    overlapped = train.Run(c, out + "/async")
+    assert overlapped.engines.devices == [jax.devices()[1]]
+    metrics = [overlapped.step() for _ in range(4)]
+    assert metrics[0]["engine_mismatch_abs"] < 1e-5
+    assert on(overlapped.params) == {jax.devices()[0]}
+    overlapped.close()
     print("OK")
 """)
 

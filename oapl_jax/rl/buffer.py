@@ -3,13 +3,22 @@
 Rows are answers; groups of `group_size` consecutive rows share a prompt. Every row carries
 `version` (how many engine refreshes preceded it) and `snapshot_step` (the trainer step at
 which the engine's weights were copied), so the realised lag of a row used at trainer step
-`s` is `s - snapshot_step`. The loop empties the buffer at every refresh, so all groups in
-it come from one pi_old.
+`s` is `s - snapshot_step`. The loop empties the buffer at every refresh, so in sync mode all
+groups in it come from one pi_old; in async mode a rollout in flight at the refresh lands
+after it (each group still comes from one pi_old, and carries its stamps).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+
+def stamp(batch: dict[str, np.ndarray], *, version: int, snapshot_step: int) -> dict[str, np.ndarray]:
+  """`batch` with every row stamped: the policy version and snapshot step of the weights that
+  sampled it."""
+  n = len(batch["rewards"])
+  return {**batch, "version": np.full((n,), version, np.int32),
+          "snapshot_step": np.full((n,), snapshot_step, np.int32)}
 
 
 class GroupBuffer:
@@ -24,11 +33,13 @@ class GroupBuffer:
     return 0 if self._rows is None else len(self._rows["rewards"]) // self.group_size
 
   def put(self, batch: dict[str, np.ndarray], *, version: int, snapshot_step: int) -> None:
-    n = len(batch["rewards"])
+    self.extend(stamp(batch, version=version, snapshot_step=snapshot_step))
+
+  def extend(self, stamped: dict[str, np.ndarray]) -> None:
+    """Appends rows that already carry their stamps (from `stamp`)."""
+    n = len(stamped["rewards"])
     if n % self.group_size:
       raise ValueError(f"{n} rows is not a whole number of groups of {self.group_size}")
-    stamped = {**batch, "version": np.full((n,), version, np.int32),
-               "snapshot_step": np.full((n,), snapshot_step, np.int32)}
     if self._rows is None:
       self._rows = stamped
     else:

@@ -86,7 +86,8 @@ class Replicas:
       weights = self.load_params(weights)
     n = len(self.engines)
     if n == 1:
-      return rollout(self.engines[0], weights[0], prompts, group_size=group_size, key=key, **kwargs)
+      with jax.default_device(self.devices[0]):
+        return rollout(self.engines[0], weights[0], prompts, group_size=group_size, key=key, **kwargs)
     limits = kwargs.pop("answer_limits", None)
     results: list[Rollout | None] = [None] * n
     errors: list[BaseException] = []
