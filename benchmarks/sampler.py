@@ -124,7 +124,7 @@ def bench_fixed(graphdef, params, reps: int, engines: int, hf=None) -> dict:
     for name, (replicas, weights) in sides.items():
       time.sleep(_SETTLE)
       t0 = time.perf_counter()
-      ro = fixed_rollout(replicas, weights, r)
+      fixed_rollout(replicas, weights, r)
       times[name].append(time.perf_counter() - t0)
   out = {}
   for name, (replicas, weights) in sides.items():
