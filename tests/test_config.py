@@ -12,7 +12,8 @@ from oapl_jax.config import ConfigError, validate
 @pytest.mark.parametrize("setting,value", [
     ("rl.beta1", 0.0), ("rl.beta2", -1e-3), ("rl.lag", 0), ("rl.group_size", 1),
     ("rl.loss", "ppo"), ("rl.old_logprobs", "trainer"), ("sampling.temperature", 0.0),
-    ("sampling.top_p", 1.5), ("train.grad_accum", 3), ("seed", -1),
+    ("sampling.top_p", 1.5), ("train.grad_accum", 3), ("seed", -1), ("sampling.engines", 0),
+    ("rl.mode", "offline"),
 ])
 def test_invalid_values_are_refused_by_name(setting, value):
   c = tiny.get_config()
