@@ -85,10 +85,8 @@ class Replicas:
     if not isinstance(weights, list):
       weights = self.load_params(weights)
     n = len(self.engines)
-    if n == 1:
-      with jax.default_device(self.devices[0]):
-        return rollout(self.engines[0], weights[0], prompts, group_size=group_size, key=key, **kwargs)
     limits = kwargs.pop("answer_limits", None)
+    keys = [key] if n == 1 else [jax.random.fold_in(key, i) for i in range(n)]
     results: list[Rollout | None] = [None] * n
     errors: list[BaseException] = []
 
@@ -96,16 +94,19 @@ class Replicas:
       try:
         with jax.default_device(self.devices[i]):
           results[i] = rollout(self.engines[i], weights[i], prompts[i::n], group_size=group_size,
-                               key=jax.random.fold_in(key, i),
+                               key=keys[i],
                                answer_limits=None if limits is None else list(limits)[i::n], **kwargs)
       except BaseException as e:  # re-raised in the caller's thread
         errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n) if prompts[i::n]]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join()
+    if n == 1:
+      work(0)  # in the caller's thread
+    else:
+      threads = [threading.Thread(target=work, args=(i,)) for i in range(n) if prompts[i::n]]
+      for t in threads:
+        t.start()
+      for t in threads:
+        t.join()
     if errors:
       raise errors[0]
     return _merge([r for r in results if r is not None], prompts, group_size, kwargs["pad_id"])
