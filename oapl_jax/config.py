@@ -12,6 +12,7 @@ import os
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from oapl_jax.errors import UserError
 from oapl_jax.models.presets import PRESETS
 from oapl_jax.rl import losses
 
@@ -134,7 +135,7 @@ MODES = ("sync", "async")
 TASKS = ("addition", "math", "code", "reasoning_gym")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   """A setting has a value the run cannot use."""
 
 
