@@ -7,6 +7,8 @@ gives them (oapl.md); `configs/*.py` start from it and override what their run n
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
 import ml_collections
@@ -14,6 +16,7 @@ from ml_collections.config_dict import placeholder
 
 from oapl_jax.errors import UserError
 from oapl_jax.models.presets import PRESETS
+from oapl_jax.models.transformer import ROPE_SCALING_TYPES, dtype_name
 from oapl_jax.rl import losses
 
 
@@ -31,7 +34,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   for name, kind in (("rope_scaling_type", str), ("max_position_embeddings", int)):
     if c.model.get(name) is None:
       c.model[name] = placeholder(kind)
-  c.model.param_dtype = "float32"  # Weight storage dtype ("float32" or "bfloat16").
+  c.model.param_dtype = "float32"  # Weight storage dtype: "float32", "bfloat16" or "float16".
   c.model.dtype = "float32"  # Matmul dtype (logits and softmax are always float32).
 
   c.warmup = ml_collections.ConfigDict()  # Supervised warm-up (embedded addition task only).
@@ -68,6 +71,9 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.rl.count_truncated = True  # Answers cut at max_new_tokens still count in the loss.
   c.rl.groups_per_step = 32  # Groups (prompts) in one trainer step's batch.
   c.rl.groups_per_rollout = 32  # Groups the engine samples into the buffer per call.
+  # Async mode: groups whose realised lag (trainer step - snapshot step) exceeds this are dropped
+  # when taken, and counted; None = never drop (the contract: stale samples are used).
+  c.rl.max_lag = placeholder(int)
   c.rl.mode = "sync"  # "sync": sample when the buffer runs short, then train. "async": the next rollout samples (engines on devices 1..N) while the trainer trains on device 0; OAPL with old_logprobs="sampler" only (README "Asynchronous mode").
   # The baseline, selected with rl.loss = "grpo" (oapl.md; losses.grpo). Same loop, buffer and
   # lag; pi_prox is always recomputed by the trainer on the engine's snapshot, and IS corrects
@@ -94,6 +100,9 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.train.weight_decay = 0.0  # AdamW decoupled weight decay (paper: ~0).
   c.train.grad_clip = 1.0  # Global gradient-norm clip (paper: 1.0).
   c.train.grad_accum = 1  # Micro-batches per step (must divide rl.groups_per_step).
+  # A step whose loss or grad norm is not finite is skipped (params and optimizer unchanged);
+  # this many in a row stop the run with an error.
+  c.train.max_nonfinite_steps = 3
 
   c.eval = ml_collections.ConfigDict()
   c.eval.samples_per_problem = 16  # n answers per held-out problem for pass@k (k = 1, 2, 4, ... n).
@@ -124,6 +133,17 @@ def from_file(spec: str) -> ml_collections.ConfigDict:
   return module.get_config(arg or None)
 
 
+def from_flag(holder) -> ml_collections.ConfigDict:
+  """The config of a `config_flags.DEFINE_config_file` flag (after absl parsed the flags); a
+  config file that does not exist is a ConfigError (ml_collections would defer it)."""
+  from absl import flags  # noqa: PLC0415 (absl only for the commands)
+  from ml_collections import config_flags  # noqa: PLC0415
+  spec = config_flags.get_config_filename(flags.FLAGS[holder.name])
+  if not os.path.isfile(spec.partition(":")[0]):
+    raise ConfigError(f"--{holder.name}={spec}: no such file")
+  return holder.value
+
+
 def repo_config(name: str) -> ml_collections.ConfigDict:
   """A config of this repository's `configs/` folder by name, e.g. `repo_config("tiny.py:smoke")`."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,6 +164,69 @@ def _check(ok: bool, setting: str, value, why: str):
     raise ConfigError(f"config.{setting}={value!r}: {why}")
 
 
+def _get(c, setting: str):
+  """The value of dotted `setting` ("rl.grpo.is_cap") in config `c`."""
+  for part in setting.split("."):
+    c = c[part]
+  return c
+
+
+def _bound(c, bound) -> tuple:
+  """(value, text) of a range end: a number, or another setting's name ("warmup.steps")."""
+  if isinstance(bound, str):
+    value = _get(c, bound)
+    return value, f"{bound}={value}"
+  return bound, str(bound)
+
+
+def _range_ok(value, c, lo, hi, lo_open: bool, hi_open: bool) -> bool:
+  """Whether `value` lies between `lo` and `hi` (None = unbounded; open or closed ends)."""
+  lo_v, hi_v = (None if b is None else _bound(c, b)[0] for b in (lo, hi))
+  return ((lo_v is None or (value > lo_v if lo_open else value >= lo_v)) and
+          (hi_v is None or (value < hi_v if hi_open else value <= hi_v)))
+
+
+def _range_text(c, lo, hi, lo_open: bool, hi_open: bool) -> str:
+  """">= 1", "> 0", "in [0, 1)", "in [0, warmup.steps=30]"."""
+  lo_t, hi_t = (None if b is None else _bound(c, b)[1] for b in (lo, hi))
+  if hi is None:
+    return f"{'>' if lo_open else '>='} {lo_t}"
+  if lo is None:
+    return f"{'<' if hi_open else '<='} {hi_t}"
+  return f"in {'(' if lo_open else '['}{lo_t}, {hi_t}{')' if hi_open else ']'}"
+
+
+def _note(note: str) -> str:
+  return f" ({note})" if note else ""
+
+
+def _number(c, setting: str, lo=None, hi=None, *, lo_open=False, hi_open=False, note=""):
+  """Refuses a non-number (a bool too), nan, +-inf, or a value outside lo..hi (a bound is a
+  number or another setting's name; open ends with lo_open / hi_open)."""
+  v = _get(c, setting)
+  ok = (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+        and _range_ok(v, c, lo, hi, lo_open, hi_open))
+  _check(ok, setting, v, f"must be finite and {_range_text(c, lo, hi, lo_open, hi_open)}{_note(note)}")
+
+
+def _int(c, setting: str, lo=None, hi=None, *, optional=False, note=""):
+  """Refuses a non-int (a bool or a float too) or one outside [lo, hi]; None too unless optional."""
+  v = _get(c, setting)
+  if optional and v is None:
+    return
+  ok = isinstance(v, numbers.Integral) and not isinstance(v, bool) and _range_ok(v, c, lo, hi, False, False)
+  what = "None or an int" if optional else "an int"
+  _check(ok, setting, v, f"must be {what} {_range_text(c, lo, hi, False, False)}{_note(note)}")
+
+
+def _dtype(c, setting: str):
+  """Refuses a dtype the model does not support (names and NumPy/JAX dtypes are accepted)."""
+  try:
+    dtype_name(_get(c, setting), f"config.{setting}")
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
 def shrink_for_cpu(c: ml_collections.ConfigDict, model_path: str) -> None:
   """Turns a real-model config into its `:tiny` variant: a few RL steps on CPU, same code path."""
   c.model.path = model_path
@@ -161,77 +244,126 @@ def shrink_for_cpu(c: ml_collections.ConfigDict, model_path: str) -> None:
 
 
 def validate(c) -> None:
-  """Raises `ConfigError` naming the first invalid setting of `c`."""
-  _check(isinstance(c.seed, int) and c.seed >= 0, "seed", c.seed, "must be an int >= 0")
+  """Raises `ConfigError` naming the first invalid setting of `c`: every numeric setting is
+  checked for type, finiteness and range before any work starts."""
+  _int(c, "seed", 0)
   _check(c.task.name in TASKS, "task.name", c.task.name, f"must be one of {TASKS}")
   for field in ("train_path", "eval_path"):
     if field in c.task:
       source = c.task[field] or ""
       _check(source.startswith("tfds:") or os.path.isfile(source), f"task.{field}", c.task[field],
              "no such file (give a .jsonl/.json/.parquet file or tfds:NAME[/CONFIG])")
+  _validate_task(c)
   if c.model.path is not None:
     _check(os.path.isfile(os.path.join(c.model.path, "config.json")), "model.path", c.model.path,
            "not a Hugging Face checkpoint folder (no config.json); for the :tiny configs make one "
            "with `python launch/make_tiny_hf.py`")
+  _validate_model(c)
   _check(c.warmup.steps == 0 or c.task.name == "addition", "warmup.steps", c.warmup.steps,
          "the supervised warm-up exists only for the embedded addition task")
 
   rl = c.rl
   _check(rl.loss in losses.LOSSES, "rl.loss", rl.loss, f"unknown loss; known: {sorted(losses.LOSSES)}")
-  _check(rl.beta1 > 0, "rl.beta1", rl.beta1, "must be > 0")
-  _check(rl.beta2 > 0, "rl.beta2", rl.beta2, "must be > 0")
-  _check(rl.group_size >= 2, "rl.group_size", rl.group_size, "must be >= 2 (V_hat needs a group)")
-  _check(rl.lag >= 1, "rl.lag", rl.lag, "must be >= 1")
+  _number(c, "rl.beta1", 0, lo_open=True)
+  _number(c, "rl.beta2", 0, lo_open=True)
+  _int(c, "rl.group_size", 2, note="V_hat needs a group")
+  _int(c, "rl.lag", 1)
+  _int(c, "rl.max_lag", 1, optional=True, note="None = never drop stale groups")
   _check(rl.old_logprobs in OLD_LOGPROB_SOURCES, "rl.old_logprobs", rl.old_logprobs,
          f"must be one of {OLD_LOGPROB_SOURCES}")
   g = rl.grpo
   _check(g.adv_norm in losses.ADV_NORMS, "rl.grpo.adv_norm", g.adv_norm, f"must be one of {losses.ADV_NORMS}")
-  _check(g.adv_eps >= 0, "rl.grpo.adv_eps", g.adv_eps, "must be >= 0")
-  _check(0 <= g.eps_low < 1, "rl.grpo.eps_low", g.eps_low, "must be in [0, 1)")
-  _check(g.eps_high >= 0, "rl.grpo.eps_high", g.eps_high, "must be >= 0")
+  _number(c, "rl.grpo.adv_eps", 0)
+  _number(c, "rl.grpo.eps_low", 0, 1, hi_open=True)
+  _number(c, "rl.grpo.eps_high", 0)
   _check(g.is_level in losses.IS_LEVELS, "rl.grpo.is_level", g.is_level, f"must be one of {losses.IS_LEVELS}")
   _check(g.is_mode in losses.IS_MODES, "rl.grpo.is_mode", g.is_mode, f"must be one of {losses.IS_MODES}")
-  _check(g.is_cap >= 1, "rl.grpo.is_cap", g.is_cap, "must be >= 1")
+  _number(c, "rl.grpo.is_cap", 1)
   _check(g.norm in losses.NORMS, "rl.grpo.norm", g.norm, f"must be one of {losses.NORMS}")
-  _check(g.kl_coef >= 0, "rl.grpo.kl_coef", g.kl_coef, "must be >= 0 (0 = off)")
+  _number(c, "rl.grpo.kl_coef", 0, note="0 = off")
   _check(rl.mode in MODES, "rl.mode", rl.mode, f"must be one of {MODES}")
   _check(rl.mode == "sync" or (rl.loss == "oapl" and rl.old_logprobs == "sampler"), "rl.mode",
          rl.mode, "async needs rl.loss='oapl' with rl.old_logprobs='sampler': a rollout in flight "
          "at a refresh lands after it, and only the engine's own log-probs anchor it (the "
          "trainer's snapshot is already the next one)")
-  _check(rl.groups_per_step >= 1, "rl.groups_per_step", rl.groups_per_step, "must be >= 1")
-  _check(rl.groups_per_rollout >= 1, "rl.groups_per_rollout", rl.groups_per_rollout, "must be >= 1")
+  _int(c, "rl.groups_per_step", 1)
+  _int(c, "rl.groups_per_rollout", 1)
 
-  s = c.sampling
-  _check(s.temperature > 0, "sampling.temperature", s.temperature, "must be > 0")
-  _check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "must be in (0, 1]")
-  _check(s.top_k >= 0, "sampling.top_k", s.top_k, "must be >= 0 (0 = off)")
-  _check(s.engines >= 1, "sampling.engines", s.engines, "must be >= 1")
-  _check(s.min_decode_width >= 1, "sampling.min_decode_width", s.min_decode_width, "must be >= 1")
-  _check(s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "must be >= 1")
-  _check(s.max_slots >= rl.group_size, "sampling.max_slots", s.max_slots,
-         f"must be >= rl.group_size={rl.group_size}")
-  _check(s.max_slots >= c.eval.samples_per_problem, "sampling.max_slots", s.max_slots,
-         f"must be >= eval.samples_per_problem={c.eval.samples_per_problem}")
+  _int(c, "eval.samples_per_problem", 1)
+  _int(c, "eval.every", 0, note="0 = before/after only")
+  _number(c, "sampling.temperature", 0, lo_open=True)
+  _number(c, "sampling.top_p", 0, 1, lo_open=True, note="1 = off")
+  _int(c, "sampling.top_k", 0, note="0 = off")
+  _int(c, "sampling.engines", 1)
+  _int(c, "sampling.min_decode_width", 1)
+  _int(c, "sampling.max_prompt_len", 1)
+  _int(c, "sampling.max_new_tokens", 1)
+  _int(c, "sampling.max_slots", "rl.group_size")
+  _int(c, "sampling.max_slots", "eval.samples_per_problem")
+  _int(c, "sampling.steps_per_call", 1)
+  _int(c, "sampling.attn_chunk", 1)
+  _int(c, "sampling.cache_bucket", 1)
+  _int(c, "sampling.max_prefill_batch", 1)
 
   t = c.train
-  _check(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
-  _check(t.lr > 0, "train.lr", t.lr, "must be > 0")
-  _check(0 <= t.warmup_ratio < 1, "train.warmup_ratio", t.warmup_ratio, "must be in [0, 1)")
-  _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
-  _check(t.grad_clip > 0, "train.grad_clip", t.grad_clip, "must be > 0")
-  _check(t.grad_accum >= 1 and rl.groups_per_step % t.grad_accum == 0, "train.grad_accum",
-         t.grad_accum, f"must be >= 1 and divide rl.groups_per_step={rl.groups_per_step}")
+  _int(c, "train.steps", 1)
+  _number(c, "train.lr", 0, lo_open=True)
+  _number(c, "train.warmup_ratio", 0, 1, hi_open=True)
+  _number(c, "train.min_lr_ratio", 0, 1)
+  _number(c, "train.b1", 0, 1, hi_open=True)
+  _number(c, "train.b2", 0, 1, hi_open=True)
+  _number(c, "train.eps", 0, lo_open=True, note="0 divides by zero where a gradient is 0")
+  _number(c, "train.weight_decay", 0)
+  _number(c, "train.grad_clip", 0, lo_open=True)
+  _int(c, "train.grad_accum", 1)
+  _check(rl.groups_per_step % t.grad_accum == 0, "train.grad_accum", t.grad_accum,
+         f"must divide rl.groups_per_step={rl.groups_per_step}")
+  _int(c, "train.max_nonfinite_steps", 1)
 
-  _check(c.warmup.steps >= 0, "warmup.steps", c.warmup.steps, "must be >= 0")
-  _check(0 <= c.warmup.noisy_steps <= c.warmup.steps, "warmup.noisy_steps", c.warmup.noisy_steps,
-         f"must be in [0, warmup.steps={c.warmup.steps}]")
-  _check(0 <= c.warmup.digit_noise < 1, "warmup.digit_noise", c.warmup.digit_noise, "must be in [0, 1)")
-  _check(c.eval.samples_per_problem >= 1, "eval.samples_per_problem", c.eval.samples_per_problem,
-         "must be >= 1")
-  _check(c.eval.every >= 0, "eval.every", c.eval.every, "must be >= 0 (0 = before/after only)")
-  _check(c.checkpoint.every >= 1, "checkpoint.every", c.checkpoint.every, "must be >= 1")
-  _check(c.checkpoint.keep >= 1, "checkpoint.keep", c.checkpoint.keep, "must be >= 1")
-  _check(c.log.every >= 1, "log.every", c.log.every, "must be >= 1")
+  _int(c, "warmup.steps", 0)
+  _int(c, "warmup.noisy_steps", 0, "warmup.steps")
+  _int(c, "warmup.batch_size", 1)
+  _number(c, "warmup.lr", 0, lo_open=True)
+  _number(c, "warmup.digit_noise", 0, 1, hi_open=True)
+  _int(c, "checkpoint.every", 1)
+  _int(c, "checkpoint.keep", 1)
+  _int(c, "log.every", 1)
+
+
+def _validate_model(c) -> None:
+  """The architecture fields and dtypes of `c.model` (meanings: ModelConfig)."""
+  for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "mlp_dim"):
+    _int(c, f"model.{field}", 1)
   _check(c.model.num_heads % c.model.num_kv_heads == 0, "model.num_kv_heads", c.model.num_kv_heads,
          f"must divide model.num_heads={c.model.num_heads}")
+  _number(c, "model.rope_theta", 0, lo_open=True)
+  _number(c, "model.rms_norm_eps", 0, lo_open=True)
+  _int(c, "model.max_position_embeddings", 1, optional=True, note="None = unknown")
+  _check(c.model.rope_scaling_type in ROPE_SCALING_TYPES, "model.rope_scaling_type",
+         c.model.rope_scaling_type, f"must be one of {ROPE_SCALING_TYPES}")
+  for field in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+    if field in c.model:
+      _number(c, f"model.{field}", 0, lo_open=True)
+  if "rope_original_max_len" in c.model:
+    _int(c, "model.rope_original_max_len", 1)
+  _dtype(c, "model.param_dtype")
+  _dtype(c, "model.dtype")
+
+
+def _validate_task(c) -> None:
+  """The numeric settings of the task sections of configs/*.py (those a task has)."""
+  t = c.task
+  if "min_digits" in t:  # addition (oapl_jax/tasks/arithmetic.py: at most 9 digits)
+    _int(c, "task.min_digits", 1, 9)
+    _int(c, "task.max_digits", "task.min_digits", 9)
+  if "num_eval" in t:  # None (math, code: all eval problems) where the config allows it
+    _int(c, "task.num_eval", 1, optional=t.name in ("math", "code"))
+  if "reward_workers" in t:
+    _int(c, "task.reward_workers", 1, note="1 = in the trainer process")
+  if "timeout_s" in t:
+    _number(c, "task.timeout_s", 0, lo_open=True)
+  if "memory_mb" in t:
+    _int(c, "task.memory_mb", 1)
+  if "size" in t:
+    _int(c, "task.size", 1)

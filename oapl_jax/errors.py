@@ -6,8 +6,46 @@ The command-line entry points print a `UserError` as one line on stderr and exit
 
 from __future__ import annotations
 
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
 
 class UserError(Exception):
   """Something the user can fix; its message names the setting, file or workdir."""
 
   exit_code = 2
+
+
+def one_line(message: str) -> str:
+  r"""`message` on one line: "a:\n  b\n  c" -> "a: b; c"."""
+  lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+  out = lines[0] if lines else ""
+  for line in lines[1:]:
+    out += (" " if out.endswith(":") else "; ") + line
+  return out
+
+
+def run_command(main: Callable[[list[str]], Any]) -> None:
+  """Runs an absl `main(argv)` with `app.run`, as a command: a `UserError` is printed as
+  `error: <message>` on one line of stderr and the process exits with its `exit_code`; with
+  `--verbose` the traceback is printed instead (same exit code). Other exceptions are bugs
+  and keep absl's traceback."""
+  from absl import app, flags  # noqa: PLC0415 (absl only for the commands)
+  if "verbose" not in flags.FLAGS:
+    flags.DEFINE_bool("verbose", False, "On an error a user can cause (a refused setting, a "
+                      "missing file), print the Python traceback instead of one line.")
+
+  def wrapped(argv):
+    try:
+      return main(argv)
+    except UserError as e:
+      if flags.FLAGS.verbose:
+        traceback.print_exc()
+      else:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+      sys.stderr.flush()
+      sys.exit(e.exit_code)
+
+  app.run(wrapped)

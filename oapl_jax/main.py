@@ -1,6 +1,8 @@
 """Entry point: `python -m oapl_jax.main --config=configs/tiny.py --workdir=/tmp/oapl_tiny`.
 
-Any setting can be overridden: `--config.rl.lag=10 --config.seed=3`.
+Any setting can be overridden: `--config.rl.lag=10 --config.seed=3`. A refused setting (or any
+other error a user can cause, `oapl_jax.errors.UserError`) stops the command before any work
+with one line on stderr and exit code 2; `--verbose` prints the traceback instead.
 """
 
 import json
@@ -12,8 +14,8 @@ from absl import app, flags, logging  # noqa: E402
 import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from oapl_jax import train  # noqa: E402
-from oapl_jax.sampling.parallel import request_host_devices  # noqa: E402
+from oapl_jax import config as config_lib  # noqa: E402
+from oapl_jax import errors  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and summary.json go.")
@@ -25,9 +27,15 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; keep the console readable
     logging.set_verbosity(logging.WARNING)
-  request_host_devices(train.devices_wanted(_CONFIG.value))  # on CPU: a host device per engine (+ trainer)
+  config = config_lib.from_flag(_CONFIG)
+  config_lib.validate(config)  # before anything starts JAX or touches the workdir
+  # Imported once the config is valid: `train` pulls in TensorFlow (clu, jetstream), whose
+  # import prints log lines on stderr that would bury a one-line refusal.
+  from oapl_jax import train  # noqa: PLC0415
+  from oapl_jax.sampling.parallel import request_host_devices  # noqa: PLC0415
+  request_host_devices(train.devices_wanted(config))  # on CPU: a host device per engine (+ trainer)
   print(f"jax {jax.__version__}, devices {jax.devices()}")
-  summary = train.run(_CONFIG.value, _WORKDIR.value)
+  summary = train.run(config, _WORKDIR.value)
   keys = [k for k in summary["eval_after"] if k.startswith("pass@")]
   print(json.dumps({"pass@k before": {k: round(summary["eval_before"][k], 4) for k in keys},
                     "pass@k after": {k: round(summary["eval_after"][k], 4) for k in keys},
@@ -38,4 +46,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_command(main)

@@ -1,9 +1,15 @@
-"""Every `--config.X=...` override quoted in README.md, launch/ and configs/ names a real setting."""
+"""The commands: every `--config.X=...` override quoted in README.md, launch/ and configs/ names a
+real setting; a refused setting stops `python -m oapl_jax.main` / `oapl_jax.eval` in one line."""
 
 import pathlib
 import re
+import subprocess
+import sys
+
+import pytest
 
 from configs import code, math, reasoning_gym, tiny
+from oapl_jax.errors import one_line
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -26,3 +32,32 @@ def test_documented_overrides_exist_in_a_config():
       assert any(_has(c, name) for c in configs), f"{path.name}: --config.{name} is not a setting"
       found += 1
   assert found >= 8
+
+
+# --- a refused setting: one line on stderr and exit code 2, a traceback only with --verbose -----
+
+
+def _command(module: str, *args, workdir) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", module, "--config=configs/tiny.py:smoke",
+                         f"--workdir={workdir}", *args], capture_output=True, text=True,
+                        timeout=300, cwd=ROOT)
+
+
+@pytest.mark.parametrize("module,setting", [("oapl_jax.main", "train.lr"),
+                                            ("oapl_jax.eval", "rl.beta2")])
+def test_refused_setting_is_one_line(module, setting, tmp_path):
+  out = _command(module, f"--config.{setting}=inf", workdir=tmp_path / "w")
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert out.stderr.strip().splitlines() == [f"error: config.{setting}=inf: must be finite and > 0"]
+  assert not (tmp_path / "w").exists()  # refused before any work
+
+
+def test_verbose_shows_the_traceback(tmp_path):
+  out = _command("oapl_jax.main", "--config.train.b1=1.5", "--verbose", workdir=tmp_path / "w")
+  assert out.returncode == 2
+  assert "Traceback" in out.stderr and "ConfigError: config.train.b1=1.5" in out.stderr
+
+
+def test_a_message_of_several_lines_is_printed_as_one():
+  assert one_line("checkpoint of another model:\n  config.model.a=1\n  config.model.b=2\n") == \
+      "checkpoint of another model: config.model.a=1; config.model.b=2"

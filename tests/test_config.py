@@ -3,24 +3,96 @@
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 
 from configs import tiny
+from oapl_jax import config as config_lib
 from oapl_jax.config import ConfigError, validate
 
+INF, NAN = float("inf"), float("nan")
 
-@pytest.mark.parametrize("setting,value", [
-    ("rl.beta1", 0.0), ("rl.beta2", -1e-3), ("rl.lag", 0), ("rl.group_size", 1),
-    ("rl.loss", "ppo"), ("rl.old_logprobs", "trainer"), ("sampling.temperature", 0.0),
-    ("sampling.top_p", 1.5), ("train.grad_accum", 3), ("seed", -1), ("sampling.engines", 0),
-    ("rl.mode", "offline"),
-])
-def test_invalid_values_are_refused_by_name(setting, value):
-  c = tiny.get_config()
-  section, _, field = setting.rpartition(".")
-  (c[section] if section else c)[field] = value
-  with pytest.raises(ConfigError, match=setting.replace(".", r"\.")):
+# (setting, bad value) on configs/tiny.py: every numeric setting validate checks, each refused.
+BAD = [
+    # issue #11: these started work or hung
+    ("train.lr", INF), ("rl.beta2", INF), ("sampling.temperature", INF), ("train.b1", 1.5),
+    ("train.b2", -1.0), ("train.eps", -1.0), ("train.weight_decay", -1.0),
+    ("seed", -1), ("seed", True),
+    ("model.vocab_size", 0), ("model.hidden_size", 0), ("model.num_layers", 0),
+    ("model.num_heads", 0), ("model.num_kv_heads", 0), ("model.num_kv_heads", 3),
+    ("model.head_dim", 0), ("model.mlp_dim", -1), ("model.rope_theta", NAN),
+    ("model.rms_norm_eps", 0.0), ("model.max_position_embeddings", 0),
+    ("model.rope_scaling_type", "yarn"), ("model.dtype", "float8"), ("model.param_dtype", "int8"),
+    ("warmup.steps", -1), ("warmup.noisy_steps", 2000), ("warmup.batch_size", 0),
+    ("warmup.lr", NAN), ("warmup.lr", 0.0), ("warmup.digit_noise", 1.0),
+    ("sampling.temperature", 0.0), ("sampling.temperature", NAN), ("sampling.top_p", 1.5),
+    ("sampling.top_p", NAN), ("sampling.top_k", -1), ("sampling.max_prompt_len", 0),
+    ("sampling.max_new_tokens", 0), ("sampling.max_slots", 4), ("sampling.engines", 0),
+    ("sampling.steps_per_call", 0), ("sampling.attn_chunk", 0), ("sampling.cache_bucket", 0),
+    ("sampling.max_prefill_batch", 0), ("sampling.min_decode_width", 0),
+    ("rl.loss", "ppo"), ("rl.beta1", 0.0), ("rl.beta1", NAN), ("rl.beta2", -1e-3),
+    ("rl.group_size", 1), ("rl.lag", 0), ("rl.max_lag", 0), ("rl.old_logprobs", "trainer"),
+    ("rl.groups_per_step", 0), ("rl.groups_per_rollout", 0), ("rl.mode", "offline"),
+    ("rl.grpo.adv_eps", NAN), ("rl.grpo.adv_eps", -1.0), ("rl.grpo.eps_low", 1.0),
+    ("rl.grpo.eps_high", INF), ("rl.grpo.is_cap", 0.5), ("rl.grpo.is_cap", INF),
+    ("rl.grpo.kl_coef", INF), ("rl.grpo.kl_coef", -0.1),
+    ("train.steps", 0), ("train.steps", True), ("train.lr", NAN), ("train.lr", 0.0),
+    ("train.warmup_ratio", NAN), ("train.warmup_ratio", 1.0), ("train.min_lr_ratio", 1.5),
+    ("train.b1", NAN), ("train.b2", 1.0), ("train.eps", 0.0), ("train.eps", INF),
+    ("train.weight_decay", NAN), ("train.grad_clip", INF), ("train.grad_clip", 0.0),
+    ("train.grad_accum", 0), ("train.grad_accum", 3), ("train.max_nonfinite_steps", 0),
+    ("eval.samples_per_problem", 0), ("eval.every", -1),
+    ("checkpoint.every", 0), ("checkpoint.keep", 0), ("log.every", 0),
+    ("task.min_digits", 0), ("task.max_digits", 1), ("task.max_digits", 10), ("task.num_eval", 0),
+]
+
+# (config, setting, bad value): the task sections of the other configs.
+TASK_BAD = [
+    ("math.py:tiny", "task.num_eval", 0), ("math.py:tiny", "task.reward_workers", 0),
+    ("code.py:tiny", "task.timeout_s", INF), ("code.py:tiny", "task.timeout_s", 0.0),
+    ("code.py:tiny", "task.memory_mb", 0), ("code.py:tiny", "task.num_eval", 0),
+    ("reasoning_gym.py:tiny", "task.size", 0), ("reasoning_gym.py:tiny", "task.num_eval", 0),
+]
+
+
+def _set(c, setting: str, value) -> None:
+  *sections, field = setting.split(".")
+  for name in sections:
+    c = c[name]
+  c[field] = value
+
+
+def _refused(c, setting: str, value) -> None:
+  _set(c, setting, value)
+  with pytest.raises(ConfigError, match=r"config\." + setting.replace(".", r"\.") + "="):
     validate(c)
+
+
+@pytest.mark.parametrize("setting,value", BAD)
+def test_invalid_values_are_refused_by_name(setting, value):
+  _refused(tiny.get_config(), setting, value)
+
+
+@pytest.mark.parametrize("name,setting,value", TASK_BAD)
+def test_invalid_task_values_are_refused_by_name(name, setting, value):
+  c = config_lib.repo_config(name)
+  c.model.path = None  # no checkpoint needed to validate
+  validate(c)
+  _refused(c, setting, value)
+
+
+def test_wrong_types_are_refused_by_name():
+  """A config built without ml_collections' type safety (a float step count, a str rate)."""
+  for setting, value in (("train.steps", 2.5), ("train.lr", "1e-4"), ("rl.max_lag", 1.5)):
+    c = ml_collections.ConfigDict(tiny.get_config().to_dict(), type_safe=False)
+    _refused(c, setting, value)
+
+
+def test_new_settings_have_their_defaults():
+  c = tiny.get_config()
+  assert c.train.max_nonfinite_steps == 3 and c.rl.max_lag is None
+  c.rl.max_lag = 5
+  validate(c)
 
 
 def test_default_and_smoke_configs_are_valid():
@@ -48,7 +120,8 @@ def test_mistyped_override_fails(tmp_path):
   assert "lagg" in out.stderr
 
 
-def test_missing_config_file_fails(tmp_path):
+def test_missing_config_file_fails_in_one_line(tmp_path):
   out = _main("--config=configs/nope.py", workdir=tmp_path / "w")
-  assert out.returncode != 0
-  assert "nope.py" in out.stderr
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.strip().splitlines()[-1] == "error: --config=configs/nope.py: no such file"
+  assert "Traceback" not in out.stderr

@@ -219,6 +219,32 @@ def _rewrite_tensors(src: str, dst, edit) -> None:
   safetensors.numpy.save_file(tensors, file, metadata={"format": "pt"})
 
 
+@pytest.mark.parametrize("dtype,name", [(jnp.float32, "float32"), (np.float32, "float32"),
+                                        ("float32", "float32"), (jnp.bfloat16, "bfloat16"),
+                                        (jnp.dtype("bfloat16"), "bfloat16"), (np.float16, "float16")],
+                         ids=["jnp.float32", "np.float32", "name", "jnp.bfloat16", "jnp.dtype",
+                              "np.float16"])
+def test_dtype_as_jax_users_write_it(checkpoints, dtype, name):
+  folder = checkpoints["qwen3"][0]
+  model = from_hf(folder, dtype=dtype)
+  assert model.embed[...].dtype == jnp.dtype(name)
+  assert model.cfg.dtype == model.cfg.param_dtype == name  # one canonical name in the config
+  cfg = ModelConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=4, mlp_dim=8, param_dtype=dtype, dtype=dtype)
+  assert (cfg.param_dtype, cfg.dtype) == (name, name)
+
+
+@pytest.mark.parametrize("dtype", ["float8", 3, None, float, jnp.int8])
+def test_unsupported_dtype_is_refused_by_name(checkpoints, dtype):
+  folder = checkpoints["qwen3"][0]
+  with pytest.raises(ValueError, match=r"dtype=.* is not supported; use one of \['bfloat16', "
+                                       r"'float16', 'float32'\]"):
+    from_hf(folder, dtype=dtype)
+  with pytest.raises(ValueError, match=r"model\.param_dtype=.* is not supported"):
+    ModelConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                head_dim=4, mlp_dim=8, param_dtype=dtype)
+
+
 def test_errors(checkpoints, tmp_path):
   folder = checkpoints["qwen2"][0]
   name = "model.layers.1.mlp.up_proj.weight"

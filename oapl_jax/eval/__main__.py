@@ -3,7 +3,9 @@
   python -m oapl_jax.eval --config=configs/tiny.py --workdir=/tmp/oapl_tiny \
       [--config.eval.samples_per_problem=64] [--policy=snapshot]
 
-Writes `<workdir>/eval_step<N>.json` and prints it.
+Writes `<workdir>/eval_step<N>.json` and prints it. A refused setting (the same validation as
+`oapl_jax.main`) or a workdir without a checkpoint is one line on stderr and exit code 2;
+`--verbose` prints the traceback instead.
 """
 
 import json
@@ -11,10 +13,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from oapl_jax import train  # noqa: E402
+from oapl_jax import config as config_lib  # noqa: E402
+from oapl_jax import errors  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file of the run.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir holding checkpoints/.")
@@ -27,9 +30,12 @@ def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  r = train.Run(_CONFIG.value, _WORKDIR.value)
+  config = config_lib.from_flag(_CONFIG)
+  config_lib.validate(config)  # before the workdir is touched
+  from oapl_jax import train  # noqa: PLC0415 (after validation: its TensorFlow import logs on stderr)
+  r = train.Run(config, _WORKDIR.value)
   if not r.restore_latest():
-    raise app.UsageError(f"no checkpoint under {r.ckpt.directory}")
+    raise errors.UserError(f"no checkpoint under {r.ckpt.directory}")
   params = r.params if _POLICY.value == "theta" else r.snapshot
   out = {"step": r.counters.step, "policy": _POLICY.value,
          **r.evaluate(params, f"step {r.counters.step}")}
@@ -40,4 +46,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run_command(main)

@@ -40,13 +40,14 @@ import safetensors.numpy
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from oapl_jax.models.transformer import ModelConfig, Transformer
+from oapl_jax.models.transformer import ModelConfig, Transformer, dtype_name
 
 ARCHITECTURES = {  # HF architecture -> model_type
     "Qwen3ForCausalLM": "qwen3",
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
 }
+# dtype name (transformer.DTYPE_NAMES) -> the NumPy type weights are read into.
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
@@ -134,11 +135,11 @@ def _check_supported(hf: Mapping[str, Any], arch: str, source: str) -> None:
     raise ValueError(f"{source}: sliding-window attention is not supported")
 
 
-def model_config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32",
+def model_config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
                          source: str = "config.json") -> ModelConfig:
-  """ModelConfig of an HF config dict; `dtype` is both the weight and the compute dtype."""
-  if dtype not in DTYPES:
-    raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
+  """ModelConfig of an HF config dict; `dtype` (a name or a NumPy/JAX dtype, e.g.
+  jnp.bfloat16) is both the weight and the compute dtype."""
+  dtype = dtype_name(dtype)
   arch = hf_architecture(hf, source)
   _check_supported(hf, arch, source)
   required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -320,17 +321,19 @@ def _read_tensor(handles: dict, files: Mapping[str, str], name: str, hf_shape,
   return handles[files[name]].get_tensor(name)
 
 
-def from_hf(path: str | os.PathLike, *, dtype: str = "float32", mesh: Mesh | None = None,
+def from_hf(path: str | os.PathLike, *, dtype: Any = "float32", mesh: Mesh | None = None,
             rules: Mapping[str, Any] | None = None) -> Transformer:
   """Loads a local Hugging Face checkpoint folder into a `Transformer`.
 
-  dtype: weight and compute dtype ("float32", "bfloat16", "float16").
+  dtype: weight and compute dtype: "float32", "bfloat16", "float16", or the NumPy/JAX dtype
+  (jnp.bfloat16, np.float32, jnp.dtype("float16")).
   mesh, rules: with a mesh, each weight becomes a global array sharded by
   `PartitionSpec(rules[axis] for axis in its logical_axes)` (missing axes replicated).
   Only one tensor at a time is held on the host. The returned model remembers `path`
   (attribute `hf_source_dir`) so `to_hf` can copy its tokenizer files.
   """
   path = os.fspath(path)
+  dtype = dtype_name(dtype)  # refused before any file is read
   hf_cfg = read_hf_config(path)
   cfg = model_config_from_hf(hf_cfg, dtype=dtype, source=os.path.join(path, "config.json"))
   files = _weight_files(path)

@@ -29,10 +29,29 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
 ROPE_SCALING_TYPES = (None, "llama3")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # Weight / compute dtypes the model supports.
+
+
+def dtype_name(value: Any, argument: str = "dtype") -> str:
+  """The canonical name in `DTYPE_NAMES` of a dtype as JAX users write it: the name itself,
+  or a NumPy / JAX dtype or scalar type (`jnp.bfloat16`, `np.float32`, `jnp.dtype("float16")`).
+  Anything else (`"float8"`, `3`, `None`, Python's `float`) is a ValueError naming `argument`."""
+  if isinstance(value, str):
+    name = value
+  else:
+    try:
+      name = None if value is None else np.dtype(value).name  # np.dtype(None) would be float64
+    except TypeError:
+      name = None
+  if name not in DTYPE_NAMES:
+    raise ValueError(f"{argument}={value!r} is not supported; use one of {list(DTYPE_NAMES)} "
+                     "(a name, or a NumPy/JAX dtype such as jnp.bfloat16)")
+  return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +70,7 @@ class ModelConfig:
   qk_norm: bool = True  # Qwen3: RMSNorm on each head's queries and keys.
   qkv_bias: bool = False  # Qwen2: bias on the q, k, v projections.
   tie_embeddings: bool = True  # LM head reuses the embedding matrix.
+  # Dtypes: a name in DTYPE_NAMES or a NumPy/JAX dtype (jnp.bfloat16), stored as its name.
   param_dtype: str = "float32"  # Storage dtype of the weights.
   dtype: str = "float32"  # Compute dtype of matmuls (logits are always float32).
   # RoPE scaling (Llama-3.1). None = plain RoPE; "llama3" = Hugging Face's "llama3" rope type,
@@ -63,6 +83,8 @@ class ModelConfig:
   max_position_embeddings: int | None = None  # Context length of the checkpoint; informational.
 
   def __post_init__(self):
+    for field in ("param_dtype", "dtype"):  # frozen: set through object.__setattr__
+      object.__setattr__(self, field, dtype_name(getattr(self, field), f"model.{field}"))
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"model.num_heads={self.num_heads} must be a multiple of "
