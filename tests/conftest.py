@@ -1,4 +1,7 @@
-"""Shared fixtures: a tiny random model, and the smoke config."""
+"""Shared fixtures: a tiny random model, the smoke config, and `requires_sandbox`."""
+
+import os
+import shutil
 
 import jax
 import pytest
@@ -7,6 +10,28 @@ from flax import nnx
 from configs import tiny
 from oapl_jax.models import ModelConfig, Transformer
 
+NO_BWRAP = "bubblewrap (bwrap) not installed: apt-get install bubblewrap"
+NO_SANDBOX = f"{NO_BWRAP}; set CI=true or OAPL_REQUIRE_SANDBOX=1 to make this a failure"
+
+
+def sandbox_required() -> bool:
+  """Whether a missing bwrap fails the sandbox tests: `CI` set (not "", "false" or "0"), as CI
+  services do, or `OAPL_REQUIRE_SANDBOX=1`."""
+  ci = os.environ.get("CI", "").strip().lower()
+  return ci not in ("", "false", "0") or os.environ.get("OAPL_REQUIRE_SANDBOX") == "1"
+
+
+@pytest.fixture
+def requires_sandbox():
+  """For tests that run programs in the code reward's sandbox: without bubblewrap they skip
+  with NO_SANDBOX as the reason, or fail where `sandbox_required()`. (The reward itself
+  always refuses to run unsandboxed unless told to; those tests run everywhere.)"""
+  if shutil.which("bwrap") is not None:
+    return
+  if sandbox_required():
+    pytest.fail(f"{NO_BWRAP} (a failure, not a skip: CI or OAPL_REQUIRE_SANDBOX=1 is set)",
+                pytrace=False)
+  pytest.skip(NO_SANDBOX)
 
 
 @pytest.fixture(scope="session")

@@ -152,3 +152,30 @@ def test_expected_pass1():
 def test_constructor_validation(kwargs, name):
     with pytest.raises(ValueError, match=name):
         AdditionTask(**kwargs)
+
+
+def test_longest_prompt():
+    assert AdditionTask(min_digits=2, max_digits=2, num_eval=5, seed=0).longest_prompt() == "99+99="
+    task = AdditionTask(min_digits=1, max_digits=3, num_eval=50, seed=0)
+    longest = max(len(p.prompt) for p in task.train_problems(np.random.default_rng(0), 3000))
+    assert len(task.longest_prompt()) == longest == 8
+
+
+def test_make_task_refuses_a_max_prompt_len_the_prompts_do_not_fit():
+    from configs import tiny
+    from oapl_jax.config import ConfigError
+    from oapl_jax.tasks import make_task
+
+    c = tiny.get_config("smoke")
+    c.sampling.max_prompt_len = 2
+    with pytest.raises(ConfigError) as e:
+        make_task(c)
+    assert str(e.value) == ("config.sampling.max_prompt_len=2: the addition task's longest prompt "
+                            "'99+99=' (task.max_digits=2) is 7 tokens with BOS; must be >= 7")
+    c.sampling.max_prompt_len = 7  # "<bos>99+99=" fits exactly
+    task, tokenizer = make_task(c)
+    assert len(tokenizer.encode(task.longest_prompt(), add_bos=True)) == 7
+    c.task.max_digits = 3
+    with pytest.raises(ConfigError, match=r"sampling\.max_prompt_len=7: .*'999\+999=' "
+                                          r"\(task\.max_digits=3\) is 9 tokens"):
+        make_task(c)

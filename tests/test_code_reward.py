@@ -1,6 +1,8 @@
 """Tests for oapl_jax.rewards.code: correct scoring, and containment of hostile programs.
 
-The sandbox tests need bubblewrap and FAIL (not skip) without it. Each hostile program must
+The sandbox tests need bubblewrap: without it they skip, or fail where CI / OAPL_REQUIRE_SANDBOX=1
+is set (`requires_sandbox`, tests/conftest.py). The tests of the refusal to run unsandboxed run
+everywhere. Each hostile program must
 score 0, leave no process (found by a marker string in its command line, or by the run
 directory in bwrap's) and no run directory behind, and leave the caller and a canary process
 alive.
@@ -24,13 +26,6 @@ from oapl_jax.rewards import code
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 ADD_TESTS = {"inputs": ["1 2\n", "10 -3\n", "0 0\n"], "outputs": ["3\n", "7", "0\n\n"]}
-
-
-@pytest.fixture
-def sandbox():
-  if shutil.which("bwrap") is None:
-    pytest.fail(f"bubblewrap (bwrap) is not installed, so the code-reward sandbox cannot be "
-                f"tested: {code.INSTALL_HINT}")
 
 
 @pytest.fixture
@@ -85,7 +80,7 @@ NEVER = {"inputs": [""], "outputs": ["this output is never printed"]}
 # --------------------------------------------------------------------------------------------
 
 
-def test_stdin_correct_and_wrong(sandbox, runs_dir):
+def test_stdin_correct_and_wrong(requires_sandbox, runs_dir):
   trailing = "a, b = map(int, input().split())\nprint(str(a + b) + '   ')\nprint()\n"
   assert code.score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0
   assert code.score(trailing, ADD_TESTS, tmp_dir=runs_dir) == 1.0  # whitespace normalised
@@ -98,7 +93,7 @@ def test_stdin_correct_and_wrong(sandbox, runs_dir):
   assert os.listdir(runs_dir) == []
 
 
-def test_fraction(sandbox, runs_dir):
+def test_fraction(requires_sandbox, runs_dir):
   two_of_three = "a, b = map(int, input().split())\nprint(a + b if a else 99)\n"
   assert code.score(two_of_three, ADD_TESTS, fraction=True, tmp_dir=runs_dir) == \
       pytest.approx(2 / 3)
@@ -106,7 +101,7 @@ def test_fraction(sandbox, runs_dir):
   assert code.score("print(", ADD_TESTS, fraction=True, tmp_dir=runs_dir) == 0.0
 
 
-def test_call_based(sandbox, runs_dir):
+def test_call_based(requires_sandbox, runs_dir):
   tests = {"inputs": [[[1, 2, 3]], [[]], [[5]]], "outputs": [[6], [0], 5], "fn_name": "total"}
   func = "def total(xs):\n  print('debug output goes to stderr')\n  return sum(xs)\n"
   leetcode = ("class Solution:\n  def total(self, xs: List[int]) -> int:\n"
@@ -123,7 +118,7 @@ def test_call_based(sandbox, runs_dir):
   assert os.listdir(runs_dir) == []
 
 
-def test_always_equal_object_cannot_pass(sandbox, runs_dir):
+def test_always_equal_object_cannot_pass(requires_sandbox, runs_dir):
   tests = {"inputs": [[1]], "outputs": [[5]], "fn_name": "f"}
   for cls in ("object", "int", "list", "str"):
     prog = (f"class E({cls}):\n  def __eq__(self, other):\n    return True\n"
@@ -136,7 +131,7 @@ def test_always_equal_object_cannot_pass(sandbox, runs_dir):
   assert os.listdir(runs_dir) == []
 
 
-def test_score_batch_two_workers(sandbox, runs_dir):
+def test_score_batch_two_workers(requires_sandbox, runs_dir):
   spawner = ("import subprocess, sys\nn = input()\nprint(subprocess.run([sys.executable, '-c', "
              "'print(int(input()) * 2)'], input=n, capture_output=True, text=True).stdout)\n")
   flood = ("import os, time\nfor _ in range(10000):\n  try:\n    if os.fork() == 0:\n"
@@ -161,7 +156,7 @@ def test_score_batch_two_workers(sandbox, runs_dir):
 
 @pytest.mark.parametrize("body", ["while True:\n  pass\n", "import time\ntime.sleep(100)\n"],
                          ids=["infinite_loop", "sleep"])
-def test_timeout(sandbox, runs_dir, marker, body):
+def test_timeout(requires_sandbox, runs_dir, marker, body):
   start = time.monotonic()
   assert code.score(_marked(body, marker), NEVER, timeout_s=1.0, tmp_dir=runs_dir) == 0.0
   assert time.monotonic() - start < 6.0
@@ -171,7 +166,7 @@ def test_timeout(sandbox, runs_dir, marker, body):
   _assert_clean(marker, runs_dir)
 
 
-def test_memory_bomb(sandbox, runs_dir, marker):
+def test_memory_bomb(requires_sandbox, runs_dir, marker):
   body = "chunks = []\nwhile True:\n  chunks.append(bytearray(32 << 20))\n"
   assert code.score(_marked(body, marker), NEVER, memory_mb=256, tmp_dir=runs_dir) == 0.0
   r = code.run_program(_marked(body, marker), memory_mb=256, tmp_dir=runs_dir)
@@ -179,7 +174,7 @@ def test_memory_bomb(sandbox, runs_dir, marker):
   _assert_clean(marker, runs_dir)
 
 
-def test_process_flood(sandbox, runs_dir, marker):
+def test_process_flood(requires_sandbox, runs_dir, marker):
   # Tries for 10000 live processes; each child sleeps, so without a limit they would pile up.
   body = ("import time\nn = 0\nfor _ in range(10000):\n  try:\n    pid = os.fork()\n"
           "  except OSError:\n    continue\n  if pid == 0:\n    time.sleep(60)\n    os._exit(0)\n"
@@ -194,7 +189,7 @@ def test_process_flood(sandbox, runs_dir, marker):
   _assert_clean(marker, runs_dir)
 
 
-def test_no_network(sandbox, runs_dir, marker):
+def test_no_network(requires_sandbox, runs_dir, marker):
   listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
   listener.bind(("127.0.0.1", 0))
   listener.listen(8)
@@ -214,7 +209,7 @@ def test_no_network(sandbox, runs_dir, marker):
   _assert_clean(marker, runs_dir)
 
 
-def test_cannot_write_outside(sandbox, runs_dir, marker, tmp_path):
+def test_cannot_write_outside(requires_sandbox, runs_dir, marker, tmp_path):
   targets = [str(tmp_path / "outside.txt"), f"/root/{marker}.txt", f"/tmp/{marker}.txt",
              f"/work/{marker}.txt", os.path.join(runs_dir, f"{marker}.txt"),
              os.path.join(os.getcwd(), f"{marker}.txt")]
@@ -237,7 +232,7 @@ def test_cannot_write_outside(sandbox, runs_dir, marker, tmp_path):
   _assert_clean(marker, runs_dir)
 
 
-def test_cannot_read_outside(sandbox, runs_dir, marker, tmp_path):
+def test_cannot_read_outside(requires_sandbox, runs_dir, marker, tmp_path):
   secret = uuid.uuid4().hex
   path = tmp_path / "secret.txt"
   path.write_text(secret)
@@ -250,7 +245,7 @@ def test_cannot_read_outside(sandbox, runs_dir, marker, tmp_path):
   _assert_clean(marker, runs_dir)
 
 
-def test_endless_output(sandbox, runs_dir, marker):
+def test_endless_output(requires_sandbox, runs_dir, marker):
   body = "while True:\n  sys.stdout.write('y' * 65536)\n"
   r = code.run_program(_marked(body, marker), max_output_bytes=1 << 16, timeout_s=20,
                        tmp_dir=runs_dir)
@@ -262,7 +257,7 @@ def test_endless_output(sandbox, runs_dir, marker):
   _assert_clean(marker, runs_dir)
 
 
-def test_cannot_kill_parent_or_others(sandbox, runs_dir, marker):
+def test_cannot_kill_parent_or_others(requires_sandbox, runs_dir, marker):
   canary = subprocess.Popen(["sleep", "60"])
   try:
     body = (f"import signal\nfor pid in (os.getppid(), {os.getpid()}, {canary.pid}, "
@@ -278,7 +273,7 @@ def test_cannot_kill_parent_or_others(sandbox, runs_dir, marker):
   assert code.score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0  # and scoring still works
 
 
-def test_no_user_namespaces_or_privileges(sandbox, runs_dir, marker):
+def test_no_user_namespaces_or_privileges(requires_sandbox, runs_dir, marker):
   body = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
           "print('unshare', libc.unshare(0x10000000))\n"  # CLONE_NEWUSER
           "st = open('/proc/self/status').read().splitlines()\n"
@@ -296,7 +291,7 @@ def test_no_user_namespaces_or_privileges(sandbox, runs_dir, marker):
   _assert_clean(marker, runs_dir)
 
 
-def test_user_namespace_mode(sandbox, runs_dir, marker, tmp_path, monkeypatch):
+def test_user_namespace_mode(requires_sandbox, runs_dir, marker, tmp_path, monkeypatch):
   """The path taken by non-root callers (bwrap makes a user namespace), exercised as root too."""
   monkeypatch.setattr(code, "_is_root", lambda: False)
   assert code.score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0
@@ -316,6 +311,32 @@ def test_user_namespace_mode(sandbox, runs_dir, marker, tmp_path, monkeypatch):
 # --------------------------------------------------------------------------------------------
 # Without bwrap
 # --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env, outcome", [
+    ({}, "skip"), ({"CI": "false"}, "skip"), ({"CI": "0"}, "skip"), ({"CI": ""}, "skip"),
+    ({"OAPL_REQUIRE_SANDBOX": "0"}, "skip"), ({"CI": "true"}, "fail"), ({"CI": "1"}, "fail"),
+    ({"OAPL_REQUIRE_SANDBOX": "1"}, "fail"), ({"CI": "false", "OAPL_REQUIRE_SANDBOX": "1"}, "fail"),
+])
+def test_sandbox_tests_skip_without_bwrap_unless_required(monkeypatch, request, env, outcome):
+  """`requires_sandbox` (tests/conftest.py): a fresh machine's `pytest` passes, CI's fails."""
+  monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+  for name in ("CI", "OAPL_REQUIRE_SANDBOX"):
+    monkeypatch.delenv(name, raising=False)
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  kind = pytest.skip.Exception if outcome == "skip" else pytest.fail.Exception
+  with pytest.raises(kind) as e:
+    request.getfixturevalue("requires_sandbox")
+  assert "bubblewrap (bwrap) not installed: apt-get install bubblewrap" in str(e.value)
+  if outcome == "skip":
+    assert "set CI=true or OAPL_REQUIRE_SANDBOX=1 to make this a failure" in str(e.value)
+
+
+def test_sandbox_tests_run_with_bwrap_even_in_ci(monkeypatch, request):
+  monkeypatch.setattr(shutil, "which", lambda name, *a, **k: "/usr/bin/bwrap")
+  monkeypatch.setenv("CI", "true")
+  assert request.getfixturevalue("requires_sandbox") is None  # neither skipped nor failed
 
 
 def test_refuses_to_run_unsandboxed(monkeypatch, runs_dir):
@@ -379,7 +400,7 @@ def test_from_livecodebench_functional_and_errors():
     code.from_livecodebench(public, evil, fn_name="rotate")
 
 
-def test_from_livecodebench_scores(sandbox, runs_dir):
+def test_from_livecodebench_scores(requires_sandbox, runs_dir):
   public = [{"input": "[1, 2, 3]\n1", "output": "[3, 1, 2]", "testtype": "functional"}]
   private = [{"input": "[4, 5]\n2", "output": "[4, 5]", "testtype": "functional"}]
   tests = code.from_livecodebench(public, private, fn_name="rotate")

@@ -19,9 +19,11 @@ import pytest
 
 from configs import math as math_config
 from oapl_jax.config import ConfigError, validate
-from oapl_jax.data import RowReport, dedup, read_rows, select
+from oapl_jax.data import BadRowError, RowReport, dedup, read_rows, select
+from oapl_jax.errors import UserError
 from oapl_jax.rewards import code as code_reward
 from oapl_jax.rewards import math as math_reward
+from oapl_jax.tasks import code as code_task
 from oapl_jax.tasks.code import CodeTask, parse_tests
 from oapl_jax.tasks.hf_tokenizer import HFTokenizer
 from oapl_jax.tasks.math import MathTask
@@ -82,9 +84,10 @@ def test_jsonl_rows_and_report(tmp_path):
 def test_jsonl_bad_row_is_fatal_or_skipped(tmp_path, bad, why):
   good = b'{"problem": "p", "tests": [1]}'
   p = _jsonl(tmp_path / "bad.jsonl", [good, good, bad, good])
-  with pytest.raises(ValueError) as e:
+  with pytest.raises(BadRowError) as e:
     read_rows(p, required=CODE)
   assert str(e.value).startswith(f"{p}:3: ") and why in str(e.value)
+  assert isinstance(e.value, UserError) and isinstance(e.value, ValueError)  # printed as one line
   rows, report = read_rows(p, required=CODE, skip_bad_rows=True)
   assert len(rows) == 3 and (report.total, report.skipped) == (4, 1)
   assert report.reasons == [str(e.value)]
@@ -277,6 +280,60 @@ def test_code_task_reads_parquet_with_livecodebench_tests(tmp_path, tokenizer):
   assert {p.id for p in problems} <= {1, 2}
 
 
+def _code_prompt_len(tokenizer, problem):
+  """Tokens of a stdin code problem's prompt, counted as the trainer encodes it."""
+  prompt = tokenizer.chat_prompt(problem + "\n\n" + code_task.CODE_INSTRUCTION_STDIN)
+  return len(tokenizer.encode(prompt, add_bos=True))
+
+
+def test_code_task_over_long_prompt_is_a_bad_row(tmp_path, tokenizer):
+  tests = {"inputs": ["1 2\n"], "outputs": ["3\n"]}
+  long_problem = "Add two numbers. " * 200
+  train = _jsonl(tmp_path / "train.jsonl", [json.dumps({"problem": p, "tests": tests})
+                                            for p in ("Sum.", long_problem, "Add.")])
+  evals = _parquet(tmp_path / "eval.parquet", [
+      {"problem": "Echo.", "tests": json.dumps(tests)},
+      {"problem": long_problem + "Echo.", "tests": json.dumps(tests)}])
+  n_train = _code_prompt_len(tokenizer, long_problem)
+  n_eval = _code_prompt_len(tokenizer, long_problem + "Echo.")
+  limit = max(_code_prompt_len(tokenizer, p) for p in ("Sum.", "Add.", "Echo."))
+  assert limit < n_train < n_eval
+  kw = dict(tokenizer=tokenizer, question_field="problem", tests_field="tests", thinking=None,
+            num_eval=None, sandbox={}, max_prompt_len=limit)
+  with pytest.raises(ValueError) as e:
+    CodeTask(train, evals, **kw)
+  assert str(e.value) == (f"{evals}:row 1: prompt of {n_eval} tokens (chat template and BOS "
+                          f"included) is longer than sampling.max_prompt_len={limit}")
+  task = CodeTask(train, evals, skip_bad_rows=True, **kw)
+  assert [p.prompt for p in task.eval_problems()] == [
+      tokenizer.chat_prompt("Echo.\n\n" + code_task.CODE_INSTRUCTION_STDIN)]
+  assert {p.id for p in task.train_problems(np.random.default_rng(0), 30)} == {1, 2}
+  with pytest.raises(ValueError, match=rf"train\.jsonl:2: prompt of {n_train} tokens .*"
+                                       rf"sampling\.max_prompt_len={n_train - 1}$"):
+    short_eval = _jsonl(tmp_path / "e.jsonl", [json.dumps({"problem": "Echo.", "tests": tests})])
+    CodeTask(train, short_eval, **{**kw, "max_prompt_len": n_train - 1})
+
+
+def test_make_task_checks_code_prompts_against_the_setting(tmp_path, tokenizer):
+  from configs import code as code_config
+  from oapl_jax.tasks import make_task
+  c = code_config.get_config("tiny")
+  c.task.tokenizer_path = tokenizer.path
+  tests = {"inputs": ["1\n"], "outputs": ["1\n"], "fn_name": "echo"}
+  c.task.train_path = _jsonl(tmp_path / "train.jsonl", [
+      json.dumps({"problem": "Echo.", "tests": tests}),
+      json.dumps({"problem": "Echo it. " * 100, "tests": tests})])
+  c.task.eval_path = _jsonl(tmp_path / "eval.jsonl",
+                           [json.dumps({"problem": "Copy.", "tests": tests})])
+  c.sampling.max_prompt_len = 200  # the instruction alone is about 150 tokens
+  with pytest.raises(ValueError, match=r"train\.jsonl:2: prompt of \d+ tokens .*"
+                                       r"sampling\.max_prompt_len=200$"):
+    make_task(c)
+  c.task.skip_bad_rows = True
+  task, _ = make_task(c)
+  assert {p.id for p in task.train_problems(np.random.default_rng(0), 10)} == {1}
+
+
 # --- select / dedup -------------------------------------------------------------------------
 
 
@@ -349,14 +406,16 @@ def test_convert_math_eval_sets(tmp_path, recipe, rows, want):
   assert set(_read_jsonl(out)[0]) == {"problem", "answer"}
 
 
-def _sandbox_score(program, tests):
-  """Scores in the real sandbox; without bubblewrap this fails loudly (install it, see README)."""
-  return code_reward.score(program, tests, timeout_s=10)
+_ADD_K_TESTS = [{"input": "[1, 2, 3]\n2", "output": "[3, 4, 5]", "testtype": "functional"},
+                {"input": "[]\n5", "output": "[]", "testtype": "functional"}]
+_ADD_K_ROW = {"problem": "Add k to each (LiveCodeBench).",
+              "starter_code": ("class Solution:\n"
+                               "    def addK(self, nums: List[int], k: int) -> List[int]:\n"),
+              "tests": json.dumps(_ADD_K_TESTS), "metadata": json.dumps({"func_name": "addK"})}
 
 
 def test_convert_deepcoder(tmp_path, capsys):
-  lcb = [{"input": "[1, 2, 3]\n2", "output": "[3, 4, 5]", "testtype": "functional"},
-         {"input": "[]\n5", "output": "[]", "testtype": "functional"}]
+  lcb = _ADD_K_TESTS
   src = _parquet(tmp_path / "lcbv5.parquet", [
       {"problem": "Sum two ints (TACO).", "starter_code": "",
        "tests": json.dumps({"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]}),
@@ -367,9 +426,7 @@ def test_convert_deepcoder(tmp_path, capsys):
       {"problem": "Square (PrimeIntellect call).", "starter_code": "",
        "tests": json.dumps([{"type": "function_call", "fn_name": "sq", "input": [3], "output": [9]}]),
        "metadata": "{}"},
-      {"problem": "Add k to each (LiveCodeBench).",
-       "starter_code": "class Solution:\n    def addK(self, nums: List[int], k: int) -> List[int]:\n",
-       "tests": json.dumps(lcb), "metadata": json.dumps({"func_name": "addK"})},
+      _ADD_K_ROW,
       {"problem": "No tests.", "starter_code": "", "tests": "[]", "metadata": "{}"},
       {"problem": "Bad JSON.", "starter_code": "", "tests": "[{", "metadata": "{}"},
       {"problem": "Functional without a name.", "starter_code": "", "tests": json.dumps(lcb),
@@ -390,9 +447,16 @@ def test_convert_deepcoder(tmp_path, capsys):
   assert f"{src}:row 5: tests are not valid JSON" in log and "fn_name" in log
   for row in rows:
     parse_tests(row["tests"], "converted")  # what CodeTask accepts
+
+
+def test_converted_deepcoder_tests_score_in_the_sandbox(tmp_path, requires_sandbox):
+  src = _parquet(tmp_path / "lcbv5.parquet", [_ADD_K_ROW])
+  out = str(tmp_path / "deepcoder.jsonl")
+  assert convert_hf_datasets.main(["--recipe=deepcoder", f"--out={out}", src]) == 0
+  (row,) = _read_jsonl(out)
   good = "class Solution:\n  def addK(self, nums, k):\n    return [x + k for x in nums]\n"
-  assert _sandbox_score(good, rows[3]["tests"]) == 1.0
-  assert _sandbox_score(good.replace("x + k", "x - k"), rows[3]["tests"]) == 0.0
+  assert code_reward.score(good, row["tests"], timeout_s=10) == 1.0
+  assert code_reward.score(good.replace("x + k", "x - k"), row["tests"], timeout_s=10) == 0.0
 
 
 def _lcb_compress(tests) -> str:

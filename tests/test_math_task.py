@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from oapl_jax.data import BadRowError
 from oapl_jax.tasks.arithmetic import Problem
 from oapl_jax.tasks.hf_tokenizer import HFTokenizer
 from oapl_jax.rewards import math as math_reward
@@ -303,3 +304,66 @@ def test_math_task_drops_eval_questions_from_train(tmp_path, tokenizer):
 def test_reward_api_name():
   assert math_reward.score("so \\boxed{\\frac{1}{2}}", "0.5") == 1.0
   assert math_reward.score("so \\boxed{3}", "0.5") == 0.0
+
+
+# --- prompt length (sampling.max_prompt_len) --------------------------------------------------
+
+
+def _prompt_len(tokenizer, question):
+  """Tokens of the prompt of `question`, counted as the trainer encodes it."""
+  return len(tokenizer.encode(tokenizer.chat_prompt(question + "\n" + MATH_INSTRUCTION),
+                              add_bos=True))
+
+
+def test_math_task_over_long_prompt_is_a_bad_row(tmp_path, tokenizer):
+  long_q = "What is " + " + ".join(["3"] * 300) + "?"
+  train = _write(tmp_path / "train.jsonl", [
+      '{"question": "What is 3+4?", "answer": "7"}',
+      json.dumps({"question": long_q, "answer": "900"}),
+      '{"question": "What is 5+4?", "answer": "9"}'])
+  evals = _write(tmp_path / "eval.jsonl", ['{"question": "What is 1+1?", "answer": "2"}'])
+  limit = max(_prompt_len(tokenizer, q) for q in ("What is 3+4?", "What is 5+4?", "What is 1+1?"))
+  n = _prompt_len(tokenizer, long_q)
+  assert n > limit
+  with pytest.raises(BadRowError) as e:  # a UserError: the commands print it as one line
+    MathTask(train, evals, tokenizer=tokenizer, max_prompt_len=limit)
+  assert str(e.value) == (f"{train}:2: prompt of {n} tokens (chat template and BOS included) is "
+                          f"longer than sampling.max_prompt_len={limit}")
+  task = MathTask(train, evals, tokenizer=tokenizer, max_prompt_len=limit, skip_bad_rows=True)
+  assert task.num_train == 2
+  assert {p.answer for p in task.train_problems(np.random.default_rng(0), 30)} == {"7", "9"}
+  fits = MathTask(train, evals, tokenizer=tokenizer, max_prompt_len=n)  # n tokens: fits exactly
+  assert fits.num_train == 3
+  longer_q = long_q + " And what is 3+4?"  # longer than any train prompt: eval rows are checked
+  long_eval = _write(tmp_path / "long_eval.jsonl", [
+      '{"question": "What is 1+1?", "answer": "2"}',
+      json.dumps({"question": longer_q, "answer": "9"})])
+  with pytest.raises(ValueError, match=rf"long_eval\.jsonl:2: prompt of "
+                                       rf"{_prompt_len(tokenizer, longer_q)} tokens .*"
+                                       rf"sampling\.max_prompt_len={n}$"):
+    MathTask(train, long_eval, tokenizer=tokenizer, max_prompt_len=n)
+  task = MathTask(train, long_eval, tokenizer=tokenizer, max_prompt_len=n, skip_bad_rows=True)
+  assert [p.answer for p in task.eval_problems()] == ["2"] and task.num_train == 3
+
+
+def test_make_task_checks_math_prompts_against_the_setting(tmp_path, tok_dir, caplog):
+  from configs import math as math_config
+  from oapl_jax.tasks import make_task
+  c = math_config.get_config("tiny")
+  c.task.tokenizer_path = tok_dir
+  c.task.train_path = _write(tmp_path / "train.jsonl", [
+      '{"question": "What is 3+4?", "answer": "7"}',
+      json.dumps({"question": "What is " + "3 + " * 100 + "4?", "answer": "304"}),
+      '{"question": "What is 5+4?", "answer": "9"}'])
+  c.task.eval_path = _write(tmp_path / "eval.jsonl",
+                            ['{"question": "What is 1+1?", "answer": "2"}'])
+  c.sampling.max_prompt_len = 64
+  with pytest.raises(ValueError, match=r"train\.jsonl:2: prompt of \d+ tokens .*"
+                                       r"sampling\.max_prompt_len=64$"):
+    make_task(c)
+  c.task.skip_bad_rows = True
+  task, tokenizer = make_task(c)
+  assert task.num_train == 2
+  assert max(len(tokenizer.encode(p.prompt, add_bos=True))
+             for p in task.train_problems(np.random.default_rng(0), 20)) <= 64
+  assert "train.jsonl: 2 rows kept, 1 skipped" in caplog.text

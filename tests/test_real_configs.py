@@ -56,14 +56,14 @@ def tiny_qwen2(tmp_path_factory):
   return make_tiny_hf(str(tmp_path_factory.mktemp("hf") / "tiny_qwen2"), preset="tiny_qwen2")
 
 
-def test_code_tiny_runs_rl_steps(tiny_qwen2, tmp_path):
+def test_code_tiny_runs_rl_steps(tiny_qwen2, tmp_path, requires_sandbox):
   out = _main("--config=configs/code.py:tiny", f"--config.model.path={tiny_qwen2}",
               f"--workdir={tmp_path}")
   assert out.returncode == 0, out.stderr[-3000:]
   assert json.loads((tmp_path / "summary.json").read_text())["trainer_steps"] == 4
 
 
-def test_code_task_scores_answers_in_the_sandbox(tiny_qwen2):
+def test_code_task_scores_answers_in_the_sandbox(tiny_qwen2, requires_sandbox):
   from configs import code as code_config
   from oapl_jax.tasks import make_task
   c = code_config.get_config("tiny")

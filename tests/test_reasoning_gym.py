@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from configs import reasoning_gym as rg_config
-from oapl_jax.config import validate
+from oapl_jax.config import ConfigError, validate
 from oapl_jax.models.tiny_hf import make_tiny_hf
 from oapl_jax.tasks import make_task
 from oapl_jax.tasks.hf_tokenizer import HFTokenizer
@@ -85,6 +85,20 @@ def test_bad_settings(tokenizer):
                      dataset_kwargs="{min_terms: 2")
 
 
+def test_too_long_generated_prompt_names_the_setting(tokenizer):
+  kw = dict(tokenizer=tokenizer, size=50, seed=0, num_eval=4, dataset_kwargs=SMALL)
+  longest = max(len(tokenizer.encode(p.prompt, add_bos=True))
+                for p in ReasoningGymTask("chain_sum", **kw).eval_problems())
+  with pytest.raises(ConfigError, match=rf"^config\.sampling\.max_prompt_len={longest - 1}: "
+                                        r"reasoning_gym chain_sum eval entry \d+ has a prompt of "
+                                        rf"{longest} tokens .*raise sampling\.max_prompt_len"):
+    ReasoningGymTask("chain_sum", max_prompt_len=longest - 1, **kw)
+  task = ReasoningGymTask("chain_sum", max_prompt_len=longest, **kw)  # fits exactly
+  task.max_prompt_len = 10  # train entries are made (and checked) when first drawn
+  with pytest.raises(ConfigError, match=r"max_prompt_len=10: reasoning_gym chain_sum train entry "):
+    task.train_problems(np.random.default_rng(0), 1)
+
+
 def test_config_and_make_task(tiny_qwen3):
   c = rg_config.get_config("tiny")
   c.model.path = tiny_qwen3
@@ -94,6 +108,10 @@ def test_config_and_make_task(tiny_qwen3):
   assert len(task.eval_problems()) == c.task.num_eval == 4
   longest = max(len(tokenizer.encode(p.prompt, add_bos=True)) for p in task.eval_problems())
   assert longest <= c.sampling.max_prompt_len
+  c.sampling.max_prompt_len = 16
+  with pytest.raises(ConfigError, match=r"config\.sampling\.max_prompt_len=16: reasoning_gym "
+                                        r"chain_sum eval entry 0 has a prompt of \d+ tokens"):
+    make_task(c)
   full = rg_config.get_config()
   assert full.model.preset == "qwen3_0_6b" and full.task.dataset_kwargs.max_digits == 4
   assert rg_config.get_config("dataset=leg_counting,lag=7").task.dataset == "leg_counting"

@@ -14,9 +14,11 @@
 ``required`` maps field -> type (or tuple of types, as for ``isinstance``). A row is malformed
 if it is not an object, misses a required field, holds a value of the wrong type (``bool``
 never passes for ``int``/``float``), holds an empty list where a list is required, has text
-that is not valid UTF-8, or if ``convert(row)`` raises ``ValueError``. A malformed row is
-fatal (``ValueError`` naming the file and line/row) unless ``skip_bad_rows``: then it is
-skipped and counted in the :class:`RowReport`, which keeps the first few reasons.
+that is not valid UTF-8, or if ``convert(row)`` raises ``ValueError`` (the tasks' converters
+also refuse a row whose prompt is longer than ``sampling.max_prompt_len``). A malformed row is
+fatal (:class:`BadRowError`, a ``ValueError`` naming the file and line/row, which the commands
+print as one line) unless ``skip_bad_rows``: then it is skipped and counted in the
+:class:`RowReport`, which keeps the first few reasons.
 
 :func:`select` shuffles rows deterministically from a seed and shards them across hosts;
 :func:`dedup` drops rows whose normalised text (:func:`normalize_text`) was already seen.
@@ -31,10 +33,16 @@ from typing import Any, Callable
 
 import numpy as np
 
+from oapl_jax.errors import UserError
+
 MAX_REASONS = 5  # reasons for skipped rows kept in a RowReport (the rest are only counted)
 TFDS_PREFIX = "tfds:"
 _TYPE_NAMES = {str: "a string", int: "an int", float: "a number", list: "a list", dict: "an object",
                bool: "a bool"}
+
+
+class BadRowError(UserError, ValueError):
+  """A malformed row read without ``skip_bad_rows``: ``"file:line: why"``."""
 
 
 @dataclasses.dataclass
@@ -115,7 +123,7 @@ class _Collector:
     self.report.total += 1
     message = f"{where}: {why}"
     if not self.skip:
-      raise ValueError(message)
+      raise BadRowError(message)
     self.report.skipped += 1
     if len(self.report.reasons) < MAX_REASONS:
       self.report.reasons.append(message)

@@ -175,6 +175,10 @@ class AdditionTask:
         problems = tuple(_make_problem(a, b, i) for i, (a, b) in enumerate(pairs))
         return frozenset(seen), problems
 
+    def longest_prompt(self) -> str:
+        """The longest prompt the task makes, ``"99+99="`` for ``max_digits=2``."""
+        return _make_problem(10**self.max_digits - 1, 10**self.max_digits - 1, 0).prompt
+
     def eval_problems(self) -> list[Problem]:
         """The fixed held-out problems (ids ``0 .. num_eval - 1``)."""
         return list(self._eval)

@@ -6,8 +6,9 @@ Rows come from any source :func:`oapl_jax.data.read_rows` reads (JSONL / JSON / 
   * the same as a JSON string (how DeepCoder's files store it);
   * a LiveCodeBench list of {"input", "output", "testtype"} (converted on load; functional tests
     take their function name from the row's ``metadata["func_name"]``).
-A row without a statement or with missing / empty / unreadable tests is malformed: fatal, or
-with ``skip_bad_rows`` skipped, counted and logged.
+A row without a statement, with missing / empty / unreadable tests, or (with ``max_prompt_len``)
+whose prompt is longer than that many tokens is malformed: fatal, or with ``skip_bad_rows``
+skipped, counted and logged.
 The prompt asks for one fenced Python block; the last such block of the answer is the program.
 Tests never enter the prompt, and expected outputs never enter the sandbox (rewards/code.py).
 """
@@ -23,6 +24,7 @@ import numpy as np
 from oapl_jax.data.sources import host_shard, normalize_text, read_rows
 from oapl_jax.rewards import code as code_reward
 from oapl_jax.tasks.arithmetic import Problem
+from oapl_jax.tasks.limits import too_long
 
 _log = logging.getLogger(__name__)
 
@@ -85,52 +87,62 @@ class CodeTask:
   def __init__(self, train_path: str, eval_path: str, *, tokenizer, question_field: str,
                tests_field: str, thinking: bool | None, num_eval: int | None,
                sandbox: dict, skip_bad_rows: bool = False, train_split: str = "train",
-               eval_split: str = "test", data_dir: str | None = None):
+               eval_split: str = "test", data_dir: str | None = None,
+               max_prompt_len: int | None = None):
     self.tokenizer, self.thinking, self.sandbox = tokenizer, thinking, dict(sandbox)
+    self.max_prompt_len = max_prompt_len
     load = dict(question_field=question_field, tests_field=tests_field, data_dir=data_dir,
                 skip_bad_rows=skip_bad_rows)
     eval_rows = self._load(eval_path, eval_split, role="eval", **load)
-    held_out = {normalize_text(q) for q, _ in eval_rows}
+    held_out = {normalize_text(r["q"]) for r in eval_rows}
     train_rows = [r for r in self._load(train_path, train_split, role="train", **load)
-                  if normalize_text(r[0]) not in held_out]
+                  if normalize_text(r["q"]) not in held_out]
     if not eval_rows:
       raise ValueError(f"{eval_path}: no rows")
     if not train_rows:
       raise ValueError(f"{train_path}: no training problem left after removing eval questions")
     eval_rows = eval_rows[:num_eval] if num_eval else eval_rows
-    self._eval = [self._problem(q, t, i) for i, (q, t) in enumerate(eval_rows)]
-    self._train = [self._problem(q, t, len(eval_rows) + i)
-                   for i, (q, t) in host_shard(list(enumerate(train_rows)))]
+    self._eval = [self._problem(r, i) for i, r in enumerate(eval_rows)]
+    self._train = [self._problem(r, len(eval_rows) + i)
+                   for i, r in host_shard(list(enumerate(train_rows)))]
 
   @classmethod
-  def from_config(cls, t, tokenizer) -> "CodeTask":
+  def from_config(cls, t, tokenizer, *, max_prompt_len: int | None = None) -> "CodeTask":
     sandbox = dict(timeout_s=t.timeout_s, memory_mb=t.memory_mb, fraction=t.partial_credit,
                    allow_unsandboxed=t.allow_unsandboxed)
     return cls(t.train_path, t.eval_path, tokenizer=tokenizer, question_field=t.question_field,
                tests_field=t.tests_field, thinking=t.thinking, num_eval=t.num_eval, sandbox=sandbox,
                skip_bad_rows=t.skip_bad_rows, train_split=t.train_split, eval_split=t.eval_split,
-               data_dir=t.data_dir)
+               data_dir=t.data_dir, max_prompt_len=max_prompt_len)
 
-  @staticmethod
-  def _load(source, split, *, role, question_field, tests_field, data_dir, skip_bad_rows):
-    """[(question, tests)] of `source`; rows with bad tests are malformed (read_rows)."""
+  def _load(self, source, split, *, role, question_field, tests_field, data_dir, skip_bad_rows):
+    """[{"q", "tests", "prompt"}] of `source`; rows with bad tests or too long a prompt are
+    malformed (read_rows)."""
     def convert(row):
       if tests_field not in row:
         raise ValueError(f"missing field {tests_field!r}")
       tests = parse_tests(row[tests_field], "", fn_name=metadata_func_name(row.get("metadata")))
-      return {"q": row[question_field], "tests": tests}
+      prompt = self.make_prompt(row[question_field], tests)
+      why = too_long(self.tokenizer, prompt, self.max_prompt_len)
+      if why:
+        raise ValueError(why)
+      return {"q": row[question_field], "tests": tests, "prompt": prompt}
 
     rows, report = read_rows(source, split=split, data_dir=data_dir, skip_bad_rows=skip_bad_rows,
                              required={question_field: str}, convert=convert)
     _log.log(logging.WARNING if report.skipped else logging.INFO, "code %s data: %s", role,
              report.summary())
-    return [(r["q"], r["tests"]) for r in rows]
+    return rows
 
-  def _problem(self, question: str, tests: dict, pid: int) -> Problem:
+  def make_prompt(self, question: str, tests: dict) -> str:
+    """The chat-formatted prompt: the statement and the instruction (stdin or `fn_name`)."""
     instruction = (CODE_INSTRUCTION_CALL.format(fn_name=tests["fn_name"]) if tests.get("fn_name")
                    else CODE_INSTRUCTION_STDIN)
-    prompt = self.tokenizer.chat_prompt(question + "\n\n" + instruction, thinking=self.thinking)
-    return Problem(prompt=prompt, answer=json.dumps(tests), id=pid)
+    return self.tokenizer.chat_prompt(question + "\n\n" + instruction, thinking=self.thinking)
+
+  @staticmethod
+  def _problem(row: dict, pid: int) -> Problem:
+    return Problem(prompt=row["prompt"], answer=json.dumps(row["tests"]), id=pid)
 
   def eval_problems(self) -> list[Problem]:
     return list(self._eval)

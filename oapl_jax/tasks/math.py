@@ -18,6 +18,7 @@ import numpy as np
 from oapl_jax.data.sources import host_shard, normalize_text, read_file, read_rows
 from oapl_jax.rewards.math import extract_boxed, score_batch, score_math  # noqa: F401 (re-exported)
 from oapl_jax.tasks.arithmetic import Problem
+from oapl_jax.tasks.limits import too_long
 
 _log = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ class MathTask:
     question. Deterministic given ``rng``. A train problem's id is ``len(eval file) + its
     row index`` in the train file: stable across draws, disjoint from eval ids.
   * Malformed rows are fatal, or with ``skip_bad_rows`` skipped; either way each source's
-    :meth:`RowReport.summary` is logged (a warning if rows were skipped).
+    :meth:`RowReport.summary` is logged (a warning if rows were skipped). With
+    ``max_prompt_len``, a row whose prompt (BOS included) is longer is malformed too.
   * :meth:`score_batch` scores a rollout on ``reward_workers`` processes.
 
   Raises:
@@ -86,13 +88,22 @@ class MathTask:
                answer_field: str = "answer", thinking: bool | None = None,
                num_eval: int | None = None, fallback_last_number: bool = False,
                skip_bad_rows: bool = False, train_split: str = "train", eval_split: str = "test",
-               data_dir: str | None = None, reward_workers: int = 2) -> None:
-    required = _fields(question_field, answer_field)
+               data_dir: str | None = None, reward_workers: int = 2,
+               max_prompt_len: int | None = None) -> None:
+    self.reward_workers = reward_workers
+    self.tokenizer = tokenizer
+    self.thinking = thinking
+    self.fallback_last_number = fallback_last_number
+    self.question_field = question_field
+    self.answer_field = answer_field
+    self.max_prompt_len = max_prompt_len
     rows = {}
     for role, source, split in (("train", train_path, train_split),
                                 ("eval", eval_path, eval_split)):
       rows[role], report = read_rows(source, split=split, data_dir=data_dir,
-                                     skip_bad_rows=skip_bad_rows, required=required)
+                                     skip_bad_rows=skip_bad_rows,
+                                     required=_fields(question_field, answer_field),
+                                     convert=self._prompted)
       _log.log(logging.WARNING if report.skipped else logging.INFO, "math %s data: %s", role,
                report.summary())
     train_rows, eval_rows = rows["train"], rows["eval"]
@@ -103,27 +114,29 @@ class MathTask:
     if num_eval is not None and not 1 <= num_eval <= len(eval_rows):
       raise ValueError(f"num_eval={num_eval}: must be in [1, {len(eval_rows)}] "
                        f"(the rows of {eval_path})")
-    self.reward_workers = reward_workers
-    self.tokenizer = tokenizer
-    self.thinking = thinking
-    self.fallback_last_number = fallback_last_number
-    self.question_field = question_field
-    self.answer_field = answer_field
 
-    held_out = {normalize_question(r[question_field]) for r in eval_rows}
+    held_out = {normalize_question(r["question"]) for r in eval_rows}
     chosen = eval_rows if num_eval is None else eval_rows[:num_eval]
-    self._eval = tuple(Problem(prompt=self.make_prompt(r[question_field]),
-                               answer=r[answer_field], id=i) for i, r in enumerate(chosen))
+    self._eval = tuple(Problem(prompt=r["prompt"], answer=r["answer"], id=i)
+                       for i, r in enumerate(chosen))
     id_offset = len(eval_rows)
     kept = [(i, r) for i, r in enumerate(train_rows)
-            if normalize_question(r[question_field]) not in held_out]
+            if normalize_question(r["question"]) not in held_out]
     self.num_train_dropped = len(train_rows) - len(kept)
-    self._train = tuple(
-        Problem(prompt=self.make_prompt(r[question_field]), answer=r[answer_field],
-                id=id_offset + i)
-        for i, r in host_shard(kept))
+    self._train = tuple(Problem(prompt=r["prompt"], answer=r["answer"], id=id_offset + i)
+                        for i, r in host_shard(kept))
     if not self._train:
       raise ValueError(f"{train_path}: every question also occurs in {eval_path}")
+
+  def _prompted(self, row: dict) -> dict:
+    """``{"question", "answer", "prompt"}`` of a row; ``ValueError`` if the prompt is too long
+    (read_rows then names the file and line, and skips the row with ``skip_bad_rows``)."""
+    prompt = self.make_prompt(row[self.question_field])
+    why = too_long(self.tokenizer, prompt, self.max_prompt_len)
+    if why:
+      raise ValueError(why)
+    return {"question": row[self.question_field], "answer": row[self.answer_field],
+            "prompt": prompt}
 
   def make_prompt(self, question: str) -> str:
     """The chat-formatted prompt for ``question``."""

@@ -14,6 +14,9 @@ candidate answer in [0, 1] (1 = correct; some datasets give partial credit).
   ``i`` with ``seed + i``, so the two never share a generator seed), generated on first draw;
   an entry whose question (normalised) is an eval question is redrawn, so training never sees
   an eval problem. Train ids are ``num_eval + index``.
+* Prompt length: with ``max_prompt_len``, a prompt longer than that many tokens (BOS included)
+  is a ``ConfigError`` naming ``sampling.max_prompt_len``: at once for an eval entry, when first
+  drawn for a train entry (they are generated lazily).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 
 from oapl_jax.data.sources import normalize_text
 from oapl_jax.tasks.arithmetic import Problem
+from oapl_jax.tasks.limits import SETTING, prompt_tokens
 
 ANSWER_INSTRUCTION = ("Solve the problem. Give your final answer inside <answer> and </answer> "
                       "tags, with nothing else in them: <answer>your answer</answer>.")
@@ -68,10 +72,12 @@ class ReasoningGymTask:
     ImportError: if `reasoning_gym` is not installed.
     ValueError: an unknown dataset or bad ``dataset_kwargs`` (the dataset's own message), a
       ``dataset_kwargs`` holding ``seed``/``size``, or ``size`` / ``num_eval`` < 1.
+    ConfigError: a prompt longer than ``max_prompt_len`` tokens (see the module docstring).
   """
 
   def __init__(self, dataset_name: str, *, tokenizer, size: int, seed: int, num_eval: int,
-               dataset_kwargs: dict | None = None, thinking: bool | None = None) -> None:
+               dataset_kwargs: dict | None = None, thinking: bool | None = None,
+               max_prompt_len: int | None = None) -> None:
     import reasoning_gym  # noqa: PLC0415 (a declared dependency; imported only for this task)
 
     kwargs = _kwargs(dataset_kwargs)
@@ -86,7 +92,7 @@ class ReasoningGymTask:
     except (ValueError, TypeError, AssertionError) as e:
       raise ValueError(f"reasoning_gym dataset {dataset_name!r} with {kwargs}: {e}") from e
     self.dataset_name, self.tokenizer, self.thinking = dataset_name, tokenizer, thinking
-    self.size, self.num_eval = size, num_eval
+    self.size, self.num_eval, self.max_prompt_len = size, num_eval, max_prompt_len
 
     self._eval_entries: list[dict] = []
     self._held_out: set[str] = set()
@@ -98,22 +104,33 @@ class ReasoningGymTask:
     if len(self._eval_entries) < num_eval:
       _log.warning("reasoning_gym %s: %d of %d eval questions were repeats and were dropped",
                    dataset_name, num_eval - len(self._eval_entries), num_eval)
-    self._eval = [self._problem(e, i) for i, e in enumerate(self._eval_entries)]
+    self._eval = [self._problem(e, i, f"eval entry {i}")
+                  for i, e in enumerate(self._eval_entries)]
     # Train entry index -> (problem, entry), or None where the entry repeats an eval question.
     self._train: dict[int, tuple[Problem, dict] | None] = {}
 
   @classmethod
-  def from_config(cls, t, tokenizer, *, seed: int) -> "ReasoningGymTask":
+  def from_config(cls, t, tokenizer, *, seed: int,
+                  max_prompt_len: int | None = None) -> "ReasoningGymTask":
     return cls(t.dataset, tokenizer=tokenizer, size=t.size, seed=seed, num_eval=t.num_eval,
-               dataset_kwargs=t.dataset_kwargs, thinking=t.thinking)
+               dataset_kwargs=t.dataset_kwargs, thinking=t.thinking, max_prompt_len=max_prompt_len)
 
   def make_prompt(self, question: str) -> str:
     """The chat-formatted prompt for ``question``."""
     return self.tokenizer.chat_prompt(question + "\n\n" + ANSWER_INSTRUCTION,
                                       thinking=self.thinking)
 
-  def _problem(self, entry: dict, pid: int) -> Problem:
-    return Problem(prompt=self.make_prompt(entry["question"]), answer=str(entry["answer"]), id=pid)
+  def _problem(self, entry: dict, pid: int, which: str) -> Problem:
+    """The problem of `entry` (`which` names it in the error if its prompt is too long)."""
+    prompt = self.make_prompt(entry["question"])
+    n = None if self.max_prompt_len is None else prompt_tokens(self.tokenizer, prompt)
+    if n is not None and n > self.max_prompt_len:
+      from oapl_jax.config import ConfigError  # noqa: PLC0415 (config pulls in the model code)
+      raise ConfigError(f"config.{SETTING}={self.max_prompt_len}: reasoning_gym "
+                        f"{self.dataset_name} {which} has a prompt of {n} tokens (chat template "
+                        f"and BOS included); raise {SETTING} or make the questions shorter "
+                        "(task.dataset_kwargs)")
+    return Problem(prompt=prompt, answer=str(entry["answer"]), id=pid)
 
   def _train_item(self, index: int) -> tuple[Problem, dict] | None:
     """Train entry ``index`` as (problem, entry), made on first use; None for an eval question."""
@@ -121,7 +138,8 @@ class ReasoningGymTask:
       entry = self._train_ds[index]
       held_out = normalize_text(entry["question"]) in self._held_out
       self._train[index] = (None if held_out
-                            else (self._problem(entry, self.num_eval + index), entry))
+                            else (self._problem(entry, self.num_eval + index,
+                                                f"train entry {index}"), entry))
     return self._train[index]
 
   def eval_problems(self) -> list[Problem]:
