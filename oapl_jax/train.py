@@ -159,7 +159,7 @@ def make_train_step(config, graphdef, optimizer):
   def frozen_logprobs(params, tokens):
     return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), tokens, sampling)[0])
 
-  def micro_loss(params, snapshot, reference, mb, num_tokens):
+  def micro_loss(params, snapshot, reference, mb, num_tokens, num_answers):
     logp, ent = token_logprobs(nnx.merge(graphdef, params), mb["tokens"], sampling)  # [b, T-1]
     mask, sampler = mb["mask"], mb["sampler_logprobs"]
     m = {}
@@ -169,7 +169,7 @@ def make_train_step(config, graphdef, optimizer):
       m["snapshot_vs_sampler_abs"] = _token_mean(jnp.abs(snap - sampler), mask)
     if rl.loss == "oapl":
       old = snap if rl.old_logprobs == "snapshot" else sampler
-      loss, loss_metrics = loss_impl(logp, old, mask, mb["rewards"])
+      loss, loss_metrics = loss_impl(logp, old, mask, mb["rewards"], num_answers=num_answers)
     else:
       ref = None if reference is None else frozen_logprobs(reference, mb["tokens"])
       loss, loss_metrics = loss_impl(logp, snap, sampler, mask, mb["rewards"], ref_logprobs=ref,
@@ -183,10 +183,11 @@ def make_train_step(config, graphdef, optimizer):
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def train_step(params, opt_state, snapshot, batch, reference=None):
     num_tokens = batch["mask"].sum() / accum  # per micro-batch share of the full batch's tokens
+    num_answers = (batch["mask"].sum(axis=1) > 0).sum() / accum  # ... and of its counted answers
     micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
     def body(grads, mb):
-      (loss, m), g = grad_fn(params, snapshot, reference, mb, num_tokens)
+      (loss, m), g = grad_fn(params, snapshot, reference, mb, num_tokens, num_answers)
       return jax.tree.map(jnp.add, grads, g), (loss, m)
 
     grads, (loss, m) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)

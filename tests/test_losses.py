@@ -112,37 +112,69 @@ def test_gradient_matches_closed_form():
     np.testing.assert_array_equal(g_r, np.zeros_like(g_r))
 
 
-def test_closed_form_optimum_has_zero_residual():
-    """Finding (a): with exact V*, pi* zeroes every residual, whatever sampled the answers."""
-    k_old, k_r, k_q, k_s = jax.random.split(jax.random.PRNGKey(1), 4)
-    num_arms, beta = 5, 0.25
-    log_old = jax.nn.log_softmax(2.0 * jax.random.normal(k_old, (num_arms,)))  # [K]
-    reward = jax.random.uniform(k_r, (num_arms,))  # [K] in [0, 1]
-    v_star = beta * jax.nn.logsumexp(log_old + reward / beta)  # []
+def test_closed_form_optimum_minimises_oapl_on_off_policy_answers():
+    """Finding (a) through oapl() and group_value(): with V_hat = V* exactly, pi* zeroes every
+    residual of answers drawn from q != pi_old, so the loss is 0 there, its gradient vanishes,
+    and any other policy scores higher.
+
+    A bandit with 0/1 rewards (arms 0-1 right): V_hat sees only a group's rewards, so a group
+    of 8 with 3 right answers has V_hat = V* exactly when pi_old puts 3/8 of its mass on the
+    right arms, whichever right / wrong arms the group holds. Those are drawn from q.
+    """
+    num_arms, beta, group, num_groups, num_right = 6, 0.25, 8, 16, 3
+    k_right, k_wrong, k_q, k_r, k_w = jax.random.split(jax.random.PRNGKey(1), 5)
+    right = jnp.arange(num_arms) < 2  # [K]
+    reward = right.astype(jnp.float32)  # [K]
+    p_right = num_right / group
+    log_old = jnp.where(  # [K] pi_old: 3/8 on the right arms, split at random within each class
+        right,
+        math.log(p_right) + jax.nn.log_softmax(jnp.where(right, jax.random.normal(k_right, (num_arms,)), NEG_INF)),
+        math.log(1 - p_right) + jax.nn.log_softmax(jnp.where(right, NEG_INF, jax.random.normal(k_wrong, (num_arms,)))),
+    )
+    v_star = beta * jax.nn.logsumexp(log_old + reward / beta)  # [] = beta log E_old exp(R/beta)
     log_star = log_old + (reward - v_star) / beta  # [K]
     np.testing.assert_allclose(jax.nn.logsumexp(log_star), 0.0, atol=1e-5)  # normalised
+    # every arm's residual, not only the sampled ones'
+    np.testing.assert_allclose(beta * (log_star - log_old) - (reward - v_star), 0.0, atol=1e-5)
 
-    # answers drawn from q, a distribution unrelated to pi_old; one token each plus padding
-    q_logits = jax.random.normal(k_q, (num_arms,))  # [K]
-    arms = jax.random.categorical(k_s, q_logits, shape=(64,))  # [B]
-    pad = jnp.full((64, 1), NEG_INF)  # [B, 1]
-    mask = jnp.concatenate([jnp.ones((64, 1)), jnp.zeros((64, 1))], axis=1)  # [B, 2]
+    # answers from q (sharp, unrelated to pi_old within each class); one token each plus padding
+    q_logits = 3.0 * jax.random.normal(k_q, (num_arms,))  # [K]
+    arms = jnp.concatenate([  # [B], groups of 8 contiguous: 3 right then 5 wrong answers
+        jax.random.categorical(k_r, jnp.where(right, q_logits, NEG_INF), shape=(num_groups, num_right)),
+        jax.random.categorical(k_w, jnp.where(right, NEG_INF, q_logits), shape=(num_groups, group - num_right)),
+    ], axis=1).reshape(-1)
+    counts = np.bincount(np.asarray(arms), minlength=num_arms) / arms.size
+    assert 0.5 * np.abs(counts - np.exp(np.asarray(log_old))).sum() > 0.3  # far from pi_old
+    rewards = reward[arms]  # [B]
+    np.testing.assert_allclose(group_value(rewards, group_size=group, beta1=beta), v_star, rtol=1e-6)
+    pad = jnp.full((arms.size, 1), NEG_INF)  # [B, 1]
+    mask = jnp.concatenate([jnp.ones((arms.size, 1)), jnp.zeros((arms.size, 1))], axis=1)  # [B, 2]
     old_lp = jnp.concatenate([log_old[arms][:, None], pad], axis=1)  # [B, 2]
 
-    def residual(log_pi):  # [K] -> [B]
-        lp = jnp.concatenate([log_pi[arms][:, None], pad], axis=1)  # [B, 2]
-        ell = sequence_log_ratio(lp, old_lp, mask)  # [B]
-        return beta * ell - (reward[arms] - v_star)  # [B]
+    def loss_fn(theta):  # policy logits [K] -> the OAPL loss on the batch
+        lp = jnp.concatenate([jax.nn.log_softmax(theta)[arms][:, None], pad], axis=1)  # [B, 2]
+        return oapl(lp, old_lp, mask, rewards, group_size=group, beta1=beta, beta2=beta)
 
-    np.testing.assert_allclose(residual(log_star), 0.0, atol=1e-5)
-    np.testing.assert_allclose(jnp.mean(residual(log_star) ** 2), 0.0, atol=1e-10)
-    # every arm, not only the sampled ones
-    per_arm = beta * (log_star - log_old) - (reward - v_star)
-    np.testing.assert_allclose(per_arm, 0.0, atol=1e-5)
-    # and other policies are strictly worse
-    assert float(jnp.mean(residual(log_old) ** 2)) > 1e-3
-    perturbed = jax.nn.log_softmax(log_star + 0.1 * jnp.arange(num_arms))
-    assert float(jnp.mean(residual(perturbed) ** 2)) > 1e-5
+    (loss_star, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(log_star)
+    assert float(loss_star) < 1e-10
+    assert float(metrics["residual_abs_mean"]) < 1e-5
+    np.testing.assert_allclose(grad, 0.0, atol=1e-6)
+    assert float(loss_fn(log_old)[0]) > 1e-2  # pi_old itself is not optimal
+    for k in jax.random.split(jax.random.PRNGKey(2), 8):
+        perturbed = log_star + 0.1 * jax.random.normal(k, (num_arms,))
+        assert float(loss_fn(perturbed)[0]) > float(loss_star) + 1e-5
+
+
+def test_group_value_of_many_pi_old_samples_approaches_v_star():
+    """V_hat is a (consistent) estimate of V* = beta log E_{pi_old} exp(R / beta)."""
+    num_arms, beta = 5, 0.25
+    k_old, k_r, k_s = jax.random.split(jax.random.PRNGKey(4), 3)
+    old_logits = 2.0 * jax.random.normal(k_old, (num_arms,))  # [K]
+    reward = jax.random.uniform(k_r, (num_arms,))  # [K] in [0, 1]
+    v_star = float(beta * jax.nn.logsumexp(jax.nn.log_softmax(old_logits) + reward / beta))
+    rewards = reward[jax.random.categorical(k_s, old_logits, shape=(8, 50_000))]  # [8 groups, G]
+    v_hat = np.asarray(group_value(rewards.reshape(-1), group_size=50_000, beta1=beta))
+    np.testing.assert_allclose(v_hat, v_star, atol=0.01)
 
 
 def test_converges_to_optimum_from_off_policy_samples():

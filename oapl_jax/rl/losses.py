@@ -84,12 +84,21 @@ def oapl(
     group_size: int,
     beta1: float,
     beta2: float,
+    num_answers: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """OAPL squared-residual loss: ``mean_i (beta2 * ell_i - A_i)^2``.
+    """OAPL squared-residual loss: ``sum_{counted i} (beta2 * ell_i - A_i)^2 / N``.
 
     ``ell_i = sum_t mask * (logprobs - old_logprobs)`` over answer tokens (no length
     normalisation), ``A_i = R_i - V_hat`` with ``V_hat`` from :func:`group_value` (``beta1``).
-    Gradient w.r.t. ``logprobs[i, t]`` on a counted token: ``2 * beta2 * (beta2*ell_i - A_i) / B``.
+
+    An answer counts when its ``mask`` row has a counted token. One with none (an answer cut
+    at the length limit under ``count_truncated=False``) is still in its group's ``V_hat`` but
+    not in the mean: neither its constant residual ``A_i^2`` in the sum nor itself in ``N``.
+    ``N`` is the number of counted answers, or ``num_answers`` if given (so that
+    gradient-accumulation micro-batches can share the full batch's count: each passes
+    ``N_full / k`` and the mean of their losses is the full batch's). When every answer counts
+    the loss is ``jnp.mean`` over the batch, bit for bit. Gradient w.r.t. ``logprobs[i, t]`` on
+    a counted token: ``2 * beta2 * (beta2*ell_i - A_i) / N``.
 
     Stop-gradient: ``old_logprobs``, ``rewards``, ``V_hat`` and ``A`` are constants; only
     ``logprobs`` carries gradient.
@@ -103,9 +112,12 @@ def oapl(
       group_size: ``G``; must divide ``B``.
       beta1: temperature of ``V_hat``, > 0.
       beta2: weight of ``ell`` in the residual, > 0.
+      num_answers: scalar denominator ``N`` overriding the count of counted answers; None:
+        the count in this batch.
 
     Returns:
-      ``(loss, metrics)``: scalar loss and a dict of scalars ``ell_abs_mean`` (mean |ell|),
+      ``(loss, metrics)``: scalar loss (0 if nothing counts) and a dict of scalars, means over
+      this batch's counted answers (0 if none): ``ell_abs_mean`` (mean |ell|),
       ``residual_abs_mean`` (mean |beta2*ell - A|), ``advantage_mean``, ``v_hat_mean``.
     """
     _check_positive("beta2", beta2)
@@ -123,12 +135,20 @@ def oapl(
     advantages = jax.lax.stop_gradient(rewards - v_hat)  # [B]
     ell = sequence_log_ratio(logprobs, old_logprobs, mask)  # [B]
     residual = beta2 * ell - advantages  # [B]
-    loss = jnp.mean(jnp.square(residual))  # []
+    counted = jnp.any(mask > 0, axis=-1)  # [B]
+    n_counted = jnp.sum(counted.astype(residual.dtype))  # []
+    denom = n_counted if num_answers is None else num_answers
+    # where, not a multiply by counted: with every answer counted this is jnp.mean's sum / B
+    loss = jnp.sum(jnp.where(counted, jnp.square(residual), 0.0)) / jnp.maximum(denom, 1.0)  # []
+
+    def counted_mean(x):  # [B] -> [], over this batch's counted answers
+        return jnp.sum(jnp.where(counted, x, 0.0)) / jnp.maximum(n_counted, 1.0)
+
     metrics = {
-        "ell_abs_mean": jnp.mean(jnp.abs(ell)),
-        "residual_abs_mean": jnp.mean(jnp.abs(residual)),
-        "advantage_mean": jnp.mean(advantages),
-        "v_hat_mean": jnp.mean(v_hat),
+        "ell_abs_mean": counted_mean(jnp.abs(ell)),
+        "residual_abs_mean": counted_mean(jnp.abs(residual)),
+        "advantage_mean": counted_mean(advantages),
+        "v_hat_mean": counted_mean(v_hat),
     }
     return loss, metrics
 
@@ -159,16 +179,25 @@ def group_advantages(rewards: jax.Array, *, group_size: int, adv_norm: str = "st
     return adv.reshape(batch)  # [B]
 
 
+IS_METRIC_LOG_BOUND = 50.0  # raw IS weights (metrics only) are exp(clip(log w, -50, 50))
+
+
 def importance_weights(prox_logprobs: jax.Array, sampler_logprobs: jax.Array, mask: jax.Array, *,
                        level: str, mode: str, cap: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """IS correction from the sampler (engine) to pi_prox (trainer on the same weights).
 
-    ``w = exp(log pi_prox - log pi_sampler)`` per token (``level="token"``) or per answer, the
-    exponent summed over its tokens and broadcast back (``"sequence"``); then ``"truncate"``:
-    ``min(w, C)``, ``"mask"``: 0 where ``w`` is outside ``[1/C, C]``, ``"none"``: 1.
+    ``log w = log pi_prox - log pi_sampler`` per token (``level="token"``) or per answer, summed
+    over its tokens and broadcast back (``"sequence"``); then ``"truncate"``: ``min(w, C)``,
+    ``"mask"``: 0 where ``w`` is outside ``[1/C, C]``, ``"none"``: 1. Everything is decided in
+    log space against ``±log C`` and only clipped log-weights are exponentiated, so a summed
+    log-ratio of hundreds of nats (a long answer, a stale sampler) gives finite weights and no
+    ``inf * 0 = NaN``.
 
     Returns ``(weights [B, T], raw weights [B, T], kept [B, T])``, all stop-gradient; ``kept``
     is 0 on counted tokens that ``"mask"`` dropped. Entries outside ``mask`` are 1 and unused.
+    The raw weights are for metrics: ``exp(clip(log w, -L, L))`` with ``L =
+    IS_METRIC_LOG_BOUND`` (50 nats, ``e^50 ~ 5e21``), so they saturate instead of overflowing
+    and a mean over even 1e12 tokens stays finite in float32.
     """
     if level not in IS_LEVELS:
         raise ValueError(f"is_level must be one of {IS_LEVELS}, got {level!r}")
@@ -179,13 +208,17 @@ def importance_weights(prox_logprobs: jax.Array, sampler_logprobs: jax.Array, ma
     log_w = jnp.where(valid, jax.lax.stop_gradient(prox_logprobs) - sampler_logprobs, 0.0)  # [B, T]
     if level == "sequence":
         log_w = jnp.broadcast_to(log_w.sum(axis=1, keepdims=True), log_w.shape)
-    raw = jnp.exp(log_w)  # [B, T]
+    log_cap = math.log(cap)
+    bound = IS_METRIC_LOG_BOUND
+    raw = jnp.exp(jnp.clip(log_w, -bound, bound))  # [B, T]
     ones = jnp.ones_like(raw)
     if mode == "truncate":
-        w, kept = jnp.minimum(raw, cap), ones
+        w = jnp.where(log_w < log_cap, jnp.exp(jnp.minimum(log_w, log_cap)), cap)  # C exactly
+        kept = ones
     elif mode == "mask":
-        kept = ((raw >= 1.0 / cap) & (raw <= cap)).astype(raw.dtype)
-        w = raw * kept
+        keep = (log_w >= -log_cap) & (log_w <= log_cap)  # [B, T]
+        kept = keep.astype(raw.dtype)
+        w = jnp.where(keep, jnp.exp(jnp.clip(log_w, -log_cap, log_cap)), 0.0)
     else:
         w, kept = ones, ones
     w = jnp.where(valid, w, 1.0)
@@ -242,7 +275,8 @@ def grpo(
 
     Returns:
       ``(loss, metrics)``; metrics: ``clip_fraction`` (tokens whose clipped term is the min),
-      ``is_weight_mean/min/max`` (raw weights over counted tokens), ``is_masked_fraction``,
+      ``is_weight_mean/min/max`` (raw weights over counted tokens, each saturating at
+      ``exp(±IS_METRIC_LOG_BOUND)``: see :func:`importance_weights`), ``is_masked_fraction``,
       ``ratio_mean``, ``advantage_abs_mean``, and ``kl`` when ``kl_coef > 0``.
     """
     if not (logprobs.shape == prox_logprobs.shape == sampler_logprobs.shape == mask.shape) \
