@@ -2,22 +2,147 @@
 
 Each step directory holds two items: `state` (a pytree: params, opt_state, snapshot, the
 buffer's rows and, in async mode, the rows of the rollout in flight) and `meta` (JSON:
-counters, the shapes of those rows, the model architecture). Restoring
-reads `meta` first, refuses a checkpoint of another architecture with a clear error, then
-restores `state` into the caller's abstract structure.
+counters, the shapes of those rows, the model architecture, and `checksums`: a sha256 of
+every saved array, keyed by its tree path, and one of the rest of `meta`).
+
+`Checkpointer.restore_latest` reads the newest step that loads and verifies: a step whose
+files do not load (truncated, deleted, unreadable JSON) or whose arrays do not match their
+checksums (flipped bytes) is skipped with a warning naming it and why, and left on disk; at
+the next save it is renamed `<step>.damaged`, out of the way of orbax (which would otherwise
+count it among the `keep` newest, or refuse to save its step again). A checkpoint of another
+model is refused (`OtherModelError`: a wrong --workdir), not skipped; when every step is
+damaged, `CheckpointError` lists them. A checkpoint saved before checksums existed restores
+unverified, with one INFO line.
+
+A save killed half-way leaves `<step>.orbax-checkpoint-tmp`, which orbax never takes for a
+checkpoint; the next save removes it. A process killed after orbax renamed a new step into
+place but before it deleted the oldest leaves `keep + 1` steps; the next save is back to `keep`
+(orbax is reloaded from disk before every save, so it counts every step there).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
+import json
+import logging
 import os
+import re
+import shutil
+import sys
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from oapl_jax.errors import UserError
 
 ROWS = ("buffer", "inflight")  # host row dicts of a run state (names of `state` entries)
+CHECKSUMS = "checksums"  # meta key: {"meta": sha256 of the rest of meta, "state": {path: sha256}}
+DAMAGED = ".damaged"  # suffix of a damaged step directory moved aside at a save
+_TMP = re.compile(r"^\d+\.orbax-checkpoint-tmp")  # a save that never finished (orbax 0.12 name)
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(UserError):
+  """There are checkpoints, and not one of them loads and verifies."""
+
+
+class OtherModelError(UserError, ValueError):
+  """The checkpoint is of another model architecture (most likely a wrong --workdir)."""
+
+
+class DamagedStep(Exception):
+  """One step directory does not load or verify; the message says which file or leaf."""
+
+
+def warn(msg: str) -> None:
+  """A warning both in the log and as a line on stderr (seen with or without logging set up)."""
+  log.warning("%s", msg)
+  print(f"WARNING: {msg}", file=sys.stderr, flush=True)
+
+
+# checksums
+
+def _digest(x) -> str:
+  """sha256 of one array's dtype, shape and bytes."""
+  a = np.ascontiguousarray(np.asarray(x))
+  h = hashlib.sha256(f"{a.dtype}{list(a.shape)}".encode())
+  h.update(a.reshape(-1).view(np.uint8))  # bytes of any dtype (bfloat16 has no buffer format)
+  return h.hexdigest()
+
+
+def leaf_digests(state) -> dict[str, str]:
+  """{tree path (`jax.tree_util.keystr`): sha256} of every array in `state`, hashed in threads
+  (hashlib lets go of the GIL), each array copied to the host on its own."""
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+    digests = list(pool.map(lambda kv: _digest(kv[1]), leaves))
+  return {jax.tree_util.keystr(path): d for (path, _), d in zip(leaves, digests)}
+
+
+def _meta_digest(meta: dict) -> str:
+  """sha256 of `meta` without its checksums, as it reads back from JSON."""
+  rest = {k: v for k, v in meta.items() if k != CHECKSUMS}
+  text = json.dumps(json.loads(json.dumps(rest)), sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _verify(state, sums: dict[str, str]) -> None:
+  """Raises DamagedStep naming the leaves whose bytes differ from the saved checksums."""
+  bad = [path for path, d in leaf_digests(state).items() if sums.get(path) != d]
+  if bad:
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    raise DamagedStep(f"checksum mismatch in {', '.join(bad[:3])}{more}")
+
+
+# errors from orbax / tensorstore / json
+
+def _describe(e: BaseException) -> str:
+  """The innermost error of a chain (tensorstore's names the array and file), on one short line."""
+  while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+    e = e.__cause__ or e.__context__
+  text = str(e).split(" [tensorstore_spec")[0].split(" See full TensorStore details")[0]
+  text = " ".join(text.split())
+  return f"{type(e).__name__}: {text[:300]}"
+
+
+def _is_read_noise(exc) -> bool:
+  """An after-effect of a failed orbax read: an error of one of its other reads (tensorstore's
+  messages carry a TensorStore spec), or a late callback into its closed event loop."""
+  text = str(exc)
+  return text == "Event loop is closed" or "tensorstore_spec" in text or "TensorStore" in text
+
+
+class _DropReadNoise(logging.Filter):
+  """Drops asyncio's 'Task exception was never retrieved' for the other reads of a failed restore."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and _is_read_noise(exc)
+                and record.getMessage().startswith("Task exception was never retrieved"))
+
+
+def _quiet_failed_read_noise() -> None:
+  """A failed orbax read leaves its other reads' errors to asyncio's log and to
+  `sys.unraisablehook`: dozens of tracebacks on stderr, some after the error itself was raised
+  (and reported by `restore_latest`). From the first restore on, those are dropped; anything
+  else still reaches the log and the previous hook."""
+  previous = sys.unraisablehook
+  if getattr(previous, "_drops_read_noise", False):
+    return
+
+  def hook(unraisable):
+    if not _is_read_noise(unraisable.exc_value):
+      previous(unraisable)
+
+  hook._drops_read_noise = True
+  sys.unraisablehook = hook
+  asyncio_log = logging.getLogger("asyncio")
+  if not any(isinstance(f, _DropReadNoise) for f in asyncio_log.filters):
+    asyncio_log.addFilter(_DropReadNoise())
 
 
 class Checkpointer:
@@ -27,29 +152,109 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self._mgr = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+    self._skipped: list[int] = []  # damaged steps passed over by the last restore_latest
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  # saving
 
   def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
     """state: pytrees of device arrays, plus host row dicts (`ROWS`) whose shapes vary."""
     meta = {**meta, **{f"{name}_shapes": {k: [list(v.shape), str(v.dtype)] for k, v in state[name].items()}
                        for name in ROWS if name in state}}
+    meta[CHECKSUMS] = {"meta": _meta_digest(meta), "state": leaf_digests(state)}
+    self._move_damaged_aside()
+    self._mgr.reload()  # count every step on disk (a kill may have left keep + 1)
     self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
     self._mgr.wait_until_finished()
+    self._remove_dead_saves()
+
+  def _move_damaged_aside(self) -> None:
+    """Renames the steps the last restore skipped to `<step>.damaged[-n]` (kept for a look)."""
+    for step in self._skipped:
+      src = self.step_dir(step)
+      if not os.path.isdir(src):
+        continue
+      dst, n = src + DAMAGED, 1
+      while os.path.exists(dst):
+        n += 1
+        dst = f"{src}{DAMAGED}-{n}"
+      os.rename(src, dst)
+      warn(f"damaged checkpoint {src} moved aside to {dst} (delete it when no longer needed)")
+    self._skipped = []
+
+  def _remove_dead_saves(self) -> None:
+    """Removes orbax tmp directories left by saves that never finished (a killed process)."""
+    for name in os.listdir(self.directory):
+      if _TMP.match(name):
+        log.info("removing %s, left by a save that never finished", name)
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+  # restoring
+
+  def restore_latest(self, target: dict[str, Any], model_meta: dict[str, Any]):
+    """(step, state, meta) of the newest step that loads and verifies; None if there is no step.
+
+    Damaged steps are skipped with a warning and left in place. Raises OtherModelError for a
+    checkpoint of another model, CheckpointError when every step is damaged.
+    """
+    self._mgr.reload()
+    reasons = {}
+    for step in sorted(self._mgr.all_steps(), reverse=True):
+      try:
+        state, meta = self.restore(step, target, model_meta)
+      except DamagedStep as e:
+        reasons[step] = str(e)
+        warn(f"checkpoint {self.step_dir(step)} is damaged and skipped ({e}); it is left in place")
+        continue
+      self._skipped = list(reasons)
+      return step, state, meta
+    if reasons:
+      listed = "; ".join(f"step {s}: {r}" for s, r in reasons.items())
+      raise CheckpointError(
+          f"no checkpoint in {self.directory} loads and verifies ({listed}). Move the damaged "
+          "step directories away to start over there, or use another --workdir.")
+    return None
 
   def restore(self, step: int, target: dict[str, Any], model_meta: dict[str, Any]):
-    """Returns (state, meta). `target` gives the structure of params/opt_state/snapshot."""
-    meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    """(state, meta) of one step. `target` gives the structure of params/opt_state/snapshot.
+
+    Raises DamagedStep when a file does not load or the data does not match its checksums,
+    OtherModelError for a checkpoint of another model.
+    """
+    meta = self._read(step, "meta", ocp.args.JsonRestore())
+    if not isinstance(meta, dict):
+      raise DamagedStep(f"{self.step_dir(step)}/meta/metadata holds a {type(meta).__name__}, not an object")
+    sums = meta.get(CHECKSUMS)
+    if sums is not None and (not isinstance(sums, dict) or sums.get("meta") != _meta_digest(meta)):
+      raise DamagedStep(f"checksum mismatch in {self.step_dir(step)}/meta/metadata")
     if meta.get("model") != model_meta:
-      raise ValueError(
-          f"checkpoint {self.directory}/{step} is of another model:\n  saved:  {meta.get('model')}"
+      raise OtherModelError(
+          f"checkpoint {self.step_dir(step)} is of another model:\n  saved:  {meta.get('model')}"
           f"\n  config: {model_meta}\nUse another --workdir or the matching config.model.")
-    rows = {name: {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta[f"{name}_shapes"].items()}
-            for name in ROWS if f"{name}_shapes" in meta}
-    target = {**target, **rows}
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-    state = self._mgr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract))).state
+    try:
+      rows = {name: {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta[f"{name}_shapes"].items()}
+              for name in ROWS if f"{name}_shapes" in meta}
+    except (TypeError, ValueError, KeyError) as e:
+      raise DamagedStep(f"{self.step_dir(step)}/meta/metadata: bad row shapes: {_describe(e)}") from e
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {**target, **rows})
+    state = self._read(step, "state", ocp.args.StandardRestore(abstract))
+    if sums is None:
+      log.info("checkpoint %s was saved without checksums: restored unverified", self.step_dir(step))
+    else:
+      _verify(state, sums.get("state", {}))
     return state, meta
+
+  def _read(self, step: int, item: str, args):
+    """One item (`meta` or `state`) of a step; any failure to load is a DamagedStep naming it."""
+    _quiet_failed_read_noise()  # before: some of that noise comes while orbax is still failing
+    try:
+      return getattr(self._mgr.restore(step, args=ocp.args.Composite(**{item: args})), item)
+    except Exception as e:  # orbax, tensorstore and json raise many kinds
+      where = f"{self.step_dir(step)}/{item}" + ("/metadata" if item == "meta" else "")
+      raise DamagedStep(f"{where} does not load: {_describe(e)}") from e

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 
 from clu import metric_writers
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLog:
   """Appends to `<workdir>/metrics.jsonl` and writes TensorBoard scalars.
 
   On resume, lines for steps after the restored checkpoint (written before a crash) are
-  dropped so the file reads as one continuous run.
+  dropped so the file reads as one continuous run, and so is a line cut short by a power loss
+  (with a warning naming it); every complete line ends in a newline before anything is appended.
   """
 
   def __init__(self, workdir: str, *, resume_step: int = 0):
@@ -24,10 +29,9 @@ class MetricsLog:
   def _truncate_after(self, step: int) -> None:
     if not os.path.exists(self.path):
       return
-    with open(self.path) as f:
-      lines = [l for l in f if l.strip() and json.loads(l)["step"] <= step]
+    kept = [line for row, line in _complete_lines(self.path) if row["step"] <= step]
     with open(self.path, "w") as f:
-      f.writelines(lines)
+      f.writelines(line.rstrip("\n") + "\n" for line in kept)
 
   def write(self, step: int, metrics: dict) -> None:
     row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -53,5 +57,29 @@ def _plain(v):
 
 def read_metrics(workdir: str) -> list[dict]:
   """The rows of `<workdir>/metrics.jsonl`, one dict per logged trainer step."""
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return [row for row, _ in _complete_lines(os.path.join(workdir, "metrics.jsonl"))]
+
+
+def _complete_lines(path: str) -> list[tuple[dict, str]]:
+  """(row, line) of every complete row of a metrics file; a line that is not one (half-written
+  when the power went) is dropped with a warning naming the file and line."""
+  rows = []
+  with open(path, errors="replace") as f:  # a power loss may leave bytes that are not text
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        row = None
+      if isinstance(row, dict) and "step" in row:
+        rows.append((row, line))
+      else:
+        _warn(f"{path} line {number} is not a complete row (cut short?): dropped: {line.strip()[:80]!r}")
+  return rows
+
+
+def _warn(msg: str) -> None:
+  """A warning both in the log and as a line on stderr."""
+  log.warning("%s", msg)
+  print(f"WARNING: {msg}", file=sys.stderr, flush=True)
