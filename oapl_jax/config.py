@@ -71,8 +71,10 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.rl.count_truncated = True  # Answers cut at max_new_tokens still count in the loss.
   c.rl.groups_per_step = 32  # Groups (prompts) in one trainer step's batch.
   c.rl.groups_per_rollout = 32  # Groups the engine samples into the buffer per call.
-  # Async mode: groups whose realised lag (trainer step - snapshot step) exceeds this are dropped
-  # when taken, and counted; None = never drop (the contract: stale samples are used).
+  # Groups whose realised lag (trainer step - snapshot step) would exceed this are dropped when a
+  # step takes its batch, and counted (groups_dropped_stale); >= rl.lag, so it only bites in async
+  # mode, where left-overs and rollouts in flight outlive a refresh. None = never drop (oapl.md:
+  # stale samples are used).
   c.rl.max_lag = placeholder(int)
   c.rl.mode = "sync"  # "sync": sample when the buffer runs short, then train. "async": the next rollout samples (engines on devices 1..N) while the trainer trains on device 0; OAPL with old_logprobs="sampler" only (README "Asynchronous mode").
   # The baseline, selected with rl.loss = "grpo" (oapl.md; losses.grpo). Same loop, buffer and
@@ -268,7 +270,8 @@ def validate(c) -> None:
   _number(c, "rl.beta2", 0, lo_open=True)
   _int(c, "rl.group_size", 2, note="V_hat needs a group")
   _int(c, "rl.lag", 1)
-  _int(c, "rl.max_lag", 1, optional=True, note="None = never drop stale groups")
+  _int(c, "rl.max_lag", "rl.lag", optional=True,
+       note="None = never drop stale groups; below rl.lag a fresh rollout could be dropped at once")
   _check(rl.old_logprobs in OLD_LOGPROB_SOURCES, "rl.old_logprobs", rl.old_logprobs,
          f"must be one of {OLD_LOGPROB_SOURCES}")
   g = rl.grpo

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import time
 from concurrent import futures
 
@@ -42,6 +43,7 @@ from flax import nnx
 from oapl_jax import config as config_lib
 from oapl_jax import warmup
 from oapl_jax.checkpoint import Checkpointer
+from oapl_jax.errors import UserError
 from oapl_jax.eval.evaluate import decode_answers, evaluate, score_rollout
 from oapl_jax.metrics import MetricsLog
 from oapl_jax.models import ModelConfig, Transformer, from_hf
@@ -51,6 +53,13 @@ from oapl_jax.rl.logprobs import make_batch, token_logprobs
 from oapl_jax.sampling import Engine, SamplingParams
 from oapl_jax.sampling.parallel import Replicas, request_host_devices
 from oapl_jax.tasks import make_task
+from oapl_jax.workdir import Interrupted, StopSignals, WorkdirLock
+
+
+class NonFiniteSteps(UserError):
+  """Too many trainer steps in a row had a non-finite loss or gradient norm."""
+
+  exit_code = 1
 
 
 # --- building blocks -------------------------------------------------------------------------
@@ -146,8 +155,11 @@ def make_train_step(config, graphdef, optimizer):
   batch: tokens `[B, T]`, mask / sampler_logprobs `[B, T-1]`, rewards `[B]`, B = whole groups.
   `reference` is the frozen reference policy (GRPO with a KL penalty) or None.
   Gradient accumulation splits B into `train.grad_accum` micro-batches of whole groups; the
-  loss is the full-batch one (OAPL: mean over micro-batch means; GRPO token-mean: every
-  micro-batch divides by the full batch's token count / accum).
+  loss is the full-batch one: every micro-batch divides by the full batch's count / accum
+  (OAPL: of counted answers, so truncated answers left out by `rl.count_truncated=False` are
+  out of the mean; GRPO token-mean: of tokens).
+  A step whose loss, gradient norm or update is not finite leaves params and optimizer state
+  unchanged (metric `step_skipped`).
   """
   rl = config.rl
   sampling = SamplingParams.from_config(config.sampling)
@@ -192,10 +204,17 @@ def make_train_step(config, graphdef, optimizer):
 
     grads, (loss, m) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
     grads = jax.tree.map(lambda g: g / accum, grads)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    new_updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    grad_norm = optax.global_norm(grads)
+    # A step whose loss, gradient or update is not finite is skipped: params and optimizer
+    # state stay as they were (the run counts these and stops after train.max_nonfinite_steps).
+    finite = (jnp.isfinite(loss).all() & jnp.isfinite(grad_norm)
+              & jnp.isfinite(optax.global_norm(new_updates)))
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    params = jax.tree.map(keep, optax.apply_updates(params, new_updates), params)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
     reduce = {"is_weight_min": jnp.min, "is_weight_max": jnp.max}
-    metrics = {"loss": loss.mean(), "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": loss.mean(), "grad_norm": grad_norm, "step_skipped": 1.0 - finite,
                **{k: reduce.get(k, jnp.mean)(v) for k, v in m.items()}}
     return params, opt_state, metrics
 
@@ -214,7 +233,10 @@ class Counters:
   snapshot_step: int = 0  # trainer step at which the engine's weights were copied
   rollouts: int = 0  # rollout calls so far (seeds the data order and sampling keys)
   samples_generated: int = 0  # answers sampled for training
-  groups_dropped: int = 0  # groups emptied from the buffer at refreshes, unused
+  groups_dropped: int = 0  # sync mode: groups emptied from the buffer at refreshes, unused
+  groups_dropped_stale: int = 0  # groups dropped for a realised lag above rl.max_lag
+  steps_skipped: int = 0  # trainer steps whose loss / gradient was not finite (no update)
+  nonfinite_in_a_row: int = 0  # the current run of such steps (train.max_nonfinite_steps)
   train_seconds: float = 0.0  # wall time of the RL loop (sampling + training)
 
 
@@ -292,6 +314,7 @@ class Run:
 
   def save(self) -> None:
     """Checkpoints the run; a rollout in flight is waited for and saved with it."""
+    _check_all_finite({"params": self.params, "opt_state": self.opt_state, "snapshot": self.snapshot})
     state = {"params": self.params, "opt_state": self.opt_state, "snapshot": self.snapshot,
              "buffer": self.buffer.state()}
     if self.reference is not None:
@@ -303,13 +326,15 @@ class Run:
     self.ckpt.save(self.counters.step, state, meta)
 
   def restore_latest(self) -> bool:
-    step = self.ckpt.latest_step()
-    if step is None:
-      return False
+    """Restores the newest checkpoint that loads and verifies (damaged ones are skipped with a
+    warning); False if there is none. Raises checkpoint.CheckpointError if all are damaged."""
     target = {"params": self.params, "opt_state": self.opt_state, "snapshot": self.snapshot}
     if self.reference is not None:
       target["reference"] = self.reference
-    state, meta = self.ckpt.restore(step, target, self.model_meta())
+    found = self.ckpt.restore_latest(target, self.model_meta())
+    if found is None:
+      return False
+    _, state, meta = found
     self.params, self.opt_state, self.snapshot = state["params"], state["opt_state"], state["snapshot"]
     self.reference = state.get("reference")
     self.buffer.load(state["buffer"])
@@ -351,17 +376,31 @@ class Run:
       self._pool.shutdown()
 
   def refresh_engine(self) -> None:
-    """pi_old <- pi_theta; version += 1; empty the buffer."""
+    """pi_old <- pi_theta; version += 1.
+
+    Sync mode empties the buffer (Algorithm 1: each window trains on its own pi_old's groups).
+    Async mode drops nothing: left-over groups of the previous pi_old are used next, like the
+    rollout in flight, with their own stamps (oapl.md: stale samples are used), unless their
+    realised lag exceeds `rl.max_lag`.
+    """
     self.snapshot = _copy(self.params)
     self.counters.version += 1
     self.counters.snapshot_step = self.counters.step
-    self.counters.groups_dropped += self.buffer.clear()
+    if self._pool is None:
+      self.counters.groups_dropped += self.buffer.clear()
+
+  def _drop_stale(self) -> None:
+    """Drops buffered groups whose realised lag at this step would exceed `rl.max_lag`."""
+    max_lag = self.config.rl.max_lag
+    if max_lag is not None:
+      self.counters.groups_dropped_stale += self.buffer.drop_older_than(self.counters.step - max_lag)
 
   def step(self) -> dict:
     """One trainer step (sampling first if the buffer runs short). Returns its metrics."""
     c, rl = self.counters, self.config.rl
     t0 = time.perf_counter()
     sampled_tokens = 0
+    self._drop_stale()
     while len(self.buffer) < rl.groups_per_step:
       sampled = (self._inflight or self._launch()).result()
       # async: the next rollout starts now, with the snapshot of this moment (a fixed point of
@@ -371,6 +410,7 @@ class Run:
       self.buffer.extend(sampled.rows)
       c.samples_generated += len(sampled.rows["rewards"])
       sampled_tokens += sampled.tokens
+      self._drop_stale()  # a rollout that was in flight may land already too old
     sample_seconds = time.perf_counter() - t0  # async: only the wait for a rollout in flight
     batch = self.buffer.take(rl.groups_per_step)
     lags = c.step - batch["snapshot_step"]
@@ -379,13 +419,19 @@ class Run:
                                                      self.reference)
     m = jax.device_get(m)
     c.step += 1
+    if m["step_skipped"]:
+      c.steps_skipped += 1
+      c.nonfinite_in_a_row += 1
+    else:
+      c.nonfinite_in_a_row = 0
     elapsed = time.perf_counter() - t0
     c.train_seconds += elapsed
     metrics = {**m, "reward_mean": float(batch["rewards"].mean()),
                "answer_length": float(batch["answer_lengths"].mean()),
                "lag_mean": float(lags.mean()), "lag_hist": lag_histogram(lags),
                "policy_version": c.version, "samples_generated": c.samples_generated,
-               "groups_dropped": c.groups_dropped, "step_seconds": elapsed,
+               "groups_dropped": c.groups_dropped, "groups_dropped_stale": c.groups_dropped_stale,
+               "steps_skipped": c.steps_skipped, "step_seconds": elapsed,
                "train_seconds": c.train_seconds}
     if sampled_tokens:
       metrics["sample_wait_seconds"] = sample_seconds
@@ -425,6 +471,14 @@ class Run:
     _say(f"eval {tag}: " + ", ".join(f"{k}={v:.3f}" for k, v in out.items() if k.startswith("pass@"))
          + f" ({time.perf_counter() - t0:.1f}s)")
     return out
+
+
+def _check_all_finite(trees: dict) -> None:
+  """A checkpoint never holds non-finite weights: non-finite steps are skipped, so this is a bug."""
+  for name, tree in trees.items():
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if leaves and not bool(jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))):
+      raise RuntimeError(f"refusing to checkpoint non-finite {name} (a skipped step leaked an update)")
 
 
 def _done(result) -> futures.Future:
@@ -487,42 +541,88 @@ def warm_up(r: Run, config) -> tuple[dict, dict]:
 
 
 def run(config, workdir: str) -> dict:
-  """Warm-up -> eval before -> RL (OAPL or the GRPO baseline) -> eval after. Resumes from the last checkpoint in workdir."""
-  r = Run(config, workdir)
+  """Warm-up -> eval before -> RL (OAPL or the GRPO baseline) -> eval after.
+
+  Resumes from the last checkpoint in workdir; holds the workdir's lock for the whole run
+  (a second run there is refused); on SIGTERM / SIGINT during RL it finishes the step, saves
+  a checkpoint and raises `Interrupted` (the command line exits 128 + the signal number).
+  """
+  config_lib.validate(config)  # a bad setting is refused before the workdir is touched
+  with WorkdirLock(workdir), StopSignals() as stop:
+    return _run(config, workdir, stop)
+
+
+def _start(r: Run, config, workdir: str) -> tuple[dict, dict]:
+  """Resumes from the last checkpoint, or warms up, evaluates the base and saves step 0.
+
+  Returns (eval_before, warmup_info)."""
   before_path = os.path.join(workdir, "eval_before.json")
-  warmup_info = {}
   if r.restore_latest():
     _say(f"resumed from step {r.counters.step} in {r.ckpt.directory}")
     with open(before_path) as f:
       saved = json.load(f)
-    eval_before, warmup_info = saved["eval"], saved["warmup"]
-  else:
-    if config.warmup.steps:
-      r.params, warmup_info = warm_up(r, config)
-    r.opt_state = r.optimizer.init(r.params)
-    r.snapshot = _copy(r.params)
-    if r.reference is not None:
-      r.reference = _copy(r.params)
-    eval_before = r.evaluate(r.params, "before")
-    _write_json(before_path, {"eval": eval_before, "warmup": warmup_info})
-    r.save()
+    return saved["eval"], saved["warmup"]
+  warmup_info = {}
+  if config.warmup.steps:
+    r.params, warmup_info = warm_up(r, config)
+  r.opt_state = r.optimizer.init(r.params)
+  r.snapshot = _copy(r.params)
+  if r.reference is not None:
+    r.reference = _copy(r.params)
+  eval_before = r.evaluate(r.params, "before")
+  _write_json(before_path, {"eval": eval_before, "warmup": warmup_info})
+  r.save()
+  return eval_before, warmup_info
 
+
+def _check_finite_steps(r: Run, config) -> None:
+  """Stops the run after `train.max_nonfinite_steps` skipped (non-finite) steps in a row."""
+  c = r.counters
+  if c.nonfinite_in_a_row >= config.train.max_nonfinite_steps:
+    r.close()
+    raise NonFiniteSteps(
+        f"{c.nonfinite_in_a_row} trainer steps in a row (up to step {c.step}) had a non-finite loss "
+        f"or gradient norm and were skipped (train.max_nonfinite_steps="
+        f"{config.train.max_nonfinite_steps}); the checkpoints hold the last finite weights. "
+        f"Lower train.lr (now {config.train.lr}) or check the rewards.")
+
+
+def _stop(r: Run, stop: StopSignals, saved: bool) -> None:
+  """After a SIGTERM / SIGINT: a checkpoint of this step (if not just written), then `Interrupted`."""
+  if not saved:
+    r.save()
+  r.close()
+  name = signal.Signals(stop.requested).name
+  raise Interrupted(stop.requested, f"stopped by {name} at step {r.counters.step}: checkpoint "
+                    f"saved in {r.ckpt.directory}; run the same command again to resume")
+
+
+def _run(config, workdir: str, stop: StopSignals) -> dict:
+  r = Run(config, workdir)
+  eval_before, warmup_info = _start(r, config, workdir)
   metrics_log = MetricsLog(workdir, resume_step=r.counters.step)
   bar = tqdm.tqdm(total=config.train.steps, initial=r.counters.step, disable=not config.log.progress,
                   desc=config.rl.loss, unit="step")
   evals = []
-  while r.counters.step < config.train.steps:
-    m = r.step()
-    s = r.counters.step
-    if config.eval.every and s % config.eval.every == 0 and s < config.train.steps:
-      m["eval"] = r.evaluate(r.params, f"step {s}")
-      evals.append({"step": s, **m["eval"]})
-    if s % config.log.every == 0:
-      metrics_log.write(s, m)
-    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", loss=f"{m['loss']:.4f}", lag=f"{m['lag_mean']:.1f}")
-    bar.update(1)
-    if s % config.checkpoint.every == 0 or s == config.train.steps:
-      r.save()
+  with stop.deferring():  # a signal here ends the run after the current step, with a checkpoint
+    while r.counters.step < config.train.steps:
+      m = r.step()
+      s = r.counters.step
+      if config.eval.every and s % config.eval.every == 0 and s < config.train.steps:
+        m["eval"] = r.evaluate(r.params, f"step {s}")
+        evals.append({"step": s, **m["eval"]})
+      if s % config.log.every == 0:
+        metrics_log.write(s, m)
+      bar.set_postfix(reward=f"{m['reward_mean']:.3f}", loss=f"{m['loss']:.4f}", lag=f"{m['lag_mean']:.1f}")
+      bar.update(1)
+      _check_finite_steps(r, config)
+      saved = s % config.checkpoint.every == 0 or s == config.train.steps
+      if saved:
+        r.save()
+      if stop.requested:
+        bar.close()
+        metrics_log.close()
+        _stop(r, stop, saved)
   bar.close()
   metrics_log.close()
 
@@ -532,7 +632,7 @@ def run(config, workdir: str) -> dict:
       "eval_before": eval_before, "eval_after": eval_after, "evals_during": evals,
       "train_seconds": r.counters.train_seconds, "samples_generated": r.counters.samples_generated,
       "trainer_steps": r.counters.step, "policy_versions": r.counters.version,
-      "warmup": warmup_info, "config": config.to_dict(),
+      "steps_skipped": r.counters.steps_skipped, "warmup": warmup_info, "config": config.to_dict(),
   }
   _write_json(os.path.join(workdir, "summary.json"), summary)
   return summary

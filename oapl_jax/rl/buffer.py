@@ -3,9 +3,10 @@
 Rows are answers; groups of `group_size` consecutive rows share a prompt. Every row carries
 `version` (how many engine refreshes preceded it) and `snapshot_step` (the trainer step at
 which the engine's weights were copied), so the realised lag of a row used at trainer step
-`s` is `s - snapshot_step`. The loop empties the buffer at every refresh, so in sync mode all
-groups in it come from one pi_old; in async mode a rollout in flight at the refresh lands
-after it (each group still comes from one pi_old, and carries its stamps).
+`s` is `s - snapshot_step`. In sync mode the loop empties the buffer at every refresh, so all
+groups in it come from one pi_old; in async mode nothing is emptied: left-over groups and a
+rollout in flight at the refresh are used after it (each group still comes from one pi_old,
+and carries its stamps), unless `rl.max_lag` drops them (`drop_older_than`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def stamp(batch: dict[str, np.ndarray], *, version: int, snapshot_step: int) -> 
 
 
 class GroupBuffer:
-  """FIFO of answer groups; `put` appends a batch (from `logprobs.make_batch`), `take` pops."""
+  """FIFO of answer groups; `extend` appends stamped rows (from `stamp`), `take` pops."""
 
   def __init__(self, group_size: int):
     self.group_size = group_size
@@ -31,9 +32,6 @@ class GroupBuffer:
   def __len__(self) -> int:
     """Number of groups held."""
     return 0 if self._rows is None else len(self._rows["rewards"]) // self.group_size
-
-  def put(self, batch: dict[str, np.ndarray], *, version: int, snapshot_step: int) -> None:
-    self.extend(stamp(batch, version=version, snapshot_step=snapshot_step))
 
   def extend(self, stamped: dict[str, np.ndarray]) -> None:
     """Appends rows that already carry their stamps (from `stamp`)."""
@@ -54,6 +52,17 @@ class GroupBuffer:
     rest = {k: v[n:] for k, v in self._rows.items()}
     self._rows = rest if len(rest["rewards"]) else None
     return out
+
+  def drop_older_than(self, min_snapshot_step: int) -> int:
+    """Drops the groups sampled by a snapshot older than `min_snapshot_step`; returns how many."""
+    if self._rows is None:
+      return 0
+    keep = self._rows["snapshot_step"][::self.group_size] >= min_snapshot_step  # [groups]
+    dropped = int((~keep).sum())
+    if dropped:
+      rows = np.repeat(keep, self.group_size)
+      self._rows = {k: v[rows] for k, v in self._rows.items()} if keep.any() else None
+    return dropped
 
   def clear(self) -> int:
     """Empties the buffer; returns the number of groups dropped."""

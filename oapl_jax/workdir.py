@@ -1,0 +1,165 @@
+"""One run per workdir: a lock file naming its holder, and a clean stop on SIGTERM / SIGINT.
+
+`WorkdirLock(workdir)` creates `<workdir>/run.lock` (pid, host, start time) atomically and
+removes it on release; a second run on the same workdir is refused with a message naming the
+holder. A lock left by a process that died (kill -9, power loss) on this host is detected by
+its pid and taken over with a warning; one held from another host cannot be checked from here,
+so the message says how to remove it.
+
+`StopSignals` turns SIGTERM (what a TPU VM or a scheduler sends before preemption) and SIGINT
+into a request the training loop reads between steps (`requested`), so the run finishes its
+step, saves a checkpoint and exits with one line. Outside `deferring()` (warm-up, evaluation:
+nothing new to save) and on a second signal, the stop is immediate: `Interrupted` is raised.
+Multi-host runs will need every process to stop at the same step (JAX's
+`multihost_utils.reached_preemption_sync_point`); `requested` is the one place to ask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+from oapl_jax.errors import UserError
+
+LOCK_NAME = "run.lock"
+
+
+class WorkdirBusy(UserError):
+  """Another run holds the workdir."""
+
+
+class Interrupted(UserError):
+  """The run was stopped by a signal; `exit_code` is the shell's 128 + signal number."""
+
+  def __init__(self, signum: int, message: str):
+    super().__init__(message)
+    self.signum = signum
+    self.exit_code = 128 + signum
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # exists, owned by someone else
+    return True
+  return True
+
+
+class WorkdirLock:
+  """`with WorkdirLock(workdir):` holds `<workdir>/run.lock` for the block."""
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(os.path.abspath(workdir), LOCK_NAME)
+    self.held = False
+
+  def holder(self) -> dict | None:
+    """The lock file's contents (pid, host, started), {} if unreadable, None if there is none."""
+    try:
+      with open(self.path) as f:
+        return json.load(f)
+    except FileNotFoundError:
+      return None
+    except (OSError, ValueError):
+      return {}  # half-written by a holder that died while writing it
+
+  def acquire(self) -> None:
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    me = {"pid": os.getpid(), "host": socket.gethostname(),
+          "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    for _ in range(2):  # a second try after removing a dead holder's lock
+      try:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+      except FileExistsError:
+        holder = self.holder()
+        if holder is None:
+          continue  # released between our two calls
+        if not self._stale(holder):
+          raise WorkdirBusy(self._busy_message(holder)) from None
+        logging.warning("workdir lock %s was left by process %s on %s, which is gone: taking it over",
+                        self.path, holder.get("pid"), holder.get("host"))
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(self.path)
+        continue
+      with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+      self.held = True
+      return
+    raise WorkdirBusy(f"could not take the workdir lock {self.path}: another run is starting there")
+
+  def _stale(self, holder: dict) -> bool:
+    """A lock whose holder is a dead process of this host (or unreadable, and older than a minute)."""
+    if not holder:
+      try:
+        return os.path.getmtime(self.path) < datetime.datetime.now().timestamp() - 60
+      except FileNotFoundError:
+        return True
+    return holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", -1)))
+
+  def _busy_message(self, holder: dict) -> str:
+    who = (f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started')})"
+           if holder else "a run that is starting")
+    workdir = os.path.dirname(self.path)
+    return (f"--workdir={workdir} is in use by {who}; use another --workdir, or stop that run "
+            f"(if it is gone, e.g. on another host, delete {self.path})")
+
+  def release(self) -> None:
+    if self.held:
+      self.held = False
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(self.path)
+
+  def __enter__(self) -> "WorkdirLock":
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+class StopSignals:
+  """`with StopSignals() as stop:` catches SIGTERM / SIGINT for the block (main thread only)."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.requested: int | None = None  # the signal number asked for, once one arrived
+    self._deferring = False
+    self._previous = {}
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    if self._deferring and self.requested is None:
+      self.requested = signum
+      print(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is saved); "
+            "send it again to stop at once", file=sys.stderr, flush=True)
+      return
+    raise Interrupted(signum, f"stopped by {signal.Signals(signum).name}")
+
+  @contextlib.contextmanager
+  def deferring(self):
+    """Inside, a first signal only sets `requested`; the caller stops at its next check."""
+    self._deferring = True
+    try:
+      yield self
+    finally:
+      self._deferring = False
+
+  def __enter__(self) -> "StopSignals":
+    if threading.current_thread() is threading.main_thread():
+      for s in self.SIGNALS:
+        self._previous[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    self._previous = {}

@@ -1,0 +1,200 @@
+"""A run survives what users and machines do to it: a second run on its workdir, non-finite
+steps, stale groups in async mode, and kill -9 / SIGTERM / SIGINT in the middle of RL."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from oapl_jax import config as config_lib
+from oapl_jax import train
+from oapl_jax.tasks.arithmetic import AdditionTask
+from oapl_jax.workdir import WorkdirBusy, WorkdirLock
+
+
+def _same(a, b):
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# --- one run per workdir ----------------------------------------------------------------------
+
+
+def test_workdir_lock_refuses_a_second_run_and_is_released(tmp_path):
+  with WorkdirLock(str(tmp_path)) as lock:
+    assert json.loads(open(lock.path).read())["pid"] == os.getpid()
+    with pytest.raises(WorkdirBusy, match=f"in use by process {os.getpid()} on {socket.gethostname()}"):
+      WorkdirLock(str(tmp_path)).acquire()
+  assert not os.path.exists(lock.path)
+  with WorkdirLock(str(tmp_path)):  # free again
+    pass
+
+
+def test_workdir_lock_of_a_dead_process_is_taken_over(tmp_path):
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  path = tmp_path / "run.lock"
+  path.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "then"}))
+  with WorkdirLock(str(tmp_path)) as lock:
+    assert json.loads(path.read_text())["pid"] == os.getpid() and lock.held
+
+
+def test_workdir_lock_of_another_host_is_refused_with_the_way_out(tmp_path):
+  (tmp_path / "run.lock").write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": "then"}))
+  with pytest.raises(WorkdirBusy, match="process 1 on elsewhere.*delete .*run.lock"):
+    WorkdirLock(str(tmp_path)).acquire()
+
+
+# --- non-finite steps -------------------------------------------------------------------------
+
+
+def _nan_rewards(monkeypatch):
+  """Every answer scores NaN: V_hat, the loss and the gradients are NaN."""
+  monkeypatch.setattr(AdditionTask, "score", lambda self, response, problem: float("nan"))
+
+
+def test_a_nonfinite_step_is_skipped_and_counted(smoke_config, tmp_path, monkeypatch):
+  r = train.Run(smoke_config, str(tmp_path))
+  r.step()  # a finite step first
+  params, opt_state = jax.tree.map(np.asarray, (r.params, r.opt_state))
+  _nan_rewards(monkeypatch)
+  r.buffer.clear()  # the next step samples (and scores) afresh
+  m = r.step()
+  assert not np.isfinite(m["loss"]) and m["step_skipped"] == 1.0
+  assert (m["steps_skipped"], r.counters.nonfinite_in_a_row, r.counters.step) == (1, 1, 2)
+  assert _same(r.params, params) and _same(r.opt_state, opt_state)  # nothing moved
+  monkeypatch.undo()
+  r.buffer.clear()
+  m = r.step()
+  assert m["step_skipped"] == 0.0 and r.counters.nonfinite_in_a_row == 0
+  assert not _same(r.params, params)
+
+
+def test_the_run_stops_after_max_nonfinite_steps_in_a_row(smoke_config, tmp_path, monkeypatch):
+  c = smoke_config
+  c.train.max_nonfinite_steps = 3
+  _nan_rewards(monkeypatch)
+  with pytest.raises(train.NonFiniteSteps, match=r"3 trainer steps in a row .*train.max_nonfinite_steps=3"):
+    train.run(c, str(tmp_path))
+  rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step_skipped"] for r in rows] == [1.0, 1.0, 1.0]
+  r = train.Run(c, str(tmp_path))
+  assert r.restore_latest() and r.counters.step == 2  # checkpoint.every=2, before the stop
+  leaves = jax.tree.leaves(r.params)
+  assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
+  assert not os.path.exists(tmp_path / "run.lock")  # released on the error
+
+
+# --- async mode: stale groups are used, unless rl.max_lag says otherwise ----------------------
+
+
+def _async(c, **rl):
+  c.rl.mode = "async"
+  c.rl.lag, c.rl.groups_per_step, c.rl.groups_per_rollout = 3, 2, 5  # left-overs at refreshes
+  c.rl.update(rl)
+  return c
+
+
+def test_async_keeps_left_over_groups_across_a_refresh(smoke_config, tmp_path):
+  r = train.Run(_async(smoke_config), str(tmp_path))
+  for _ in range(3):
+    r.step()
+  assert r.counters.version == 1 and len(r.buffer) > 0  # the refresh kept the left-overs
+  left = r.buffer.state()["snapshot_step"]
+  assert (left < r.counters.snapshot_step).all()  # they were sampled by the previous pi_old
+  m = r.step()  # ... and are used next, at their own (stale) lag
+  assert max(int(k) for k in m["lag_hist"]) >= smoke_config.rl.lag
+  for _ in range(5):
+    m = r.step()
+  assert r.counters.groups_dropped == 0 and r.counters.groups_dropped_stale == 0
+  r.close()
+
+
+def test_async_max_lag_drops_and_counts_older_groups(smoke_config, tmp_path):
+  c = _async(smoke_config, max_lag=3)
+  r = train.Run(c, str(tmp_path))
+  lags = set()
+  for _ in range(9):
+    m = r.step()
+    lags |= {int(k) for k in m["lag_hist"]}
+  assert max(lags) <= 3
+  assert r.counters.groups_dropped_stale > 0 and m["groups_dropped_stale"] == r.counters.groups_dropped_stale
+  r.close()
+
+
+def test_max_lag_below_the_lag_is_refused(smoke_config):
+  c = _async(smoke_config, max_lag=2)
+  with pytest.raises(config_lib.ConfigError, match=r"config.rl.max_lag=2: .*>= rl.lag=3"):
+    config_lib.validate(c)
+
+
+# --- kill -9, SIGTERM, SIGINT in the middle of RL: the resumed run is the straight run --------
+
+_CONFIG = ["--config=configs/tiny.py:smoke", "--config.train.steps=10", "--config.checkpoint.every=4",
+           "--config.log.progress=False"]
+_TIMING = ("step_seconds", "train_seconds", "sample_wait_seconds", "sample_tokens_per_s")
+
+
+def _main(workdir, **kw):
+  return subprocess.Popen([sys.executable, "-m", "oapl_jax.main", f"--workdir={workdir}", *_CONFIG],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _finish(proc, timeout=600):
+  out, err = proc.communicate(timeout=timeout)
+  return proc.returncode, out, err
+
+
+def _rows(workdir):
+  rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return [{k: v for k, v in r.items() if k not in _TIMING} for r in rows]
+
+
+def _read(path):
+  return path.read_text() if path.exists() else ""
+
+
+def _wait_for(condition, proc, timeout=600):
+  t0 = time.time()
+  while not condition():
+    assert proc.poll() is None, _finish(proc)
+    assert time.time() - t0 < timeout, "timed out"
+    time.sleep(0.05)
+
+
+def test_kill_sigterm_sigint_mid_rl_resume_to_the_straight_run(tmp_path):
+  straight = tmp_path / "straight"
+  rc, _, err = _finish(_main(straight))
+  assert rc == 0, err[-3000:]
+  want = _rows(straight)
+  final = json.loads((straight / "summary.json").read_text())["eval_after"]
+
+  for sig, code in ((signal.SIGKILL, -9), (signal.SIGTERM, 143), (signal.SIGINT, 130)):
+    workdir = tmp_path / sig.name
+    proc = _main(workdir)
+    if sig == signal.SIGKILL:  # a second run on the same workdir, while the first holds it
+      _wait_for(lambda: (workdir / "run.lock").exists(), proc)
+      busy = subprocess.run([sys.executable, "-m", "oapl_jax.main", f"--workdir={workdir}", *_CONFIG],
+                            capture_output=True, text=True, timeout=300)
+      assert busy.returncode == 2 and f"is in use by process {proc.pid}" in busy.stderr, busy.stderr
+    _wait_for(lambda: len(_read(workdir / "metrics.jsonl").splitlines()) >= 5, proc)  # mid-RL
+    proc.send_signal(sig)
+    rc, out, err = _finish(proc)
+    assert rc == code, (sig, rc, err[-3000:])
+    if sig != signal.SIGKILL:  # a clean stop: one line, a checkpoint of the step it stopped at
+      assert "Traceback" not in err, err[-3000:]
+      last = err.strip().splitlines()[-1]
+      assert f"stopped by {sig.name} at step" in last and "run the same command again" in last
+      stopped = int(last.split("at step ")[1].split(":")[0])
+      assert 5 <= stopped < 10 and str(stopped) in os.listdir(workdir / "checkpoints")
+    assert not (workdir / "summary.json").exists()
+    rc, out, err = _finish(_main(workdir))  # the same command resumes
+    assert rc == 0, err[-3000:]
+    assert _rows(workdir) == want, sig
+    assert json.loads((workdir / "summary.json").read_text())["eval_after"] == final, sig
