@@ -2,15 +2,15 @@
 
 Run it with the Python of a separate venv that has Tunix (it does not import `oapl_jax`):
 
-  python3 -m venv /work/tunix-venv && /work/tunix-venv/bin/pip install google-tunix
+  python3 -m venv tunix-venv && tunix-venv/bin/pip install google-tunix
   # identical weights: our model (benchmarks/sampler.py's config, nnx.Rngs(0)) as an HF folder
   python -c "import sys; sys.path.insert(0, 'benchmarks'); from flax import nnx; \
     from oapl_jax.models import Transformer, to_hf; from sampler import model_config; \
     to_hf(Transformer(model_config(), rngs=nnx.Rngs(0)), '/tmp/tiny_qwen3_hf')"
-  /work/tunix-venv/bin/python benchmarks/tunix_sampler.py --reps 9 --hf-dir /tmp/tiny_qwen3_hf \
+  tunix-venv/bin/python benchmarks/tunix_sampler.py --reps 9 --hf-dir /tmp/tiny_qwen3_hf \
       --ours-python "$(which python)"
-  /work/tunix-venv/bin/python benchmarks/tunix_sampler.py [--reps 5] [--cache-sizes 160,1024]
-      [--hf-dir DIR] [--ours-python /work/venv/bin/python]
+  tunix-venv/bin/python benchmarks/tunix_sampler.py [--reps 5] [--cache-sizes 160,1024]
+      [--hf-dir DIR] [--ours-python PATH/TO/PROJECT/VENV/bin/python]
 
 Workload: the tiny Qwen3 of `benchmarks/sampler.py` (vocab 1024, hidden 256, 4 layers, 4 query /
 2 KV heads of 64, MLP 768, QK-norm, tied embeddings, float32); 32 prompts x 32 random token ids

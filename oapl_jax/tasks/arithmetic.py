@@ -4,16 +4,16 @@ The default tiny CPU run trains a small transformer on problems such as
 ``"123+45="`` whose answer is ``"168"``. The reward is exact-match on the
 answer string, so it is cheap, deterministic and impossible to game.
 
-Design of the base policy: before RL, the model is warmed up (supervised) on
-*noisy* demonstrations, in which each answer digit is independently replaced by
-a uniformly random different digit with probability ``digit_noise``. A model
-that fits these demonstrations perfectly has per-digit accuracy
-``1 - digit_noise`` with errors independent across digits, i.e. a calibrated,
-imperfect base policy whose pass@1 is ``(1 - digit_noise) ** num_digits``
-(see :func:`expected_pass1`). Choosing ``digit_noise`` so that this lands at
-roughly 30-45% leaves plenty of room for RL with the verifiable reward to
-sharpen the policy toward the correct answer, while still giving a non-trivial
-fraction of rewarded samples from the start.
+Design of the base policy: before RL, the model is warmed up (supervised), first on
+clean demonstrations and then on *noisy* ones, in which each answer digit is
+independently replaced by a uniformly random different digit with probability
+``digit_noise``. A model that fitted the noisy demonstrations perfectly would have
+per-digit accuracy ``1 - digit_noise`` with independent errors, i.e. pass@1
+``(1 - digit_noise) ** num_digits`` (:func:`expected_pass1`, an upper reference
+point). The short noisy phase of ``configs/tiny.py`` (1300 clean + 200 noisy steps,
+``digit_noise = 0.25``) does not fit it that far: its base measures pass@1 about
+0.1-0.3 and pass@16 0.8-1.0 (README, "The embedded default task"), a calibrated,
+imperfect policy that a verifiable reward can sharpen.
 
 Pure Python/numpy; no JAX is needed here.
 """
