@@ -91,7 +91,7 @@ def test_wrong_types_are_refused_by_name():
 def test_new_settings_have_their_defaults():
   c = tiny.get_config()
   assert c.train.max_nonfinite_steps == 3 and c.rl.max_lag is None
-  c.rl.max_lag = 5
+  c.rl.max_lag = 20  # >= rl.lag=10
   validate(c)
 
 
