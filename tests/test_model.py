@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from oapl_jax.models import ModelConfig, Transformer, init_cache, write_prefix
+from oapl_jax.models.transformer import LOGICAL_AXES
 
 
 @nnx.jit
@@ -73,6 +74,16 @@ def test_weights_carry_logical_axes():
   assert len(axes) == len(leaves)
   for a, leaf in zip(axes, leaves):
     assert len(a) == leaf.ndim
+
+
+def test_logical_axes_names_every_axis_a_weight_carries():
+  """LOGICAL_AXES (which config.sharding.rules must cover) is the set the weights use."""
+  cfg = ModelConfig(vocab_size=20, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=16, mlp_dim=64, qk_norm=True, qkv_bias=True, tie_embeddings=False)
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  used = {a for _, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))
+          for a in v.get_metadata()["logical_axes"]}
+  assert used == set(LOGICAL_AXES)
 
 
 def test_gqa_heads_must_divide():

@@ -4,7 +4,8 @@
   in `model.safetensors.index.json`) of a `Qwen3ForCausalLM`, `Qwen2ForCausalLM` or
   `LlamaForCausalLM`. The model is built abstractly (`nnx.eval_shape`, no weights allocated),
   then each weight is read from safetensors one tensor at a time, converted to our layout and
-  placed on device — sharded over a `mesh` by its `logical_axes` when a mesh is given.
+  placed on device — sharded over a `mesh` by its `logical_axes` when a mesh is given
+  (`oapl_jax.sharding`).
 * `to_hf(model, out_dir)` writes `config.json`, safetensors (sharded above `max_shard_bytes`)
   and the tokenizer files of the folder the model was loaded from, so that
   `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads it.
@@ -32,14 +33,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import safetensors
 import safetensors.numpy
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
+from oapl_jax import sharding
 from oapl_jax.models.transformer import ModelConfig, Transformer, dtype_name
 
 ARCHITECTURES = {  # HF architecture -> model_type
@@ -283,32 +284,6 @@ def _weight_files(path: str) -> dict[str, str]:
   raise ValueError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def logical_to_spec(axes: tuple[str | None, ...],
-                    rules: Mapping[str, Any] | None) -> PartitionSpec:
-  """PartitionSpec of a weight: each logical axis mapped through `rules` (missing -> None)."""
-  rules = dict(rules or {})
-  return PartitionSpec(*(rules.get(a) for a in axes))
-
-
-def _check_divisible(name: str, shape, spec: PartitionSpec, mesh: Mesh) -> None:
-  for dim, mesh_axes in zip(shape, spec):
-    names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
-    shards = int(np.prod([mesh.shape[n] for n in names]))
-    if dim % shards:
-      raise ValueError(f"{name}: dimension {dim} of shape {tuple(shape)} does not divide over "
-                       f"mesh axes {names} ({shards} shards); change the sharding rules")
-
-
-def _place(host: np.ndarray, axes, mesh: Mesh | None, rules, name: str) -> jax.Array:
-  """Device array of `host`: on the default device, or sharded over `mesh` by `axes`."""
-  if mesh is None:
-    return jnp.asarray(host)
-  spec = logical_to_spec(axes, rules)
-  _check_divisible(name, host.shape, spec, mesh)
-  return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec),
-                                      lambda index: host[index])
-
-
 def _read_tensor(handles: dict, files: Mapping[str, str], name: str, hf_shape,
                  source: str) -> np.ndarray:
   """HF tensor `name` as numpy, after checking that it exists with shape `hf_shape`."""
@@ -322,13 +297,15 @@ def _read_tensor(handles: dict, files: Mapping[str, str], name: str, hf_shape,
 
 
 def from_hf(path: str | os.PathLike, *, dtype: Any = "float32", mesh: Mesh | None = None,
-            rules: Mapping[str, Any] | None = None) -> Transformer:
+            rules: sharding.Rules | None = None) -> Transformer:
   """Loads a local Hugging Face checkpoint folder into a `Transformer`.
 
   dtype: weight and compute dtype: "float32", "bfloat16", "float16", or the NumPy/JAX dtype
   (jnp.bfloat16, np.float32, jnp.dtype("float16")).
-  mesh, rules: with a mesh, each weight becomes a global array sharded by
-  `PartitionSpec(rules[axis] for axis in its logical_axes)` (missing axes replicated).
+  mesh, rules: with a mesh, each weight becomes a global array sharded by its logical_axes
+  through `rules` (`(logical axis, mesh axes)` pairs as in config.sharding.rules, or a
+  mapping; axes without a rule replicated: `oapl_jax.sharding`); a dimension that does not
+  divide over its mesh axes is a ValueError naming the tensor.
   Only one tensor at a time is held on the host. The returned model remembers `path`
   (attribute `hf_source_dir`) so `to_hf` can copy its tokenizer files.
   """
@@ -351,7 +328,7 @@ def from_hf(path: str | os.PathLike, *, dtype: Any = "float32", mesh: Mesh | Non
       hf_arr = _read_tensor(handles, files, name, layout.hf_shape(shape), path)
       host = np.ascontiguousarray(layout.to_ours(hf_arr, shape).astype(DTYPES[dtype]))
       del hf_arr
-      var.set_value(_place(host, var.get_metadata().get("logical_axes"), mesh, rules, name))
+      var.set_value(sharding.place(host, var.get_metadata().get("logical_axes"), mesh, rules, name))
   ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
   unexpected = sorted(n for n in set(files) - expected - ignored
                       if not n.endswith(_IGNORED_SUFFIXES))

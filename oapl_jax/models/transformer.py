@@ -35,6 +35,10 @@ from flax import nnx
 
 ROPE_SCALING_TYPES = (None, "llama3")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # Weight / compute dtypes the model supports.
+# Every logical axis name a weight carries (`logical_axes` metadata); `config.sharding.rules`
+# needs a rule for each (oapl_jax/sharding.py). V vocabulary, E hidden size, F MLP width,
+# N query heads, K key/value heads, D head width; "norm" is the hidden-size RMSNorm weights.
+LOGICAL_AXES = ("vocab", "embed", "mlp", "q_heads", "kv_heads", "head_dim", "norm")
 
 
 def dtype_name(value: Any, argument: str = "dtype") -> str:
@@ -106,9 +110,13 @@ class ModelConfig:
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
-  """A normal(0, scale) weight with logical axis names; scale defaults to 1/sqrt(fan_in)."""
+  """A normal(0, scale) weight with logical axis names; scale defaults to 1/sqrt(fan_in).
+
+  The barrier keeps XLA from folding `scale` into the normal's own constants when init runs
+  under `jax.jit` (a sharded init): the weights are then bit-identical to an eager init.
+  """
   scale = shape[0] ** -0.5 if scale is None else scale
-  value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+  value = scale * jax.lax.optimization_barrier(jax.random.normal(rngs.params(), shape, jnp.float32))
   return nnx.Param(value.astype(dtype), logical_axes=axes)
 
 
@@ -156,19 +164,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float,
-         inv_freq: jax.Array | None = None) -> jax.Array:
-  """Rotary embedding, Hugging Face "rotate half" layout.
-
-  x: `[B, T, N, D]`; positions: `[B, T]` int; inv_freq: `[D/2]` (default: plain RoPE with
-  base `theta`; see `rope_frequencies`). Returns `[B, T, N, D]`.
-  """
-  half = x.shape[-1] // 2
-  if inv_freq is None:
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))  # [D/2]
-  return apply_rope(x, *rope_tables(positions, inv_freq))
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -1,0 +1,88 @@
+"""The model a run trains, built from its config: random init or a Hugging Face checkpoint.
+
+    model_cfg, graphdef, params = init_model(config)              # one device, as always
+    model_cfg, graphdef, params = init_model(config, mesh=mesh)   # created sharded
+
+With a mesh, every weight is created straight into its sharding (config.sharding.rules
+through `oapl_jax.sharding`): random weights under one `jax.jit(..., out_shardings=...)`
+from the abstract model, checkpoint weights by `from_hf(..., mesh=, rules=)`, one block per
+device. The values equal the unsharded ones bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from oapl_jax import sharding
+from oapl_jax.config import ConfigError
+from oapl_jax.models.hf import from_hf
+from oapl_jax.models.transformer import ModelConfig, Transformer
+
+
+def init_model(config, *, mesh: Mesh | None = None, rules: sharding.Rules | None = None
+               ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+  """(model_cfg, graphdef, params) of `config.model`: loaded from `model.path` (weights in
+  `model.param_dtype`; its architecture must match config.model's fields), else initialised
+  from `config.seed`.
+
+  mesh: None = arrays on the default device (eager init); else each weight is created sharded
+  over `mesh` by `rules` (default: config.sharding.rules). A weight dimension that does not
+  divide over its mesh axes is a ValueError naming the weight.
+  model_cfg is config.model's ModelConfig (its compute dtype is config.model.dtype); params is
+  the `nnx.Param` State.
+  """
+  model_cfg = ModelConfig.from_config(config.model)
+  if mesh is not None and rules is None:
+    rules = config.sharding.rules
+  if config.model.path is None:
+    graphdef, params = init_params(model_cfg, config.seed, mesh=mesh, rules=rules)
+  else:
+    model = from_hf(config.model.path, dtype=config.model.param_dtype, mesh=mesh, rules=rules)
+    check_same_architecture(model_cfg, model.cfg, config.model.path)
+    graphdef, params = nnx.split(model, nnx.Param)
+  return model_cfg, graphdef, params
+
+
+def init_params(model_cfg: ModelConfig, seed: int, *, mesh: Mesh | None = None,
+                rules: sharding.Rules | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, params) of a `Transformer` initialised from `nnx.Rngs(params=seed)`.
+
+  Without a mesh the model is built eagerly on the default device. With one, the abstract
+  model (`nnx.eval_shape`, nothing allocated) gives each weight's NamedSharding and the init
+  runs under `jax.jit(out_shardings=...)`, so each device creates only its own block.
+  """
+  def make() -> Transformer:
+    return Transformer(model_cfg, rngs=nnx.Rngs(params=seed))
+
+  if mesh is None:
+    return nnx.split(make(), nnx.Param)
+  graphdef, abstract = nnx.split(nnx.eval_shape(make), nnx.Param)
+  shardings = sharding.param_shardings(abstract, mesh, rules)
+  with jax.set_mesh(mesh):
+    params = jax.jit(lambda: nnx.state(make(), nnx.Param), out_shardings=shardings)()
+  return graphdef, params
+
+
+def check_same_architecture(expected: ModelConfig, loaded: ModelConfig, path: str) -> None:
+  """Refuses (ConfigError) a checkpoint whose architecture differs from config.model's fields."""
+  skip = {"param_dtype", "dtype", "max_position_embeddings"}
+  diffs = [f"config.model.{f.name}={getattr(expected, f.name)!r} but {path} has "
+           f"{getattr(loaded, f.name)!r}" for f in dataclasses.fields(ModelConfig)
+           if f.name not in skip and getattr(expected, f.name) != getattr(loaded, f.name)]
+  if diffs:
+    raise ConfigError("checkpoint of another model:\n  " + "\n  ".join(diffs))
+
+
+def abstract_model(config) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+  """(model_cfg, graphdef, params as `jax.ShapeDtypeStruct`s on the default device) of
+  `config.model`: the structure a checkpoint's weights are read into, nothing allocated."""
+  model_cfg = ModelConfig.from_config(config.model)
+  graphdef, abstract = nnx.split(
+      nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(params=config.seed))), nnx.Param)
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return model_cfg, graphdef, jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)

@@ -1,0 +1,131 @@
+"""Logical axes -> mesh axes -> `NamedSharding`s: the functions of the one sharding table.
+
+Every weight of the transformer carries `logical_axes` metadata, one name per dimension
+(`("embed", "mlp")`; the names: `models.transformer.LOGICAL_AXES`). One table, the config's
+`sharding.rules`, maps each logical axis to mesh axes, as MaxText's `logical_axis_rules` do:
+
+    (("embed", "fsdp"), ("vocab", "tensor"), ("head_dim", None), ...)
+
+A rule's mesh axes are a mesh axis name, a tuple of names (the dimension is split over their
+product) or None (replicated); a logical axis without a rule is replicated too. The functions
+here accept the rules as those pairs or as a mapping `{logical axis: mesh axes}`.
+
+    spec = logical_to_spec(("embed", "mlp"), rules)       # PartitionSpec("fsdp", "tensor")
+    shardings = param_shardings(abstract_model, mesh, rules)  # for jax.jit(out_shardings=...)
+    array = place(host_array, axes, mesh, rules, name)    # one host array onto the mesh
+
+A weight dimension that does not divide over its mesh axes is refused, naming the weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Union
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")  # The mesh axes a rule may name (config.sharding.rules).
+
+MeshAxes = Union[str, tuple[str, ...], None]  # One rule's value.
+Rules = Union[Mapping[str, MeshAxes], Iterable[tuple[str, MeshAxes]]]
+
+
+def _mesh_axes(value: Any) -> MeshAxes:
+  """A rule's value normalised: a name, a tuple of two or more names, or None."""
+  if value is None or isinstance(value, str):
+    return value
+  names = tuple(value)
+  if not names:
+    return None
+  return names[0] if len(names) == 1 else names
+
+
+def rules_dict(rules: Rules | None) -> dict[str, MeshAxes]:
+  """`rules` as `{logical axis: mesh axes}`: from a mapping, or from `(logical, mesh axes)`
+  pairs (a logical axis named twice is a ValueError). None = no rules (all replicated)."""
+  pairs = (rules or {}).items() if isinstance(rules, Mapping) or rules is None else rules
+  table = {}
+  for logical, value in pairs:
+    if logical in table:
+      raise ValueError(f"sharding rules: logical axis {logical!r} has two rules")
+    table[logical] = _mesh_axes(value)
+  return table
+
+
+def logical_to_spec(axes: Iterable[str | None], rules: Rules | None) -> PartitionSpec:
+  """PartitionSpec of a weight with logical `axes`: each axis mapped through `rules`
+  (an axis with no rule, or None, is replicated)."""
+  table = rules_dict(rules)
+  return PartitionSpec(*(table.get(a) for a in axes))
+
+
+def _spec_names(entry: MeshAxes) -> tuple[str, ...]:
+  """The mesh axis names of one PartitionSpec entry."""
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def check_fits(name: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> None:
+  """Refuses, naming weight `name`, a spec whose mesh axes the mesh lacks, that uses one mesh
+  axis for two dimensions, or that splits a dimension into a number of shards not dividing it."""
+  used = []
+  for dim, entry in zip(shape, spec):
+    names = _spec_names(entry)
+    missing = [n for n in names if n not in mesh.shape]
+    if missing:
+      raise ValueError(f"{name}: sharding rules name mesh axes {missing} that the mesh "
+                       f"{dict(mesh.shape)} does not have")
+    twice = [n for n in names if n in used]
+    if twice:
+      raise ValueError(f"{name}: mesh axes {twice} would shard two dimensions of shape "
+                       f"{tuple(shape)} (spec {spec}); change the sharding rules")
+    used += names
+    shards = int(np.prod([mesh.shape[n] for n in names]))
+    if dim % shards:
+      raise ValueError(f"{name}: dimension {dim} of shape {tuple(shape)} does not divide over "
+                       f"mesh axes {names} ({shards} shards); change the sharding rules")
+
+
+def named_sharding(name: str, shape: tuple[int, ...], axes: Iterable[str | None] | None,
+                   mesh: Mesh, rules: Rules | None) -> NamedSharding:
+  """NamedSharding of weight `name` (shape `shape`, logical `axes`; None = replicated) over
+  `mesh`, after `check_fits`."""
+  spec = logical_to_spec(axes or (), rules)
+  check_fits(name, shape, spec, mesh)
+  return NamedSharding(mesh, spec)
+
+
+def _flat_params(tree: nnx.Module | nnx.State) -> list[tuple[tuple, nnx.Variable]]:
+  """(path, Param) of every weight of a module (abstract or not) or of a State of Params."""
+  state = tree if isinstance(tree, nnx.State) else nnx.state(tree, nnx.Param)
+  return [(tuple(p), v) for p, v in nnx.to_flat_state(state)]
+
+
+def param_shardings(tree: nnx.Module | nnx.State, mesh: Mesh, rules: Rules | None) -> nnx.State:
+  """A NamedSharding for every `nnx.Param` of `tree` (a module, e.g. from `nnx.eval_shape`,
+  or a State of its Params), from each Param's `logical_axes` through `rules`.
+
+  Returns a State with the structure of `nnx.state(module, nnx.Param)` whose Variables hold
+  NamedShardings, so it can be the in/out_shardings of a jitted function of that State.
+  A dimension that does not divide over its mesh axes is a ValueError naming the weight
+  (path "layers/0/attn/k_proj").
+  """
+  out = []
+  for path, var in _flat_params(tree):
+    name = "/".join(map(str, path))
+    shape = tuple(var.get_value().shape)
+    sharding = named_sharding(name, shape, var.get_metadata().get("logical_axes"), mesh, rules)
+    out.append((path, var.replace(sharding)))
+  return nnx.from_flat_state(out)
+
+
+def place(host: np.ndarray, axes: Iterable[str | None] | None, mesh: Mesh | None,
+          rules: Rules | None, name: str) -> jax.Array:
+  """Device array of host array `host`: on the default device without a mesh, else a global
+  array sharded over `mesh` by its logical `axes` (each device reads only its own block)."""
+  if mesh is None:
+    return jax.numpy.asarray(host)
+  sharding = named_sharding(name, host.shape, axes, mesh, rules)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
