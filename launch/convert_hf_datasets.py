@@ -12,7 +12,8 @@ which configs/math.py and configs/code.py read with their default field names. R
 de-duplicated by normalised problem text (the first is kept); malformed rows are skipped and
 reported with file and row (or, with --strict, stop the conversion). The output is written
 only when everything has been read, through a temporary file, so a failed run leaves an
-existing output as it was. Recipes, their datasets and fields: docs/datasets.md.
+existing output as it was. Recipes, their datasets and fields: docs/datasets.md; the layouts
+of tests read, and the check every converted row passes: oapl_jax/data/code_tests.py.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from oapl_jax.data.code_tests import (from_deepcoder, from_livecodebench,  # noqa: E402
+                                      metadata_func_name, parse_tests)
 from oapl_jax.data.sources import dedup, read_rows  # noqa: E402
-from oapl_jax.rewards.code import from_livecodebench  # noqa: E402
-from oapl_jax.tasks.code import metadata_func_name, parse_tests  # noqa: E402
 
 QUESTION_FIELDS = ("problem", "question", "Problem", "Question")
 ANSWER_FIELDS = ("answer", "Answer", "final_answer")
@@ -71,48 +72,13 @@ def _with_starter(problem: str, row: dict) -> str:
   return problem
 
 
-def _deepcoder_tests(raw, row: dict) -> dict:
-  """DeepCoder's `tests` (JSON string or value) in our form. Seen layouts: TACO's
-  {"inputs", "outputs"[, "fn_name"]}; PrimeIntellect / Codeforces lists of {"type":
-  "stdin_stdout" | "function_call", "input", "output"[, "fn_name"]}; LiveCodeBench lists of
-  {"input", "output", "testtype"} with the function name in the row's metadata."""
-  if isinstance(raw, str):
-    try:
-      raw = json.loads(raw)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"tests are not valid JSON ({e.msg})") from None
-  if isinstance(raw, list) and not raw:
-    raise ValueError("tests are empty")
-  if isinstance(raw, list) and all(isinstance(t, dict) for t in raw):
-    if any("testtype" in t for t in raw):
-      return from_livecodebench(raw, None, fn_name=metadata_func_name(row.get("metadata")))
-    kinds = {t.get("type", "stdin_stdout") for t in raw}
-    if len(kinds) > 1:
-      raise ValueError(f"mixed test types {sorted(map(str, kinds))}")
-    tests = {"inputs": [t["input"] for t in raw], "outputs": [t["output"] for t in raw]}
-    if kinds == {"function_call"}:
-      names = {t.get("fn_name") for t in raw}
-      if len(names) != 1 or not isinstance(next(iter(names)), str) or not next(iter(names)):
-        raise ValueError(f"function_call tests need one fn_name, got {sorted(map(str, names))}")
-      tests["fn_name"] = names.pop()
-    elif kinds != {"stdin_stdout"}:
-      raise ValueError(f"unknown test type {sorted(map(str, kinds))}")
-    return tests
-  if isinstance(raw, dict):
-    tests = {"inputs": raw.get("inputs"), "outputs": raw.get("outputs")}
-    if isinstance(raw.get("fn_name"), str) and raw["fn_name"]:
-      tests["fn_name"] = raw["fn_name"]
-    return tests
-  raise ValueError(f"tests must be a JSON object or a non-empty list of objects, got "
-                   f"{type(raw).__name__}")
-
-
 def deepcoder_row(row: dict) -> dict:
   """DeepCoder training row (problem, tests[, metadata, starter_code]) -> {"problem", "tests"}."""
   problem = _with_starter(_text(row.get("problem"), "problem"), row)
   if row.get("tests") is None:
     raise ValueError("missing field 'tests'")
-  return {"problem": problem, "tests": parse_tests(_deepcoder_tests(row["tests"], row), "")}
+  tests = from_deepcoder(row["tests"], fn_name=metadata_func_name(row.get("metadata")))
+  return {"problem": problem, "tests": parse_tests(tests, "")}
 
 
 def livecodebench_row(row: dict) -> dict:

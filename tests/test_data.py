@@ -20,11 +20,12 @@ import pytest
 from configs import math as math_config
 from oapl_jax.config import ConfigError, validate
 from oapl_jax.data import BadRowError, RowReport, dedup, read_rows, select
+from oapl_jax.data.code_tests import parse_tests
 from oapl_jax.errors import UserError
 from oapl_jax.rewards import code as code_reward
 from oapl_jax.rewards import math as math_reward
 from oapl_jax.tasks import code as code_task
-from oapl_jax.tasks.code import CodeTask, parse_tests
+from oapl_jax.tasks.code import CodeTask
 from oapl_jax.tasks.hf_tokenizer import HFTokenizer
 from oapl_jax.tasks.math import MathTask
 

@@ -21,7 +21,8 @@ The reward is 1.0 if every test passes, else 0.0 (with ``fraction=True``: the fr
 without it the first failure stops the run). A crash, timeout, oversized output, wrong output
 or sandbox failure fails that test; :func:`score` never raises because of what the program
 does. :func:`score_batch` scores many programs on a thread pool (each run is a subprocess).
-:func:`from_livecodebench` converts LiveCodeBench test lists to the form above.
+:func:`from_livecodebench` (``oapl_jax/data/code_tests.py``, where every layout of tests is
+read) converts LiveCodeBench test lists to the form above.
 
 Sandbox (each test is one fresh sandbox; the expected outputs never enter it):
 
@@ -72,7 +73,6 @@ caller; as root ``RLIMIT_NPROC`` does nothing).
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import dataclasses
 import errno
@@ -81,7 +81,6 @@ import io
 import json
 import logging
 import os
-import pickle
 import platform
 import secrets
 import selectors
@@ -94,8 +93,9 @@ import tempfile
 import threading
 import time
 import warnings
-import zlib
 from typing import Any, Sequence
+
+from oapl_jax.data.code_tests import from_livecodebench  # noqa: F401 (re-exported)
 
 _log = logging.getLogger(__name__)
 
@@ -664,53 +664,6 @@ def score_batch(programs: Sequence[str], tests: Sequence, *, workers: int = 2,
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers,
                                              thread_name_prefix="code_reward") as ex:
     return list(ex.map(fn, programs, tests))
-
-
-class _NoClassesUnpickler(pickle.Unpickler):
-  def find_class(self, module, name):
-    raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-
-
-def _lcb_tests(tests) -> list[dict]:
-  """A LiveCodeBench test list: a list, a JSON string, or the dataset's compressed string
-  (base64 of zlib of a pickled JSON string; unpickled without allowing any class)."""
-  if tests is None:
-    return []
-  if isinstance(tests, (str, bytes)):
-    try:
-      tests = json.loads(tests)
-    except ValueError:
-      raw = zlib.decompress(base64.b64decode(tests))
-      tests = json.loads(_NoClassesUnpickler(io.BytesIO(raw)).load())
-  out = []
-  for t in tests:
-    if not isinstance(t, dict):
-      t = {k: getattr(t, k) for k in ("input", "output", "testtype")}
-    out.append(t)
-  return out
-
-
-def from_livecodebench(public_tests, private_tests=None, *, fn_name: str | None = None) -> dict:
-  """LiveCodeBench tests ({"input", "output", "testtype": "stdin"|"functional"} each) to the
-  {"inputs", "outputs"[, "fn_name"]} form of :func:`score`.
-
-  Functional tests need `fn_name` (the row's ``metadata["func_name"]``); their input is one
-  JSON value per line (one per argument) and their output one JSON value.
-  """
-  tests = _lcb_tests(public_tests) + _lcb_tests(private_tests)
-  kinds = {str(getattr(t.get("testtype"), "value", t.get("testtype"))) for t in tests}
-  if len(kinds) > 1:
-    raise ValueError(f"mixed LiveCodeBench test types {sorted(kinds)}")
-  if kinds == {"functional"}:
-    if not fn_name:
-      raise ValueError("functional LiveCodeBench tests need fn_name (metadata['func_name'])")
-    inputs = [[json.loads(line) for line in t["input"].split("\n") if line.strip()]
-              for t in tests]
-    return {"inputs": inputs, "outputs": [json.loads(t["output"]) for t in tests],
-            "fn_name": fn_name}
-  if kinds - {"stdin"}:
-    raise ValueError(f"unknown LiveCodeBench test type {sorted(kinds)}")
-  return {"inputs": [t["input"] for t in tests], "outputs": [t["output"] for t in tests]}
 
 
 __all__ = ["RunResult", "from_livecodebench", "run_program", "score", "score_batch"]

@@ -1,14 +1,16 @@
 """Code problems (DeepCoder / LiveCodeBench style) scored by running the program's tests in a sandbox.
 
 Rows come from any source :func:`oapl_jax.data.read_rows` reads (JSONL / JSON / Parquet file, or
-``tfds:NAME[/CONFIG]`` with a split), each with a problem statement and tests in one of these forms:
+``tfds:NAME[/CONFIG]`` with a split), each with a problem statement and tests in one of the
+forms :func:`oapl_jax.data.code_tests.parse_tests` reads:
   * {"inputs": [...], "outputs": [...]} (stdin/stdout), optionally with "fn_name" (call-based);
   * the same as a JSON string (how DeepCoder's files store it);
   * a LiveCodeBench list of {"input", "output", "testtype"} (converted on load; functional tests
     take their function name from the row's ``metadata["func_name"]``).
 A row without a statement, with missing / empty / unreadable tests, or (with ``max_prompt_len``)
 whose prompt is longer than that many tokens is malformed: fatal, or with ``skip_bad_rows``
-skipped, counted and logged.
+skipped, counted and logged (reading, removing eval questions and host sharding are
+:class:`oapl_jax.tasks.rows.RowTask`'s).
 The prompt asks for one fenced Python block; the last such block of the answer is the program.
 Tests never enter the prompt, and expected outputs never enter the sandbox (rewards/code.py).
 """
@@ -16,17 +18,12 @@ Tests never enter the prompt, and expected outputs never enter the sandbox (rewa
 from __future__ import annotations
 
 import json
-import logging
 import re
 
-import numpy as np
-
-from oapl_jax.data.sources import host_shard, normalize_text, read_rows
+from oapl_jax.data.code_tests import metadata_func_name, parse_tests  # noqa: F401 (re-exported)
 from oapl_jax.rewards import code as code_reward
-from oapl_jax.tasks.arithmetic import Problem
-from oapl_jax.tasks.limits import too_long
-
-_log = logging.getLogger(__name__)
+from oapl_jax.tasks.base import Problem
+from oapl_jax.tasks.rows import RowTask, without_eval_questions
 
 CODE_INSTRUCTION_STDIN = (
     "Write a complete Python 3 program that solves the problem above. It must read its input "
@@ -45,69 +42,48 @@ def extract_program(response: str) -> str | None:
   return blocks[-1] if blocks else None
 
 
-def metadata_func_name(metadata) -> str | None:
-  """``metadata["func_name"]`` of a row (metadata may be a dict or a JSON string), or None."""
-  if isinstance(metadata, str):
-    try:
-      metadata = json.loads(metadata) if metadata.strip() else {}
-    except json.JSONDecodeError:
-      return None
-  name = metadata.get("func_name") if isinstance(metadata, dict) else None
-  return name if isinstance(name, str) and name else None
+class CodeTask(RowTask):
+  """Train / eval code problems from any row source; reward: the sandboxed tests pass
+  (rewards/code.py).
 
+  * Prompt: the statement, a blank line and :data:`CODE_INSTRUCTION_STDIN` (or
+    :data:`CODE_INSTRUCTION_CALL` for call-based tests), through the chat template.
+  * Eval problems: the first ``num_eval`` rows of ``eval_path`` (all if None or 0), ids
+    ``0 ..``. Train problems: the rows of ``train_path`` whose statement is no eval statement,
+    this host's share of them, ids ``(number of eval problems) + (index among those rows)``.
+  * ``sandbox``: keyword arguments of :func:`oapl_jax.rewards.code.score_batch`.
 
-def parse_tests(raw, where: str, *, fn_name: str | None = None) -> dict:
-  """Tests of one row in our {"inputs", "outputs"[, "fn_name"]} form; ValueError naming `where`.
-
-  `fn_name` is used for LiveCodeBench functional test lists (their rows keep it in metadata).
-  An empty `where` leaves the message unprefixed.
+  Raises:
+    ValueError: malformed rows (``file:line`` / ``file:row N``), an empty eval source, or no
+      train row left after removing eval questions.
   """
-  where = f"{where}: " if where else ""
-  if isinstance(raw, str):
-    try:
-      raw = json.loads(raw)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{where}tests are not valid JSON ({e.msg})") from None
-  if isinstance(raw, list):
-    try:
-      raw = code_reward.from_livecodebench(raw, [], fn_name=fn_name)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-      raise ValueError(f"{where}unreadable LiveCodeBench tests ({e})") from None
-  if not isinstance(raw, dict) or not isinstance(raw.get("inputs"), list) \
-      or not isinstance(raw.get("outputs"), list):
-    raise ValueError(f"{where}tests need lists 'inputs' and 'outputs'")
-  if not raw["inputs"] or len(raw["inputs"]) != len(raw["outputs"]):
-    raise ValueError(f"{where}tests are empty or inputs/outputs differ in length")
-  return raw
 
-
-class CodeTask:
-  """Train/eval code problems from JSONL files; reward = sandboxed tests pass (rewards/code.py)."""
+  name = "code"
 
   def __init__(self, train_path: str, eval_path: str, *, tokenizer, question_field: str,
                tests_field: str, thinking: bool | None, num_eval: int | None,
                sandbox: dict, skip_bad_rows: bool = False, train_split: str = "train",
                eval_split: str = "test", data_dir: str | None = None,
                max_prompt_len: int | None = None):
-    self.tokenizer, self.thinking, self.sandbox = tokenizer, thinking, dict(sandbox)
-    self.max_prompt_len = max_prompt_len
-    load = dict(question_field=question_field, tests_field=tests_field, data_dir=data_dir,
-                skip_bad_rows=skip_bad_rows)
-    eval_rows = self._load(eval_path, eval_split, role="eval", **load)
-    held_out = {normalize_text(r["q"]) for r in eval_rows}
-    train_rows = [r for r in self._load(train_path, train_split, role="train", **load)
-                  if normalize_text(r["q"]) not in held_out]
+    super().__init__(tokenizer=tokenizer, thinking=thinking, max_prompt_len=max_prompt_len,
+                     data_dir=data_dir, skip_bad_rows=skip_bad_rows)
+    self.sandbox = dict(sandbox)
+    self._question_field, self._tests_field = question_field, tests_field
+    required = {question_field: str}
+    eval_rows = self._read("eval", eval_path, eval_split, required)
+    train_rows = [r for _, r in without_eval_questions(
+        self._read("train", train_path, train_split, required), eval_rows)]
     if not eval_rows:
       raise ValueError(f"{eval_path}: no rows")
     if not train_rows:
       raise ValueError(f"{train_path}: no training problem left after removing eval questions")
     eval_rows = eval_rows[:num_eval] if num_eval else eval_rows
-    self._eval = [self._problem(r, i) for i, r in enumerate(eval_rows)]
-    self._train = [self._problem(r, len(eval_rows) + i)
-                   for i, r in host_shard(list(enumerate(train_rows)))]
+    self._set_eval(eval_rows)
+    self._set_train(list(enumerate(train_rows)), id_offset=len(eval_rows))
 
   @classmethod
   def from_config(cls, t, tokenizer, *, max_prompt_len: int | None = None) -> "CodeTask":
+    """The task of the config's `task` section `t` (configs/code.py)."""
     sandbox = dict(timeout_s=t.timeout_s, memory_mb=t.memory_mb, fraction=t.partial_credit,
                    allow_unsandboxed=t.allow_unsandboxed)
     return cls(t.train_path, t.eval_path, tokenizer=tokenizer, question_field=t.question_field,
@@ -115,43 +91,25 @@ class CodeTask:
                skip_bad_rows=t.skip_bad_rows, train_split=t.train_split, eval_split=t.eval_split,
                data_dir=t.data_dir, max_prompt_len=max_prompt_len)
 
-  def _load(self, source, split, *, role, question_field, tests_field, data_dir, skip_bad_rows):
-    """[{"q", "tests", "prompt"}] of `source`; rows with bad tests or too long a prompt are
-    malformed (read_rows)."""
-    def convert(row):
-      if tests_field not in row:
-        raise ValueError(f"missing field {tests_field!r}")
-      tests = parse_tests(row[tests_field], "", fn_name=metadata_func_name(row.get("metadata")))
-      prompt = self.make_prompt(row[question_field], tests)
-      why = too_long(self.tokenizer, prompt, self.max_prompt_len)
-      if why:
-        raise ValueError(why)
-      return {"q": row[question_field], "tests": tests, "prompt": prompt}
-
-    rows, report = read_rows(source, split=split, data_dir=data_dir, skip_bad_rows=skip_bad_rows,
-                             required={question_field: str}, convert=convert)
-    _log.log(logging.WARNING if report.skipped else logging.INFO, "code %s data: %s", role,
-             report.summary())
-    return rows
+  def _fields(self, row: dict) -> dict:
+    """``{"question", "answer" (the tests as JSON), "prompt"}`` of a row; ValueError for bad
+    tests."""
+    if self._tests_field not in row:
+      raise ValueError(f"missing field {self._tests_field!r}")
+    tests = parse_tests(row[self._tests_field], "",
+                        fn_name=metadata_func_name(row.get("metadata")))
+    question = row[self._question_field]
+    return {"question": question, "answer": json.dumps(tests),
+            "prompt": self.make_prompt(question, tests)}
 
   def make_prompt(self, question: str, tests: dict) -> str:
     """The chat-formatted prompt: the statement and the instruction (stdin or `fn_name`)."""
     instruction = (CODE_INSTRUCTION_CALL.format(fn_name=tests["fn_name"]) if tests.get("fn_name")
                    else CODE_INSTRUCTION_STDIN)
-    return self.tokenizer.chat_prompt(question + "\n\n" + instruction, thinking=self.thinking)
-
-  @staticmethod
-  def _problem(row: dict, pid: int) -> Problem:
-    return Problem(prompt=row["prompt"], answer=json.dumps(row["tests"]), id=pid)
-
-  def eval_problems(self) -> list[Problem]:
-    return list(self._eval)
-
-  def train_problems(self, rng: np.random.Generator, n: int) -> list[Problem]:
-    """`n` problems drawn uniformly with replacement (deterministic given `rng`)."""
-    return [self._train[int(i)] for i in rng.integers(0, len(self._train), size=n)]
+    return self._chat(question + "\n\n" + instruction)
 
   def score(self, response: str, problem: Problem) -> float:
+    """:meth:`score_batch` of one answer."""
     return self.score_batch([response], [problem])[0]
 
   def score_batch(self, responses: list[str], problems: list[Problem]) -> list[float]:

@@ -2,7 +2,7 @@
 
 The training loop only needs ``encode(text, add_bos=...)``, ``decode(ids)`` and the
 ``vocab_size`` / ``pad_id`` / ``bos_id`` / ``eos_id`` properties (see
-:class:`oapl_jax.tasks.arithmetic.CharTokenizer`). :class:`HFTokenizer` provides them on top
+:class:`oapl_jax.tasks.base.Tokenizer`). :class:`HFTokenizer` provides them on top
 of ``transformers.AutoTokenizer`` loaded from a local folder (nothing is ever downloaded),
 plus :meth:`HFTokenizer.chat_prompt` to format a user message with the folder's chat template.
 

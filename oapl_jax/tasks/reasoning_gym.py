@@ -28,7 +28,7 @@ import re
 import numpy as np
 
 from oapl_jax.data.sources import normalize_text
-from oapl_jax.tasks.arithmetic import Problem
+from oapl_jax.tasks.base import Problem
 from oapl_jax.tasks.limits import SETTING, prompt_tokens
 
 ANSWER_INSTRUCTION = ("Solve the problem. Give your final answer inside <answer> and </answer> "
@@ -47,7 +47,7 @@ def extract_answer(response: str) -> str:
   return (found[-1] if found else response).strip()
 
 
-def _kwargs(dataset_kwargs) -> dict:
+def _dataset_kwargs_dict(dataset_kwargs) -> dict:
   """``dataset_kwargs`` as a dict: None, a mapping, a ConfigDict, or a JSON object string."""
   if dataset_kwargs is None:
     return {}
@@ -80,7 +80,7 @@ class ReasoningGymTask:
                max_prompt_len: int | None = None) -> None:
     import reasoning_gym  # noqa: PLC0415 (a declared dependency; imported only for this task)
 
-    kwargs = _kwargs(dataset_kwargs)
+    kwargs = _dataset_kwargs_dict(dataset_kwargs)
     if {"seed", "size"} & set(kwargs):
       raise ValueError(f"dataset_kwargs {kwargs}: seed and size come from the task settings")
     if size < 1 or num_eval < 1:
@@ -112,6 +112,7 @@ class ReasoningGymTask:
   @classmethod
   def from_config(cls, t, tokenizer, *, seed: int,
                   max_prompt_len: int | None = None) -> "ReasoningGymTask":
+    """The task of the config's `task` section `t` (configs/reasoning_gym.py), seeded by `seed`."""
     return cls(t.dataset, tokenizer=tokenizer, size=t.size, seed=seed, num_eval=t.num_eval,
                dataset_kwargs=t.dataset_kwargs, thinking=t.thinking, max_prompt_len=max_prompt_len)
 
@@ -125,7 +126,7 @@ class ReasoningGymTask:
     prompt = self.make_prompt(entry["question"])
     n = None if self.max_prompt_len is None else prompt_tokens(self.tokenizer, prompt)
     if n is not None and n > self.max_prompt_len:
-      from oapl_jax.config import ConfigError  # noqa: PLC0415 (config pulls in the model code)
+      from oapl_jax.config import ConfigError  # noqa: PLC0415 (config imports this package)
       raise ConfigError(f"config.{SETTING}={self.max_prompt_len}: reasoning_gym "
                         f"{self.dataset_name} {which} has a prompt of {n} tokens (chat template "
                         f"and BOS included); raise {SETTING} or make the questions shorter "
