@@ -23,6 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from oapl_jax import config as config_lib  # noqa: E402
 from oapl_jax.rewards import code  # noqa: E402
 from oapl_jax.rewards import math as math_reward  # noqa: E402
 
@@ -115,11 +116,13 @@ def main() -> None:
 
 def bench_code(args) -> None:
   programs, tests = workload(args.programs)
-  code.score_batch(programs[:2], tests[:2], workers=1)  # sandbox self-check, interpreter probe
+  task = config_lib.repo_config("code.py").task  # the sandbox limits of a code run
+  limits = dict(timeout_s=task.timeout_s, memory_mb=task.memory_mb)
+  code.score_batch(programs[:2], tests[:2], workers=1, **limits)  # sandbox self-check, interpreter probe
   rates = []
   for _ in range(args.reps):
     start = time.perf_counter()
-    scores = code.score_batch(programs, tests, workers=args.workers)
+    scores = code.score_batch(programs, tests, workers=args.workers, **limits)
     elapsed = time.perf_counter() - start
     if scores != [1.0] * len(programs):
       raise SystemExit(f"a correct program did not score 1.0: {scores}")

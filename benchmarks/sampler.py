@@ -88,13 +88,20 @@ def _compiles(engine) -> dict:
   return {f: getattr(engine, f)._cache_size() for f in ("_prefill", "_insert", "_generate_steps", "_resize")}
 
 
+def _engine_settings(**overrides) -> dict:
+  """The Engine settings of the config's defaults (`config.sampling`, their owner), with `overrides`."""
+  from oapl_jax import config as config_lib
+  from oapl_jax.sampling.engine import engine_settings
+  return {**engine_settings(config_lib.defaults("tiny_addition").sampling), **overrides}
+
+
 def fixed_engines(graphdef, params, num: int, max_len: int, sampling):
   """`num` replicas of the fixed workload's engine (32 / num slots each), weights loaded."""
   from oapl_jax.sampling import Engine
   from oapl_jax.sampling.parallel import Replicas
   replicas = Replicas(lambda: Engine(graphdef, model_config(), sampling, max_slots=SLOTS // num,
                                      max_prefill_length=PROMPT_LEN, max_len=max_len,
-                                     max_prefill_batch=BATCH // num), num)
+                                     **_engine_settings(max_prefill_batch=BATCH // num)), num)
   return replicas, replicas.load_params(params, version=0)
 
 
@@ -200,7 +207,8 @@ def bench_continuous(graphdef, params, reps: int) -> dict:
   rng = np.random.default_rng(2)
   limits = np.clip((rng.pareto(1.2, n_prompts) + 1) * 12, 1, max_answer).astype(int)
   engine = Engine(graphdef, model_config(), SamplingParams(temperature=1.0), max_slots=SLOTS,
-                  max_prefill_length=32, max_len=32 + max_answer, max_prefill_batch=8)
+                  max_prefill_length=32, max_len=32 + max_answer,
+                  **_engine_settings(max_prefill_batch=8))
   weights = engine.load_params(params)
   go = lambda r: rollout(engine, weights, work, group_size=1, max_new_tokens=max_answer,
                          eos_id=-1, pad_id=0, key=jax.random.key(r), answer_limits=limits)

@@ -29,28 +29,17 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # tiny 
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  if arg not in (None, "", "tiny"):
-    raise ValueError(f"unknown config arg {arg!r} (known: tiny)")
-  tiny = arg == "tiny"
+  tiny = config_lib.parse_arg(arg, tiny=bool)["tiny"]
   c = config_lib.defaults("tiny_qwen2" if tiny else "r1_distill_qwen_14b")
   c.model.param_dtype = "bfloat16"
   c.model.dtype = "bfloat16"
 
-  c.task = ml_collections.ConfigDict()
-  c.task.name = "code"  # oapl_jax/tasks/code.py: problem + format instruction; sandboxed tests.
-  # Sources: a .jsonl/.json/.parquet file or tfds:NAME[/CONFIG] (docs/datasets.md converts the
-  # paper's Hugging Face files: launch/convert_hf_datasets.py).
-  c.task.train_path = placeholder(str)  # Training problems (DeepCoder).
-  c.task.eval_path = placeholder(str)  # Held-out problems (LiveCodeBench).
-  c.task.train_split = "train"  # TFDS split of a tfds: train source (ignored for files).
-  c.task.eval_split = "test"  # TFDS split of a tfds: eval source (ignored for files).
-  c.task.data_dir = placeholder(str)  # TFDS data folder for tfds: sources; None = TFDS's default.
-  c.task.skip_bad_rows = False  # Skip (count, log) malformed rows instead of stopping at the first.
-  c.task.question_field = "problem"  # Field holding the problem statement.
+  # oapl_jax/tasks/code.py: problem + format instruction; sandboxed tests. Sources,
+  # question_field, num_eval, tokenizer_path: config_lib.task_section. Training problems:
+  # DeepCoder; held-out problems: LiveCodeBench.
+  c.task = config_lib.task_section("code")
   c.task.tests_field = "tests"  # Field holding the tests (dict, JSON string, or LiveCodeBench list).
-  c.task.num_eval = placeholder(int)  # Use only the first N eval problems; None = all.
   c.task.thinking = placeholder(bool)  # enable_thinking for the chat template (None = not passed).
-  c.task.tokenizer_path = placeholder(str)  # Tokenizer + chat template folder; None = model.path.
   c.task.timeout_s = 6.0  # Wall-clock limit per test run in the sandbox.
   c.task.memory_mb = 1024  # Address-space limit of the sandboxed program.
   c.task.partial_credit = False  # Reward = fraction of tests passed instead of all-or-nothing.

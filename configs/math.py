@@ -28,42 +28,20 @@ TINY_MODEL = "/tmp/oapl_jax_tiny_hf/tiny_qwen3"  # made by `python launch/make_t
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # tiny files shipped in the repo
 
 
-def parse_arg(arg: str | None) -> dict:
-  """"tiny,lag=100" -> {"tiny": True, "lag": 100}."""
-  out = {"tiny": False, "lag": None}
-  for part in filter(None, (arg or "").split(",")):
-    if part == "tiny":
-      out["tiny"] = True
-    elif part.startswith("lag="):
-      out["lag"] = int(part[4:])
-    else:
-      raise ValueError(f"unknown config arg {part!r} (known: tiny, lag=N)")
-  return out
-
-
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = parse_arg(arg)
+  args = config_lib.parse_arg(arg, tiny=bool, lag=int)
   c = config_lib.defaults("tiny_qwen3" if args["tiny"] else "qwen3_4b_thinking_2507")
   c.model.param_dtype = "bfloat16"
   c.model.dtype = "bfloat16"
 
-  c.task = ml_collections.ConfigDict()
-  c.task.name = "math"  # oapl_jax/tasks/math.py: chat prompt + "\boxed{}" instruction, math-verify reward.
-  # Sources: a .jsonl/.json/.parquet file or tfds:NAME[/CONFIG] (docs/datasets.md converts the
-  # paper's Hugging Face files: launch/convert_hf_datasets.py).
-  c.task.train_path = placeholder(str)  # Training prompts (DeepScaleR: fields "problem", "answer").
-  c.task.eval_path = placeholder(str)  # Held-out problems (AIME 2025, HMMT 2025, BRUMO 2025).
-  c.task.train_split = "train"  # TFDS split of a tfds: train source (ignored for files).
-  c.task.eval_split = "test"  # TFDS split of a tfds: eval source (ignored for files).
-  c.task.data_dir = placeholder(str)  # TFDS data folder for tfds: sources; None = TFDS's default.
-  c.task.skip_bad_rows = False  # Skip (count, log) malformed rows instead of stopping at the first.
-  c.task.question_field = "problem"  # Field holding the question text.
+  # oapl_jax/tasks/math.py: chat prompt + "\boxed{}" instruction, math-verify reward. Sources,
+  # question_field, num_eval, tokenizer_path: config_lib.task_section. Training prompts: DeepScaleR
+  # (fields "problem", "answer"); held-out problems: AIME 2025, HMMT 2025, BRUMO 2025.
+  c.task = config_lib.task_section("math")
   c.task.answer_field = "answer"  # Field holding the reference answer.
-  c.task.num_eval = placeholder(int)  # Use only the first N eval problems; None = all.
   c.task.thinking = True  # Passed to the chat template as enable_thinking (None = not passed).
   c.task.fallback_last_number = False  # Without a \boxed{}, grade the last number in the answer.
   c.task.reward_workers = 2  # Processes scoring answers with math-verify (1 = in the trainer process).
-  c.task.tokenizer_path = placeholder(str)  # Tokenizer + chat template folder; None = model.path.
 
   c.sampling.max_prompt_len = 1024
   c.sampling.max_new_tokens = 16384

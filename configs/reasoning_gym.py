@@ -24,29 +24,15 @@ from oapl_jax import config as config_lib
 TINY_MODEL = "/tmp/oapl_jax_tiny_hf/tiny_qwen3"  # made by `python launch/make_tiny_hf.py`
 
 
-def parse_arg(arg: str | None) -> dict:
-  """"tiny,lag=10,dataset=leg_counting" -> {"tiny": True, "lag": 10, "dataset": "leg_counting"}."""
-  out = {"tiny": False, "lag": None, "dataset": None}
-  for part in filter(None, (arg or "").split(",")):
-    if part == "tiny":
-      out["tiny"] = True
-    elif part.startswith("lag="):
-      out["lag"] = int(part[4:])
-    elif part.startswith("dataset="):
-      out["dataset"] = part[8:]
-    else:
-      raise ValueError(f"unknown config arg {part!r} (known: tiny, lag=N, dataset=NAME)")
-  return out
-
-
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = parse_arg(arg)
+  args = config_lib.parse_arg(arg, tiny=bool, lag=int, dataset=str)
   c = config_lib.defaults("tiny_qwen3" if args["tiny"] else "qwen3_0_6b")
   c.model.param_dtype = "bfloat16"
   c.model.dtype = "bfloat16"
 
-  c.task = ml_collections.ConfigDict()
-  c.task.name = "reasoning_gym"  # oapl_jax/tasks/reasoning_gym.py: <answer> tag, the gym's verifier.
+  # oapl_jax/tasks/reasoning_gym.py: <answer> tag, the gym's verifier. task_section gives
+  # tokenizer_path; the gym's own settings follow.
+  c.task = config_lib.task_section("reasoning_gym")
   c.task.dataset = args["dataset"] or "chain_sum"  # reasoning_gym dataset name.
   # Settings passed to reasoning_gym.create_dataset (a dict, or a JSON object string); chain_sum's
   # are written out so that each can be overridden. Never seed/size (those are below).
@@ -55,7 +41,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.task.size = 100_000  # Train entries to draw from (generated when first drawn).
   c.task.num_eval = 128  # Held-out problems (from config.seed; train entries use another seed range).
   c.task.thinking = False  # enable_thinking for Qwen3's chat template (None = not passed).
-  c.task.tokenizer_path = placeholder(str)  # Tokenizer + chat template folder; None = model.path.
 
   c.sampling.max_prompt_len = 512
   c.sampling.max_new_tokens = 1024

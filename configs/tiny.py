@@ -18,10 +18,10 @@ from oapl_jax import config as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  args = config_lib.parse_arg(arg, smoke=bool)
   c = config_lib.defaults("tiny_addition")  # model: 2 layers, width 128, 18-token vocabulary
 
-  c.task = ml_collections.ConfigDict()
-  c.task.name = "addition"  # Embedded procedural task (oapl_jax/tasks/arithmetic.py).
+  c.task = config_lib.task_section("addition")  # Embedded procedural task (oapl_jax/tasks/arithmetic.py).
   c.task.min_digits = 2  # Fewest digits per operand.
   c.task.max_digits = 2  # Most digits per operand.
   c.task.num_eval = 128  # Held-out problems (never drawn for training).
@@ -39,7 +39,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.steps = 300
   c.train.lr = 3e-4  # A tiny model trained in minutes, not a 4B one over days.
 
-  if arg == "smoke":
+  if args["smoke"]:
     c.warmup.steps = 30
     c.warmup.noisy_steps = 10
     c.task.num_eval = 8
@@ -50,6 +50,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.groups_per_rollout = 6
     c.sampling.max_slots = 32
     c.checkpoint.every = 2
-  elif arg:
-    raise ValueError(f"configs/tiny.py: unknown variant {arg!r} (known: smoke)")
   return c

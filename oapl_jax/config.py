@@ -1,7 +1,8 @@
 """Config defaults shared by every config file, and validation of a finished config.
 
 `defaults(preset)` holds every setting with a comment and the paper's values where the paper
-gives them (oapl.md); `configs/*.py` start from it and override what their run needs.
+gives them (oapl.md); `configs/*.py` start from it and override what their run needs, reading
+their arg string with `parse_arg` and starting their task section with `task_section`.
 `validate(c)` refuses bad settings, naming them, before any work starts.
 """
 
@@ -15,9 +16,11 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from oapl_jax.errors import UserError
-from oapl_jax.models.presets import PRESETS
-from oapl_jax.models.transformer import ROPE_SCALING_TYPES, dtype_name
-from oapl_jax.rl import losses
+from oapl_jax.models.presets import PRESETS  # names and numbers only: no JAX, no Flax
+
+# Config files import this module and must not import JAX or Flax (a launcher, a notebook cell
+# or a test may read a config without them); what validation needs from the model and the
+# losses is imported inside `validate`, which runs where JAX is used anyway.
 
 
 def defaults(model_preset: str) -> ml_collections.ConfigDict:
@@ -223,10 +226,64 @@ def _int(c, setting: str, lo=None, hi=None, *, optional=False, note=""):
 
 def _dtype(c, setting: str):
   """Refuses a dtype the model does not support (names and NumPy/JAX dtypes are accepted)."""
+  from oapl_jax.models.transformer import dtype_name  # noqa: PLC0415 (JAX, Flax: see the imports)
   try:
     dtype_name(_get(c, setting), f"config.{setting}")
   except ValueError as e:
     raise ConfigError(str(e)) from None
+
+
+_ARG_VALUE_NAMES = {int: "N", str: "NAME"}  # how parse_arg's error message writes a value
+
+
+def parse_arg(arg: str | None, **known: type) -> dict:
+  """The variants a config file's arg string names (`--config=configs/math.py:tiny,lag=100`).
+
+  `known` gives each variant's kind: `bool` for a flag ("tiny"), `int` or `str` for a value
+  ("lag=100", "dataset=leg_counting"). `parse_arg("tiny,lag=100", tiny=bool, lag=int)` ->
+  `{"tiny": True, "lag": 100}`; a variant not given is False (a flag) or None (a value).
+  Anything else is a ValueError naming it and listing the known variants.
+  """
+  out = {name: False if kind is bool else None for name, kind in known.items()}
+  for part in filter(None, (arg or "").split(",")):
+    name, equals, value = part.partition("=")
+    kind = known.get(name)
+    if kind is None or (kind is bool) == bool(equals):
+      text = ", ".join(n if k is bool else f"{n}={_ARG_VALUE_NAMES[k]}" for n, k in known.items())
+      raise ValueError(f"unknown config arg {part!r} (unknown variant; known: {text})")
+    try:
+      out[name] = True if kind is bool else kind(value)
+    except ValueError:
+      raise ValueError(f"config arg {part!r}: {name} must be {kind.__name__}") from None
+  return out
+
+
+FILE_TASKS = ("math", "code")  # Tasks that read their problems from files (train/eval_path).
+
+
+def task_section(name: str) -> ml_collections.ConfigDict:
+  """A config file's `task` section, holding the settings tasks of its kind share: `name`; for
+  every task with a Hugging Face tokenizer (all but addition) `tokenizer_path`; for FILE_TASKS
+  their sources, `question_field` and `num_eval`. The config file adds the task's own settings.
+  """
+  if name not in TASKS:
+    raise ValueError(f"unknown task {name!r}; known: {TASKS}")
+  t = ml_collections.ConfigDict()
+  t.name = name  # Task in oapl_jax.tasks: how prompts are made and answers scored.
+  if name != "addition":
+    t.tokenizer_path = placeholder(str)  # Tokenizer + chat template folder; None = model.path.
+  if name in FILE_TASKS:
+    # Sources: a .jsonl/.json/.parquet file or tfds:NAME[/CONFIG] (docs/datasets.md converts the
+    # paper's Hugging Face files: launch/convert_hf_datasets.py).
+    t.train_path = placeholder(str)  # Training problems (held-out questions are removed).
+    t.eval_path = placeholder(str)  # Held-out problems.
+    t.train_split = "train"  # TFDS split of a tfds: train source (ignored for files).
+    t.eval_split = "test"  # TFDS split of a tfds: eval source (ignored for files).
+    t.data_dir = placeholder(str)  # TFDS data folder for tfds: sources; None = TFDS's default.
+    t.skip_bad_rows = False  # Skip (count, log) malformed rows instead of stopping at the first.
+    t.question_field = "problem"  # Field holding the problem statement.
+    t.num_eval = placeholder(int)  # Use only the first N eval problems; None = all.
+  return t
 
 
 def shrink_for_cpu(c: ml_collections.ConfigDict, model_path: str) -> None:
@@ -248,6 +305,7 @@ def shrink_for_cpu(c: ml_collections.ConfigDict, model_path: str) -> None:
 def validate(c) -> None:
   """Raises `ConfigError` naming the first invalid setting of `c`: every numeric setting is
   checked for type, finiteness and range before any work starts."""
+  from oapl_jax.rl import losses  # noqa: PLC0415 (JAX: see the imports)
   _int(c, "seed", 0)
   _check(c.task.name in TASKS, "task.name", c.task.name, f"must be one of {TASKS}")
   for field in ("train_path", "eval_path"):
@@ -335,6 +393,7 @@ def validate(c) -> None:
 
 def _validate_model(c) -> None:
   """The architecture fields and dtypes of `c.model` (meanings: ModelConfig)."""
+  from oapl_jax.models.transformer import ROPE_SCALING_TYPES  # noqa: PLC0415 (see the imports)
   for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "mlp_dim"):
     _int(c, f"model.{field}", 1)
@@ -361,7 +420,7 @@ def _validate_task(c) -> None:
     _int(c, "task.min_digits", 1, 9)
     _int(c, "task.max_digits", "task.min_digits", 9)
   if "num_eval" in t:  # None (math, code: all eval problems) where the config allows it
-    _int(c, "task.num_eval", 1, optional=t.name in ("math", "code"))
+    _int(c, "task.num_eval", 1, optional=t.name in FILE_TASKS)
   if "reward_workers" in t:
     _int(c, "task.reward_workers", 1, note="1 = in the trainer process")
   if "timeout_s" in t:

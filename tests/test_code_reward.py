@@ -9,6 +9,7 @@ alive.
 """
 
 import base64
+import functools
 import json
 import os
 import pickle
@@ -23,6 +24,13 @@ import zlib
 import pytest
 
 from oapl_jax.rewards import code
+
+# The sandbox's limits have no defaults (a run takes them from configs/code.py's task section):
+# these tests run under 6 s and 512 MB unless a test sets its own.
+LIMITS = dict(timeout_s=6.0, memory_mb=512)
+score = functools.partial(code.score, **LIMITS)
+run_program = functools.partial(code.run_program, **LIMITS)
+score_batch = functools.partial(code.score_batch, **LIMITS)
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 ADD_TESTS = {"inputs": ["1 2\n", "10 -3\n", "0 0\n"], "outputs": ["3\n", "7", "0\n\n"]}
@@ -82,23 +90,23 @@ NEVER = {"inputs": [""], "outputs": ["this output is never printed"]}
 
 def test_stdin_correct_and_wrong(requires_sandbox, runs_dir):
   trailing = "a, b = map(int, input().split())\nprint(str(a + b) + '   ')\nprint()\n"
-  assert code.score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0
-  assert code.score(trailing, ADD_TESTS, tmp_dir=runs_dir) == 1.0  # whitespace normalised
-  assert code.score(ADD.replace("+", "-"), ADD_TESTS, tmp_dir=runs_dir) == 0.0
-  assert code.score("print(' 3')", {"inputs": [""], "outputs": ["3"]}, tmp_dir=runs_dir) == 0.0
-  assert code.score("raise SystemExit(1)", {"inputs": [""], "outputs": [""]},
-                    tmp_dir=runs_dir) == 0.0  # nonzero exit
-  assert code.score("exit()", {"inputs": [""], "outputs": [""]}, tmp_dir=runs_dir) == 1.0
-  assert code.score(ADD, json.dumps(ADD_TESTS), tmp_dir=runs_dir) == 1.0  # APPS JSON string
+  assert score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0
+  assert score(trailing, ADD_TESTS, tmp_dir=runs_dir) == 1.0  # whitespace normalised
+  assert score(ADD.replace("+", "-"), ADD_TESTS, tmp_dir=runs_dir) == 0.0
+  assert score("print(' 3')", {"inputs": [""], "outputs": ["3"]}, tmp_dir=runs_dir) == 0.0
+  assert score("raise SystemExit(1)", {"inputs": [""], "outputs": [""]},
+               tmp_dir=runs_dir) == 0.0  # nonzero exit
+  assert score("exit()", {"inputs": [""], "outputs": [""]}, tmp_dir=runs_dir) == 1.0
+  assert score(ADD, json.dumps(ADD_TESTS), tmp_dir=runs_dir) == 1.0  # APPS JSON string
   assert os.listdir(runs_dir) == []
 
 
 def test_fraction(requires_sandbox, runs_dir):
   two_of_three = "a, b = map(int, input().split())\nprint(a + b if a else 99)\n"
-  assert code.score(two_of_three, ADD_TESTS, fraction=True, tmp_dir=runs_dir) == \
+  assert score(two_of_three, ADD_TESTS, fraction=True, tmp_dir=runs_dir) == \
       pytest.approx(2 / 3)
-  assert code.score(two_of_three, ADD_TESTS, tmp_dir=runs_dir) == 0.0
-  assert code.score("print(", ADD_TESTS, fraction=True, tmp_dir=runs_dir) == 0.0
+  assert score(two_of_three, ADD_TESTS, tmp_dir=runs_dir) == 0.0
+  assert score("print(", ADD_TESTS, fraction=True, tmp_dir=runs_dir) == 0.0
 
 
 def test_call_based(requires_sandbox, runs_dir):
@@ -106,15 +114,15 @@ def test_call_based(requires_sandbox, runs_dir):
   func = "def total(xs):\n  print('debug output goes to stderr')\n  return sum(xs)\n"
   leetcode = ("class Solution:\n  def total(self, xs: List[int]) -> int:\n"
               "    return sum(Counter(xs).elements())\n")
-  assert code.score(func, tests, tmp_dir=runs_dir) == 1.0
-  assert code.score(leetcode, tests, tmp_dir=runs_dir) == 1.0
-  assert code.score("def total(xs):\n  return sum(xs) + 1\n", tests, tmp_dir=runs_dir) == 0.0
-  assert code.score("def other(xs):\n  return 0\n", tests, tmp_dir=runs_dir) == 0.0
+  assert score(func, tests, tmp_dir=runs_dir) == 1.0
+  assert score(leetcode, tests, tmp_dir=runs_dir) == 1.0
+  assert score("def total(xs):\n  return sum(xs) + 1\n", tests, tmp_dir=runs_dir) == 0.0
+  assert score("def other(xs):\n  return 0\n", tests, tmp_dir=runs_dir) == 0.0
   pair = {"inputs": [[2, 3]], "outputs": [[[3, 2]]], "fn_name": "swap"}
-  assert code.score("def swap(a, b):\n  return (b, a)\n", pair, tmp_dir=runs_dir) == 1.0
+  assert score("def swap(a, b):\n  return (b, a)\n", pair, tmp_dir=runs_dir) == 1.0
   boolean = {"inputs": [[4]], "outputs": [True], "fn_name": "even"}
-  assert code.score("def even(n):\n  return n % 2 == 0\n", boolean, tmp_dir=runs_dir) == 1.0
-  assert code.score("def even(n):\n  return 1\n", boolean, tmp_dir=runs_dir) == 0.0
+  assert score("def even(n):\n  return n % 2 == 0\n", boolean, tmp_dir=runs_dir) == 1.0
+  assert score("def even(n):\n  return 1\n", boolean, tmp_dir=runs_dir) == 0.0
   assert os.listdir(runs_dir) == []
 
 
@@ -124,10 +132,10 @@ def test_always_equal_object_cannot_pass(requires_sandbox, runs_dir):
     prog = (f"class E({cls}):\n  def __eq__(self, other):\n    return True\n"
             f"  def __ne__(self, other):\n    return False\n  __hash__ = None\n"
             f"def f(x):\n  return E()\n")
-    assert code.score(prog, tests, tmp_dir=runs_dir) == 0.0, cls
+    assert score(prog, tests, tmp_dir=runs_dir) == 0.0, cls
   # Printing a guess of the driver's output does not help either.
-  assert code.score("import sys\nprint(5)\ndef f(x):\n  sys.exit(0)\n", tests,
-                    tmp_dir=runs_dir) == 0.0
+  assert score("import sys\nprint(5)\ndef f(x):\n  sys.exit(0)\n", tests,
+               tmp_dir=runs_dir) == 0.0
   assert os.listdir(runs_dir) == []
 
 
@@ -141,11 +149,11 @@ def test_score_batch_two_workers(requires_sandbox, runs_dir):
   tests = [ADD_TESTS, ADD_TESTS, NEVER, double, double,
            {"inputs": [[[1, 2]]], "outputs": [3], "fn_name": "total"}]
   start = time.monotonic()
-  got = code.score_batch(programs, tests, workers=2, max_processes=16, tmp_dir=runs_dir)
+  got = score_batch(programs, tests, workers=2, max_processes=16, tmp_dir=runs_dir)
   assert got == [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]  # a neighbour's flood does not starve a spawner
   assert time.monotonic() - start < 30
   with pytest.raises(ValueError):
-    code.score_batch([ADD], [], workers=2)
+    score_batch([ADD], [], workers=2)
   assert os.listdir(runs_dir) == []
 
 
@@ -158,18 +166,18 @@ def test_score_batch_two_workers(requires_sandbox, runs_dir):
                          ids=["infinite_loop", "sleep"])
 def test_timeout(requires_sandbox, runs_dir, marker, body):
   start = time.monotonic()
-  assert code.score(_marked(body, marker), NEVER, timeout_s=1.0, tmp_dir=runs_dir) == 0.0
+  assert score(_marked(body, marker), NEVER, timeout_s=1.0, tmp_dir=runs_dir) == 0.0
   assert time.monotonic() - start < 6.0
   _assert_clean(marker, runs_dir)
-  r = code.run_program(_marked(body, marker), timeout_s=1.0, tmp_dir=runs_dir)
+  r = run_program(_marked(body, marker), timeout_s=1.0, tmp_dir=runs_dir)
   assert r.status == "timeout"
   _assert_clean(marker, runs_dir)
 
 
 def test_memory_bomb(requires_sandbox, runs_dir, marker):
   body = "chunks = []\nwhile True:\n  chunks.append(bytearray(32 << 20))\n"
-  assert code.score(_marked(body, marker), NEVER, memory_mb=256, tmp_dir=runs_dir) == 0.0
-  r = code.run_program(_marked(body, marker), memory_mb=256, tmp_dir=runs_dir)
+  assert score(_marked(body, marker), NEVER, memory_mb=256, tmp_dir=runs_dir) == 0.0
+  r = run_program(_marked(body, marker), memory_mb=256, tmp_dir=runs_dir)
   assert r.status == "error" and b"MemoryError" in r.stderr
   _assert_clean(marker, runs_dir)
 
@@ -179,13 +187,13 @@ def test_process_flood(requires_sandbox, runs_dir, marker):
   body = ("import time\nn = 0\nfor _ in range(10000):\n  try:\n    pid = os.fork()\n"
           "  except OSError:\n    continue\n  if pid == 0:\n    time.sleep(60)\n    os._exit(0)\n"
           "  n += 1\nprint('spawned', n, flush=True)\ntime.sleep(60)\n")
-  r = code.run_program(_marked(body, marker), max_processes=16, timeout_s=1.5, tmp_dir=runs_dir)
+  r = run_program(_marked(body, marker), max_processes=16, timeout_s=1.5, tmp_dir=runs_dir)
   assert r.status == "timeout"
   spawned = int(r.stdout.split()[1])
   assert spawned < 16, r.stdout
   _assert_clean(marker, runs_dir)
-  assert code.score(_marked(body, marker), NEVER, max_processes=16, timeout_s=1.5,
-                    tmp_dir=runs_dir) == 0.0
+  assert score(_marked(body, marker), NEVER, max_processes=16, timeout_s=1.5,
+               tmp_dir=runs_dir) == 0.0
   _assert_clean(marker, runs_dir)
 
 
@@ -199,8 +207,8 @@ def test_no_network(requires_sandbox, runs_dir, marker):
           f"  print('connected')\nexcept OSError as e:\n  print('refused', e)\n")
   try:
     tests = {"inputs": [""], "outputs": ["connected"]}
-    assert code.score(_marked(body, marker), tests, tmp_dir=runs_dir) == 0.0
-    r = code.run_program(_marked(body, marker), tmp_dir=runs_dir)
+    assert score(_marked(body, marker), tests, tmp_dir=runs_dir) == 0.0
+    r = run_program(_marked(body, marker), tmp_dir=runs_dir)
     assert b"refused" in r.stdout
     with pytest.raises(BlockingIOError):
       listener.accept()  # nobody ever connected
@@ -217,8 +225,8 @@ def test_cannot_write_outside(requires_sandbox, runs_dir, marker, tmp_path):
           f"    with open(path, 'w') as f:\n      f.write('pwned')\n    print('wrote', path)\n"
           f"  except OSError:\n    pass\n")
   try:
-    assert code.score(_marked(body, marker), NEVER, tmp_dir=runs_dir) == 0.0
-    r = code.run_program(_marked(body, marker), tmp_dir=runs_dir)
+    assert score(_marked(body, marker), NEVER, tmp_dir=runs_dir) == 0.0
+    r = run_program(_marked(body, marker), tmp_dir=runs_dir)
     assert r.status == "ok"
     for path in targets:
       assert not os.path.exists(path), path
@@ -238,22 +246,22 @@ def test_cannot_read_outside(requires_sandbox, runs_dir, marker, tmp_path):
   path.write_text(secret)
   body = (f"for p in [{str(path)!r}, '/proc/1/root' + {str(path)!r}, '/root/.bash_history']:\n"
           f"  try:\n    print(open(p).read())\n  except OSError:\n    pass\n")
-  assert code.score(_marked(body, marker), {"inputs": [""], "outputs": [secret]},
-                    tmp_dir=runs_dir) == 0.0
-  r = code.run_program(_marked(body, marker), tmp_dir=runs_dir)
+  assert score(_marked(body, marker), {"inputs": [""], "outputs": [secret]},
+               tmp_dir=runs_dir) == 0.0
+  r = run_program(_marked(body, marker), tmp_dir=runs_dir)
   assert secret.encode() not in r.stdout
   _assert_clean(marker, runs_dir)
 
 
 def test_endless_output(requires_sandbox, runs_dir, marker):
   body = "while True:\n  sys.stdout.write('y' * 65536)\n"
-  r = code.run_program(_marked(body, marker), max_output_bytes=1 << 16, timeout_s=20,
-                       tmp_dir=runs_dir)
+  r = run_program(_marked(body, marker), max_output_bytes=1 << 16, timeout_s=20,
+                  tmp_dir=runs_dir)
   assert r.status == "output_limit"
   assert r.seconds < 10  # stopped by the cap, not by the timeout
   assert len(r.stdout) <= (1 << 16) + (1 << 16)
-  assert code.score(_marked(body, marker), NEVER, max_output_bytes=1 << 16, timeout_s=20,
-                    tmp_dir=runs_dir) == 0.0
+  assert score(_marked(body, marker), NEVER, max_output_bytes=1 << 16, timeout_s=20,
+               tmp_dir=runs_dir) == 0.0
   _assert_clean(marker, runs_dir)
 
 
@@ -263,14 +271,14 @@ def test_cannot_kill_parent_or_others(requires_sandbox, runs_dir, marker):
     body = (f"import signal\nfor pid in (os.getppid(), {os.getpid()}, {canary.pid}, "
             f"1, -1):\n  try:\n    os.kill(pid, signal.SIGKILL)\n"
             f"  except OSError:\n    pass\nos.system('kill -9 -1')\nprint('still here')\n")
-    assert code.score(_marked(body, marker), NEVER, tmp_dir=runs_dir) == 0.0
-    assert code.score(_marked(body, marker), NEVER, tmp_dir=runs_dir) == 0.0
+    assert score(_marked(body, marker), NEVER, tmp_dir=runs_dir) == 0.0
+    assert score(_marked(body, marker), NEVER, tmp_dir=runs_dir) == 0.0
     assert canary.poll() is None, "the canary process was killed"
   finally:
     canary.kill()
     canary.wait()
   _assert_clean(marker, runs_dir)
-  assert code.score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0  # and scoring still works
+  assert score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0  # and scoring still works
 
 
 def test_no_user_namespaces_or_privileges(requires_sandbox, runs_dir, marker):
@@ -279,7 +287,7 @@ def test_no_user_namespaces_or_privileges(requires_sandbox, runs_dir, marker):
           "st = open('/proc/self/status').read().splitlines()\n"
           "print(*[l for l in st if l.startswith(('CapEff', 'CapPrm', 'NoNewPrivs', 'Uid'))],"
           " sep='\\n')\n")
-  r = code.run_program(_marked(body, marker), tmp_dir=runs_dir)
+  r = run_program(_marked(body, marker), tmp_dir=runs_dir)
   out = r.stdout.decode()
   assert r.status == "ok", r.stderr
   assert "unshare -1" in out
@@ -294,15 +302,15 @@ def test_no_user_namespaces_or_privileges(requires_sandbox, runs_dir, marker):
 def test_user_namespace_mode(requires_sandbox, runs_dir, marker, tmp_path, monkeypatch):
   """The path taken by non-root callers (bwrap makes a user namespace), exercised as root too."""
   monkeypatch.setattr(code, "_is_root", lambda: False)
-  assert code.score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0
-  assert code.score("def f(x): return x * 2", {"inputs": [[2]], "outputs": [4], "fn_name": "f"},
-                    tmp_dir=runs_dir) == 1.0
+  assert score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0
+  assert score("def f(x): return x * 2", {"inputs": [[2]], "outputs": [4], "fn_name": "f"},
+               tmp_dir=runs_dir) == 1.0
   secret = uuid.uuid4().hex
   (tmp_path / "secret.txt").write_text(secret)
   body = (f"try:\n  print(open({str(tmp_path / 'secret.txt')!r}).read())\nexcept OSError:\n"
           f"  pass\nopen('/tmp/x', 'w').write('ok')\nfor p in ('/x', '/dev/x', '/box/x'):\n"
           f"  try:\n    open(p, 'w')\n    print('wrote', p)\n  except OSError:\n    pass\n")
-  r = code.run_program(_marked(body, marker), tmp_dir=runs_dir)
+  r = run_program(_marked(body, marker), tmp_dir=runs_dir)
   assert r.status == "ok", r.stderr
   assert r.stdout == b""
   _assert_clean(marker, runs_dir)
@@ -342,26 +350,26 @@ def test_sandbox_tests_run_with_bwrap_even_in_ci(monkeypatch, request):
 def test_refuses_to_run_unsandboxed(monkeypatch, runs_dir):
   monkeypatch.setattr(code, "_bwrap", lambda: None)
   with pytest.raises(RuntimeError, match="bubblewrap"):
-    code.score(ADD, ADD_TESTS, tmp_dir=runs_dir)
+    score(ADD, ADD_TESTS, tmp_dir=runs_dir)
   with pytest.raises(RuntimeError, match="bubblewrap"):
-    code.score_batch([ADD, ADD], [ADD_TESTS, ADD_TESTS], workers=2, tmp_dir=runs_dir)
+    score_batch([ADD, ADD], [ADD_TESTS, ADD_TESTS], workers=2, tmp_dir=runs_dir)
   assert os.listdir(runs_dir) == []
 
 
 def test_unsandboxed_when_allowed_warns(monkeypatch, runs_dir):
   monkeypatch.setattr(code, "_bwrap", lambda: None)
   with pytest.warns(RuntimeWarning, match="WITHOUT a sandbox"):
-    assert code.score(ADD, ADD_TESTS, allow_unsandboxed=True, tmp_dir=runs_dir) == 1.0
+    assert score(ADD, ADD_TESTS, allow_unsandboxed=True, tmp_dir=runs_dir) == 1.0
   with pytest.warns(RuntimeWarning):
-    assert code.score(ADD.replace("+", "-"), ADD_TESTS, allow_unsandboxed=True,
-                      tmp_dir=runs_dir) == 0.0
+    assert score(ADD.replace("+", "-"), ADD_TESTS, allow_unsandboxed=True,
+                 tmp_dir=runs_dir) == 0.0
   with pytest.warns(RuntimeWarning):
-    assert code.score("def f(x): return [x]", {"inputs": [[1]], "outputs": [[1]],
-                                                "fn_name": "f"},
-                      allow_unsandboxed=True, tmp_dir=runs_dir) == 1.0
+    assert score("def f(x): return [x]", {"inputs": [[1]], "outputs": [[1]],
+                                           "fn_name": "f"},
+                 allow_unsandboxed=True, tmp_dir=runs_dir) == 1.0
   with pytest.warns(RuntimeWarning):
-    r = code.run_program("import time\ntime.sleep(30)", timeout_s=0.5, allow_unsandboxed=True,
-                         tmp_dir=runs_dir)
+    r = run_program("import time\ntime.sleep(30)", timeout_s=0.5, allow_unsandboxed=True,
+                    tmp_dir=runs_dir)
   assert r.status == "timeout"
   assert os.listdir(runs_dir) == []
 
@@ -406,5 +414,5 @@ def test_from_livecodebench_scores(requires_sandbox, runs_dir):
   tests = code.from_livecodebench(public, private, fn_name="rotate")
   sol = ("class Solution:\n  def rotate(self, nums: List[int], k: int) -> List[int]:\n"
          "    k %= len(nums)\n    return nums[-k:] + nums[:-k]\n")
-  assert code.score(sol, tests, tmp_dir=runs_dir) == 1.0
-  assert code.score(sol.replace("-k:", "k:"), tests, fraction=True, tmp_dir=runs_dir) == 0.5
+  assert score(sol, tests, tmp_dir=runs_dir) == 1.0
+  assert score(sol.replace("-k:", "k:"), tests, fraction=True, tmp_dir=runs_dir) == 0.5

@@ -1,5 +1,8 @@
-"""Config: invalid values are refused naming the setting; overrides parse; typos fail."""
+"""Config: invalid values are refused naming the setting; overrides parse; typos fail; each
+setting has one owner (the config), and reading a config needs neither JAX nor Flax."""
 
+import inspect
+import os
 import subprocess
 import sys
 
@@ -125,3 +128,86 @@ def test_missing_config_file_fails_in_one_line(tmp_path):
   assert out.returncode == 2, out.stderr
   assert out.stderr.strip().splitlines()[-1] == "error: --config=configs/nope.py: no such file"
   assert "Traceback" not in out.stderr
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_config_files_import_neither_jax_nor_flax():
+  """A launcher or a notebook reads configs without JAX: checked in a fresh interpreter."""
+  script = ("import sys; sys.path.insert(0, '.')\n"
+            "import configs.tiny, configs.math, configs.code, configs.reasoning_gym\n"
+            "from oapl_jax import config\n"
+            "for name in ('tiny.py:smoke', 'math.py:tiny,lag=3', 'code.py:tiny', 'reasoning_gym.py'):\n"
+            "  config.repo_config(name)\n"
+            "print('jax' in sys.modules, 'flax' in sys.modules)\n")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split() == ["False", "False"]
+
+
+def test_config_files_share_one_arg_parser():
+  parse = config_lib.parse_arg
+  assert parse("tiny,lag=100", tiny=bool, lag=int) == {"tiny": True, "lag": 100}
+  assert parse(None, tiny=bool, dataset=str) == {"tiny": False, "dataset": None}
+  assert parse("dataset=leg_counting", tiny=bool, dataset=str)["dataset"] == "leg_counting"
+  for bad in ("huge", "tiny=1", "lag"):  # unknown, a flag given a value, a value without one
+    with pytest.raises(ValueError, match=rf"unknown config arg '{bad}' \(unknown variant; "
+                                         r"known: tiny, lag=N\)"):
+      parse(f"tiny,{bad}", tiny=bool, lag=int)
+  with pytest.raises(ValueError, match="config arg 'lag=x': lag must be int"):
+    parse("lag=x", lag=int)
+  assert config_lib.repo_config("math.py:lag=100,tiny").rl.lag == 100
+
+
+def test_task_sections_share_their_settings():
+  sections = {name: config_lib.task_section(name) for name in config_lib.TASKS}
+  assert all(sections[name].name == name for name in config_lib.TASKS)
+  assert "tokenizer_path" not in sections["addition"] and "tokenizer_path" in sections["math"]
+  for name in config_lib.FILE_TASKS:
+    assert sections[name].train_path is None and sections[name].skip_bad_rows is False
+  with pytest.raises(ValueError, match="unknown task"):
+    config_lib.task_section("chess")
+
+
+# Keyword arguments of a loss that the trainer passes (not settings of the config).
+TRAINER_ARGS = {"group_size", "num_answers", "num_tokens", "ref_logprobs"}
+
+
+def test_loss_registry_names_each_loss_setting():
+  """Every keyword argument of a registered loss but the trainer's comes from a config setting
+  that exists; `kwargs_from_config` reads exactly those."""
+  from oapl_jax.rl import losses  # noqa: PLC0415 (JAX)
+  c = tiny.get_config()
+  assert losses.LOSSES == {name: spec.fn for name, spec in losses.LOSS_SPECS.items()}
+  for name, spec in losses.LOSS_SPECS.items():
+    keyword = {p.name for p in inspect.signature(spec.fn).parameters.values()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert set(spec.settings) == keyword - TRAINER_ARGS, name
+    c.rl.loss = name
+    assert losses.kwargs_from_config(c) == {arg: config_lib._get(c, setting)
+                                            for arg, setting in spec.settings.items()}
+  c.rl.loss = "oapl"
+  assert losses.kwargs_from_config(c) == {"beta1": 1.0, "beta2": 0.1}
+  c.rl.loss = "grpo"
+  assert losses.kwargs_from_config(c) == {
+      "adv_norm": "std", "adv_eps": 1e-6, "eps_low": 0.2, "eps_high": 0.28, "is_level": "token",
+      "is_mode": "truncate", "is_cap": 2.0, "norm": "token_mean", "kl_coef": 0.0, "max_tokens": 6}
+
+
+def _required(fn, *names) -> bool:
+  params = inspect.signature(fn).parameters
+  return all(params[name].default is inspect.Parameter.empty for name in names)
+
+
+def test_config_settings_have_no_second_default():
+  """The engine, the code sandbox and the math reward's pool take the settings the config owns
+  without defaults of their own, which could drift from it."""
+  from oapl_jax.rewards import code, math  # noqa: PLC0415
+  from oapl_jax.sampling.engine import CONFIG_SETTINGS, Engine  # noqa: PLC0415 (JAX)
+  assert set(CONFIG_SETTINGS) <= set(tiny.get_config().sampling)
+  assert _required(Engine, *CONFIG_SETTINGS)
+  assert _required(code.score, "timeout_s", "memory_mb")
+  assert _required(code.run_program, "timeout_s", "memory_mb")
+  assert _required(math.score_batch, "workers")

@@ -456,8 +456,9 @@ def test_converted_deepcoder_tests_score_in_the_sandbox(tmp_path, requires_sandb
   assert convert_hf_datasets.main(["--recipe=deepcoder", f"--out={out}", src]) == 0
   (row,) = _read_jsonl(out)
   good = "class Solution:\n  def addK(self, nums, k):\n    return [x + k for x in nums]\n"
-  assert code_reward.score(good, row["tests"], timeout_s=10) == 1.0
-  assert code_reward.score(good.replace("x + k", "x - k"), row["tests"], timeout_s=10) == 0.0
+  assert code_reward.score(good, row["tests"], timeout_s=10, memory_mb=512) == 1.0
+  assert code_reward.score(good.replace("x + k", "x - k"), row["tests"], timeout_s=10,
+                           memory_mb=512) == 0.0
 
 
 def _lcb_compress(tests) -> str:
@@ -515,7 +516,7 @@ def test_math_score_batch_matches_score_and_reuses_its_pool(tmp_path, tokenizer)
   assert math_reward._pool is pool  # one pool per process, made once
   assert math_reward.score_batch(responses, golds, workers=1) == want
   with pytest.raises(ValueError, match="ground truths"):
-    math_reward.score_batch(responses, golds[:2])
+    math_reward.score_batch(responses, golds[:2], workers=2)
 
   train = _jsonl(tmp_path / "t.jsonl", ['{"question": "Half of one?", "answer": "\\\\frac{1}{2}"}'])
   evals = _jsonl(tmp_path / "e.jsonl", ['{"question": "Two plus two?", "answer": "4"}'])

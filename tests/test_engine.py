@@ -8,19 +8,24 @@ import pytest
 from flax import nnx
 from jetstream.engine import engine_api
 
+from oapl_jax import config as config_lib
 from oapl_jax.rl.logprobs import make_batch, token_logprobs
 from oapl_jax.sampling import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Engine, SamplingParams,
                                rollout)
+from oapl_jax.sampling.engine import engine_settings
 from oapl_jax.sampling.processing import keep_mask
 
 PROMPTS = [[1, 5, 6, 7], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 2], [1, 9, 9]]
+# The engine settings of the config's defaults (the config owns them; the engine has none).
+DEFAULTS = engine_settings(config_lib.defaults("tiny_addition").sampling)
 # Small chunks and cache buckets, so that tests run the chunked attention and the resizes.
 SMALL = dict(attn_chunk=8, cache_bucket=8, steps_per_call=5, max_prefill_batch=4)
 
 
 def _engine(small_model, sampling, slots=8, **kw):
   cfg, graphdef, _ = small_model
-  return Engine(graphdef, cfg, sampling, max_slots=slots, max_prefill_length=16, max_len=40, **kw)
+  return Engine(graphdef, cfg, sampling, max_slots=slots, max_prefill_length=16, max_len=40,
+                **{**DEFAULTS, **kw})
 
 
 def _trainer_logprobs(small_model, ro, sampling, seq_len=40):

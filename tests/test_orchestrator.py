@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from oapl_jax import config as config_lib
 from oapl_jax.models import ModelConfig, Transformer
 from oapl_jax.sampling import Engine, SamplingParams  # also installs the jax.tree_map alias
+from oapl_jax.sampling.engine import engine_settings
 from oapl_jax.tasks.arithmetic import CharTokenizer
 
 _ROOT = logging.getLogger()
@@ -50,8 +52,9 @@ def test_orchestrator_decodes_concurrent_requests():
                     num_kv_heads=2, head_dim=16, mlp_dim=128)
   model = Transformer(cfg, rngs=nnx.Rngs(5))
   graphdef, state = nnx.split(model, nnx.Param)
+  settings = engine_settings(config_lib.defaults("tiny_addition").sampling) | dict(attn_chunk=8)
   engine = Engine(graphdef, cfg, SamplingParams(top_k=1), max_slots=3, max_prefill_length=16,
-                  max_len=32, attn_chunk=8, tokenizer=tok)  # greedy: comparable to a reference
+                  max_len=32, tokenizer=tok, **settings)  # greedy: comparable to a reference
   params = engine.load_params(state, version=7)
   driver = orchestrator.Driver(prefill_engines=[engine], generate_engines=[engine],
                                prefill_params=[params], generate_params=[params],

@@ -12,8 +12,10 @@ import jax
 import numpy as np
 import pytest
 
+from oapl_jax import config as config_lib
 from oapl_jax import train
 from oapl_jax.sampling import Engine, SamplingParams, rollout
+from oapl_jax.sampling.engine import engine_settings
 from oapl_jax.sampling.parallel import Replicas
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,17 +25,21 @@ SAMPLER = textwrap.dedent("""
     from flax import nnx
     from oapl_jax.models import ModelConfig, Transformer
     from oapl_jax.rl.logprobs import make_batch, token_logprobs
+    from oapl_jax import config as config_lib
     from oapl_jax.sampling import Engine, SamplingParams, rollout
+    from oapl_jax.sampling.engine import engine_settings
     from oapl_jax.sampling.parallel import Replicas
 
     assert len(jax.devices()) == 2, jax.devices()
+    defaults = engine_settings(config_lib.defaults("tiny_addition").sampling)
     cfg = ModelConfig(vocab_size=40, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=16, mlp_dim=128, qk_norm=True)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     model.embed[...] = model.embed[...] * 15.0
     graphdef, params = nnx.split(model, nnx.Param)
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
-    make = lambda: Engine(graphdef, cfg, sampling, max_slots=4, max_prefill_length=8, max_len=20)
+    make = lambda: Engine(graphdef, cfg, sampling, max_slots=4, max_prefill_length=8, max_len=20,
+                          **defaults)
     replicas = Replicas(make, 2)
     assert replicas.devices == jax.devices()
     weights = replicas.load_params(params, version=3)
@@ -131,7 +137,8 @@ def test_loop_with_two_engines_is_reproducible_and_resumes(tmp_path):
 def test_one_replica_is_a_plain_rollout(small_model):
   cfg, graphdef, params = small_model
   make = lambda: Engine(graphdef, cfg, SamplingParams(temperature=0.8), max_slots=4,  # noqa: E731
-                        max_prefill_length=8, max_len=20)
+                        max_prefill_length=8, max_len=20,
+                        **engine_settings(config_lib.defaults("tiny_addition").sampling))
   replicas = Replicas(make, 1)
   prompts, key = [[3, 4, 5], [6, 7]], jax.random.key(1)
   kw = dict(group_size=2, max_new_tokens=8, eos_id=1, pad_id=0)

@@ -1,6 +1,27 @@
-"""Models: the NNX transformer shared by the sampling engine and the trainer."""
+"""Models: the NNX transformer shared by the sampling engine and the trainer.
 
-from oapl_jax.models.hf import from_hf, to_hf
-from oapl_jax.models.transformer import ModelConfig, Transformer, init_cache, write_prefix
+The names below are imported on first use (PEP 562), so that `oapl_jax.models.presets` (read by
+the config files) imports neither JAX nor Flax.
+"""
+
+import importlib
+
+_HOMES = {  # public name -> the submodule that defines it
+    "ModelConfig": "transformer", "Transformer": "transformer", "init_cache": "transformer",
+    "write_prefix": "transformer", "from_hf": "hf", "to_hf": "hf",
+}
 
 __all__ = ["ModelConfig", "Transformer", "from_hf", "init_cache", "to_hf", "write_prefix"]
+
+
+def __getattr__(name: str):
+  """`oapl_jax.models.Transformer` and the rest of `__all__`, imported from their submodule."""
+  if name not in _HOMES:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+  globals()[name] = value  # later look-ups skip __getattr__
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))

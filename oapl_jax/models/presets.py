@@ -7,13 +7,10 @@ Values are those of each model's Hugging Face `config.json`. Use with
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
-import numpy as np
-from flax import nnx
-
-from oapl_jax.models.transformer import ModelConfig, Transformer
+if TYPE_CHECKING:  # the presets themselves import neither JAX nor Flax (config files read them)
+  from oapl_jax.models.transformer import ModelConfig
 
 _QWEN3 = dict(vocab_size=151936, head_dim=128, num_kv_heads=8, rope_theta=1e6, rms_norm_eps=1e-6,
               qk_norm=True, qkv_bias=False, max_position_embeddings=40960)
@@ -67,6 +64,7 @@ PRESETS["qwen3_4b_thinking_2507"] = dict(PRESETS["qwen3_4b"], rope_theta=5e6,
 
 def model_config(preset: str | Mapping[str, Any] | ModelConfig) -> ModelConfig:
   """ModelConfig of a preset name, a kwargs dict, or a ModelConfig (returned as is)."""
+  from oapl_jax.models.transformer import ModelConfig  # noqa: PLC0415 (imports Flax)
   if isinstance(preset, ModelConfig):
     return preset
   if isinstance(preset, str):
@@ -78,6 +76,11 @@ def model_config(preset: str | Mapping[str, Any] | ModelConfig) -> ModelConfig:
 
 def param_count(preset: str | Mapping[str, Any] | ModelConfig) -> int:
   """Number of weights of the model, from abstract shapes only (nothing is allocated)."""
+  import jax  # noqa: PLC0415 (JAX, Flax, NumPy only here: importing the presets needs none)
+  import numpy as np  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from oapl_jax.models.transformer import Transformer  # noqa: PLC0415
   cfg = model_config(preset)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   shapes = jax.tree.leaves(nnx.state(abstract, nnx.Param))

@@ -592,13 +592,14 @@ def _check_sandbox(s: _Settings) -> None:
 
 
 def run_program(program: str, stdin: str | bytes = b"", *, fn_name: str | None = None,
-                timeout_s: float = 6.0, memory_mb: int = 512, max_output_bytes: int = 1 << 20,
+                timeout_s: float, memory_mb: int, max_output_bytes: int = 1 << 20,
                 max_processes: int = 32, allow_unsandboxed: bool = False,
                 python: str | None = None, tmp_dir: str | None = None,
                 tmpfs_mb: int = 64) -> RunResult:
   """Runs `program` once in the sandbox and returns what happened (for debugging and tests).
 
-  With `fn_name`, `stdin` is the JSON list of arguments and stdout the JSON result.
+  With `fn_name`, `stdin` is the JSON list of arguments and stdout the JSON result. Settings:
+  see :func:`score`.
   """
   s = _settings(timeout_s, memory_mb, max_output_bytes, max_processes, allow_unsandboxed,
                 python, tmp_dir, tmpfs_mb)
@@ -612,7 +613,7 @@ def run_program(program: str, stdin: str | bytes = b"", *, fn_name: str | None =
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def score(program: str, tests, *, timeout_s: float = 6.0, memory_mb: int = 512,
+def score(program: str, tests, *, timeout_s: float, memory_mb: int,
           max_output_bytes: int = 1 << 20, max_processes: int = 32, fraction: bool = False,
           allow_unsandboxed: bool = False, python: str | None = None,
           tmp_dir: str | None = None, tmpfs_mb: int = 64) -> float:
@@ -620,7 +621,9 @@ def score(program: str, tests, *, timeout_s: float = 6.0, memory_mb: int = 512,
   or with `fraction=True` the fraction of tests passed.
 
   timeout_s: wall-clock limit per test (CPU limit: the same, rounded up, plus 1 s).
-  memory_mb: address-space limit of the program. max_output_bytes: stdout cap per test.
+  memory_mb: address-space limit of the program. These two have no default here: a run takes
+  them from its config (`task.timeout_s`, `task.memory_mb` of configs/code.py), their one owner.
+  max_output_bytes: stdout cap per test.
   max_processes: task limit (processes + threads) per sandbox. python: the interpreter to run
   programs with (default: this one's base interpreter). tmp_dir: where the per-run directories
   are made (default: tempfile's). tmpfs_mb: size of the sandbox's writable /tmp.
@@ -655,7 +658,8 @@ def score(program: str, tests, *, timeout_s: float = 6.0, memory_mb: int = 512,
 
 def score_batch(programs: Sequence[str], tests: Sequence, *, workers: int = 2,
                 **settings) -> list[float]:
-  """[score(p, t, **settings) for p, t in zip(programs, tests)], `workers` at a time."""
+  """[score(p, t, **settings) for p, t in zip(programs, tests)], `workers` at a time
+  (`settings` must hold score's `timeout_s` and `memory_mb`)."""
   if len(programs) != len(tests):
     raise ValueError(f"{len(programs)} programs but {len(tests)} test sets")
   fn = functools.partial(score, **settings)

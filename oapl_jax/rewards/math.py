@@ -329,10 +329,11 @@ def _get_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
   return pool
 
 
-def score_batch(responses, ground_truths, *, workers: int = 2, batch_timeout_s: float | None = None,
+def score_batch(responses, ground_truths, *, workers: int, batch_timeout_s: float | None = None,
                 **kw) -> list[float]:
   """``[score_math(r, g, **kw) for r, g in zip(responses, ground_truths)]`` on ``workers``
-  processes (in-process for ``workers <= 1`` or a single answer). Never raises.
+  processes (in-process for ``workers <= 1`` or a single answer). Never raises. ``workers`` has
+  no default: a run takes it from its config (``task.reward_workers``), its one owner.
 
   The answers go out in chunks (about 4 per worker). A chunk not back after
   ``batch_timeout_s`` (default: 30 s plus 4 x ``timeout_s`` per answer of a worker) scores

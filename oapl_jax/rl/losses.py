@@ -6,6 +6,8 @@ group_size``, the answers of one question contiguous), ``T`` token positions per
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -14,65 +16,65 @@ import jax.numpy as jnp
 
 
 def _check_groups(batch: int, group_size: int) -> int:
-    """Return the number of groups; raise ValueError unless ``group_size`` divides ``batch``."""
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if batch % group_size != 0:
-        raise ValueError(
-            f"group_size={group_size} does not divide the batch of {batch} answers; "
-            "each group's answers must be contiguous and complete"
-        )
-    return batch // group_size
+  """Return the number of groups; raise ValueError unless ``group_size`` divides ``batch``."""
+  if group_size < 1:
+    raise ValueError(f"group_size must be >= 1, got {group_size}")
+  if batch % group_size != 0:
+    raise ValueError(
+        f"group_size={group_size} does not divide the batch of {batch} answers; "
+        "each group's answers must be contiguous and complete"
+    )
+  return batch // group_size
 
 
 def _check_positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+  if not value > 0:
+    raise ValueError(f"{name} must be > 0, got {value}")
 
 
 def group_value(rewards: jax.Array, *, group_size: int, beta1: float) -> jax.Array:
-    """Soft value estimate of each answer's group, broadcast back to the answers.
+  """Soft value estimate of each answer's group, broadcast back to the answers.
 
-    ``V_hat = beta1 * (logsumexp_i(R_i / beta1) - log G)`` over the ``G = group_size`` answers
-    of a group: a log-mean-exp computed with logsumexp, so large ``R / beta1`` cannot overflow.
+  ``V_hat = beta1 * (logsumexp_i(R_i / beta1) - log G)`` over the ``G = group_size`` answers
+  of a group: a log-mean-exp computed with logsumexp, so large ``R / beta1`` cannot overflow.
 
-    Args:
-      rewards: ``[B]`` rewards; answers of one group are contiguous.
-      group_size: ``G``; must divide ``B``.
-      beta1: temperature of the soft value, > 0.
+  Args:
+    rewards: ``[B]`` rewards; answers of one group are contiguous.
+    group_size: ``G``; must divide ``B``.
+    beta1: temperature of the soft value, > 0.
 
-    Returns:
-      ``[B]`` the group's ``V_hat`` repeated for each of its answers.
-    """
-    _check_positive("beta1", beta1)
-    (batch,) = rewards.shape
-    num_groups = _check_groups(batch, group_size)
-    scaled = rewards.reshape(num_groups, group_size) / beta1  # [N, G]
-    lse = jax.nn.logsumexp(scaled, axis=1)  # [N]
-    v_hat = beta1 * (lse - math.log(group_size))  # [N]
-    return jnp.repeat(v_hat, group_size)  # [B]
+  Returns:
+    ``[B]`` the group's ``V_hat`` repeated for each of its answers.
+  """
+  _check_positive("beta1", beta1)
+  (batch,) = rewards.shape
+  num_groups = _check_groups(batch, group_size)
+  scaled = rewards.reshape(num_groups, group_size) / beta1  # [N, G]
+  lse = jax.nn.logsumexp(scaled, axis=1)  # [N]
+  v_hat = beta1 * (lse - math.log(group_size))  # [N]
+  return jnp.repeat(v_hat, group_size)  # [B]
 
 
 def sequence_log_ratio(
     logprobs: jax.Array, old_logprobs: jax.Array, mask: jax.Array
 ) -> jax.Array:
-    """Masked sum over tokens of ``logprobs - old_logprobs`` (no length normalisation).
+  """Masked sum over tokens of ``logprobs - old_logprobs`` (no length normalisation).
 
-    Positions with ``mask == 0`` are replaced by 0 before any arithmetic, so a ``-inf`` or
-    ``NaN`` there reaches neither the value nor the gradient.
+  Positions with ``mask == 0`` are replaced by 0 before any arithmetic, so a ``-inf`` or
+  ``NaN`` there reaches neither the value nor the gradient.
 
-    Args:
-      logprobs: ``[B, T]`` per-token log-probs under the trained policy (carries gradient).
-      old_logprobs: ``[B, T]`` per-token log-probs under the sampling policy.
-      mask: ``[B, T]`` 1.0 on answer tokens that count, 0.0 on prompt / padding.
+  Args:
+    logprobs: ``[B, T]`` per-token log-probs under the trained policy (carries gradient).
+    old_logprobs: ``[B, T]`` per-token log-probs under the sampling policy.
+    mask: ``[B, T]`` 1.0 on answer tokens that count, 0.0 on prompt / padding.
 
-    Returns:
-      ``[B]`` ``ell_i = sum_t mask * (logprobs - old_logprobs)``.
-    """
-    valid = mask > 0  # [B, T]
-    lp = jnp.where(valid, logprobs, 0.0)  # [B, T]
-    old = jnp.where(valid, old_logprobs, 0.0)  # [B, T]
-    return jnp.sum(jnp.where(valid, mask * (lp - old), 0.0), axis=-1)  # [B]
+  Returns:
+    ``[B]`` ``ell_i = sum_t mask * (logprobs - old_logprobs)``.
+  """
+  valid = mask > 0  # [B, T]
+  lp = jnp.where(valid, logprobs, 0.0)  # [B, T]
+  old = jnp.where(valid, old_logprobs, 0.0)  # [B, T]
+  return jnp.sum(jnp.where(valid, mask * (lp - old), 0.0), axis=-1)  # [B]
 
 
 def oapl(
@@ -86,71 +88,71 @@ def oapl(
     beta2: float,
     num_answers: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """OAPL squared-residual loss: ``sum_{counted i} (beta2 * ell_i - A_i)^2 / N``.
+  """OAPL squared-residual loss: ``sum_{counted i} (beta2 * ell_i - A_i)^2 / N``.
 
-    ``ell_i = sum_t mask * (logprobs - old_logprobs)`` over answer tokens (no length
-    normalisation), ``A_i = R_i - V_hat`` with ``V_hat`` from :func:`group_value` (``beta1``).
+  ``ell_i = sum_t mask * (logprobs - old_logprobs)`` over answer tokens (no length
+  normalisation), ``A_i = R_i - V_hat`` with ``V_hat`` from :func:`group_value` (``beta1``).
 
-    An answer counts when its ``mask`` row has a counted token. One with none (an answer cut
-    at the length limit under ``count_truncated=False``) is still in its group's ``V_hat`` but
-    not in the mean: neither its constant residual ``A_i^2`` in the sum nor itself in ``N``.
-    ``N`` is the number of counted answers, or ``num_answers`` if given (so that
-    gradient-accumulation micro-batches can share the full batch's count: each passes
-    ``N_full / k`` and the mean of their losses is the full batch's). When every answer counts
-    the loss is ``jnp.mean`` over the batch, bit for bit. Gradient w.r.t. ``logprobs[i, t]`` on
-    a counted token: ``2 * beta2 * (beta2*ell_i - A_i) / N``.
+  An answer counts when its ``mask`` row has a counted token. One with none (an answer cut
+  at the length limit under ``count_truncated=False``) is still in its group's ``V_hat`` but
+  not in the mean: neither its constant residual ``A_i^2`` in the sum nor itself in ``N``.
+  ``N`` is the number of counted answers, or ``num_answers`` if given (so that
+  gradient-accumulation micro-batches can share the full batch's count: each passes
+  ``N_full / k`` and the mean of their losses is the full batch's). When every answer counts
+  the loss is ``jnp.mean`` over the batch, bit for bit. Gradient w.r.t. ``logprobs[i, t]`` on
+  a counted token: ``2 * beta2 * (beta2*ell_i - A_i) / N``.
 
-    Stop-gradient: ``old_logprobs``, ``rewards``, ``V_hat`` and ``A`` are constants; only
-    ``logprobs`` carries gradient.
+  Stop-gradient: ``old_logprobs``, ``rewards``, ``V_hat`` and ``A`` are constants; only
+  ``logprobs`` carries gradient.
 
-    Args:
-      logprobs: ``[B, T]`` float32 per-token log-probs of the answer tokens under pi_theta.
-      old_logprobs: ``[B, T]`` float32 per-token log-probs under the sampler pi_old.
-      mask: ``[B, T]`` float32, 1 on answer tokens that count, 0 on prompt / padding
-        (values there may be ``-inf``).
-      rewards: ``[B]`` rewards; the ``group_size`` answers of one question are contiguous.
-      group_size: ``G``; must divide ``B``.
-      beta1: temperature of ``V_hat``, > 0.
-      beta2: weight of ``ell`` in the residual, > 0.
-      num_answers: scalar denominator ``N`` overriding the count of counted answers; None:
-        the count in this batch.
+  Args:
+    logprobs: ``[B, T]`` float32 per-token log-probs of the answer tokens under pi_theta.
+    old_logprobs: ``[B, T]`` float32 per-token log-probs under the sampler pi_old.
+    mask: ``[B, T]`` float32, 1 on answer tokens that count, 0 on prompt / padding
+      (values there may be ``-inf``).
+    rewards: ``[B]`` rewards; the ``group_size`` answers of one question are contiguous.
+    group_size: ``G``; must divide ``B``.
+    beta1: temperature of ``V_hat``, > 0.
+    beta2: weight of ``ell`` in the residual, > 0.
+    num_answers: scalar denominator ``N`` overriding the count of counted answers; None:
+      the count in this batch.
 
-    Returns:
-      ``(loss, metrics)``: scalar loss (0 if nothing counts) and a dict of scalars, means over
-      this batch's counted answers (0 if none): ``ell_abs_mean`` (mean |ell|),
-      ``residual_abs_mean`` (mean |beta2*ell - A|), ``advantage_mean``, ``v_hat_mean``.
-    """
-    _check_positive("beta2", beta2)
-    if not (logprobs.shape == old_logprobs.shape == mask.shape) or logprobs.ndim != 2:
-        raise ValueError(
-            "logprobs, old_logprobs, mask must share one [B, T] shape, got "
-            f"{logprobs.shape}, {old_logprobs.shape}, {mask.shape}"
-        )
-    if rewards.shape != logprobs.shape[:1]:
-        raise ValueError(f"rewards must be [B]={logprobs.shape[:1]}, got {rewards.shape}")
+  Returns:
+    ``(loss, metrics)``: scalar loss (0 if nothing counts) and a dict of scalars, means over
+    this batch's counted answers (0 if none): ``ell_abs_mean`` (mean |ell|),
+    ``residual_abs_mean`` (mean |beta2*ell - A|), ``advantage_mean``, ``v_hat_mean``.
+  """
+  _check_positive("beta2", beta2)
+  if not (logprobs.shape == old_logprobs.shape == mask.shape) or logprobs.ndim != 2:
+    raise ValueError(
+        "logprobs, old_logprobs, mask must share one [B, T] shape, got "
+        f"{logprobs.shape}, {old_logprobs.shape}, {mask.shape}"
+    )
+  if rewards.shape != logprobs.shape[:1]:
+    raise ValueError(f"rewards must be [B]={logprobs.shape[:1]}, got {rewards.shape}")
 
-    old_logprobs = jax.lax.stop_gradient(old_logprobs)  # [B, T]
-    rewards = jax.lax.stop_gradient(rewards)  # [B]
-    v_hat = group_value(rewards, group_size=group_size, beta1=beta1)  # [B]
-    advantages = jax.lax.stop_gradient(rewards - v_hat)  # [B]
-    ell = sequence_log_ratio(logprobs, old_logprobs, mask)  # [B]
-    residual = beta2 * ell - advantages  # [B]
-    counted = jnp.any(mask > 0, axis=-1)  # [B]
-    n_counted = jnp.sum(counted.astype(residual.dtype))  # []
-    denom = n_counted if num_answers is None else num_answers
-    # where, not a multiply by counted: with every answer counted this is jnp.mean's sum / B
-    loss = jnp.sum(jnp.where(counted, jnp.square(residual), 0.0)) / jnp.maximum(denom, 1.0)  # []
+  old_logprobs = jax.lax.stop_gradient(old_logprobs)  # [B, T]
+  rewards = jax.lax.stop_gradient(rewards)  # [B]
+  v_hat = group_value(rewards, group_size=group_size, beta1=beta1)  # [B]
+  advantages = jax.lax.stop_gradient(rewards - v_hat)  # [B]
+  ell = sequence_log_ratio(logprobs, old_logprobs, mask)  # [B]
+  residual = beta2 * ell - advantages  # [B]
+  counted = jnp.any(mask > 0, axis=-1)  # [B]
+  n_counted = jnp.sum(counted.astype(residual.dtype))  # []
+  denom = n_counted if num_answers is None else num_answers
+  # where, not a multiply by counted: with every answer counted this is jnp.mean's sum / B
+  loss = jnp.sum(jnp.where(counted, jnp.square(residual), 0.0)) / jnp.maximum(denom, 1.0)  # []
 
-    def counted_mean(x):  # [B] -> [], over this batch's counted answers
-        return jnp.sum(jnp.where(counted, x, 0.0)) / jnp.maximum(n_counted, 1.0)
+  def counted_mean(x):  # [B] -> [], over this batch's counted answers
+    return jnp.sum(jnp.where(counted, x, 0.0)) / jnp.maximum(n_counted, 1.0)
 
-    metrics = {
-        "ell_abs_mean": counted_mean(jnp.abs(ell)),
-        "residual_abs_mean": counted_mean(jnp.abs(residual)),
-        "advantage_mean": counted_mean(advantages),
-        "v_hat_mean": counted_mean(v_hat),
-    }
-    return loss, metrics
+  metrics = {
+      "ell_abs_mean": counted_mean(jnp.abs(ell)),
+      "residual_abs_mean": counted_mean(jnp.abs(residual)),
+      "advantage_mean": counted_mean(advantages),
+      "v_hat_mean": counted_mean(v_hat),
+  }
+  return loss, metrics
 
 
 # --- the baseline: GRPO with importance sampling ------------------------------------------------
@@ -163,20 +165,20 @@ NORMS = ("token_mean", "seq_mean", "constant")
 
 def group_advantages(rewards: jax.Array, *, group_size: int, adv_norm: str = "std",
                      eps: float = 1e-6) -> jax.Array:
-    """GRPO advantages ``R_i - mean_group(R)``, divided by ``std_group(R) + eps`` if ``adv_norm="std"``.
+  """GRPO advantages ``R_i - mean_group(R)``, divided by ``std_group(R) + eps`` if ``adv_norm="std"``.
 
-    The std is the unbiased sample std (``ddof=1``), as in the GRPO reference implementations;
-    ``adv_norm="none"`` is Dr.GRPO. Returns ``[B]``, no gradient.
-    """
-    if adv_norm not in ADV_NORMS:
-        raise ValueError(f"adv_norm must be one of {ADV_NORMS}, got {adv_norm!r}")
-    (batch,) = rewards.shape
-    num_groups = _check_groups(batch, group_size)
-    r = jax.lax.stop_gradient(rewards).reshape(num_groups, group_size)  # [N, G]
-    adv = r - r.mean(axis=1, keepdims=True)  # [N, G]
-    if adv_norm == "std":
-        adv = adv / (jnp.std(r, axis=1, keepdims=True, ddof=1 if group_size > 1 else 0) + eps)
-    return adv.reshape(batch)  # [B]
+  The std is the unbiased sample std (``ddof=1``), as in the GRPO reference implementations;
+  ``adv_norm="none"`` is Dr.GRPO. Returns ``[B]``, no gradient.
+  """
+  if adv_norm not in ADV_NORMS:
+    raise ValueError(f"adv_norm must be one of {ADV_NORMS}, got {adv_norm!r}")
+  (batch,) = rewards.shape
+  num_groups = _check_groups(batch, group_size)
+  r = jax.lax.stop_gradient(rewards).reshape(num_groups, group_size)  # [N, G]
+  adv = r - r.mean(axis=1, keepdims=True)  # [N, G]
+  if adv_norm == "std":
+    adv = adv / (jnp.std(r, axis=1, keepdims=True, ddof=1 if group_size > 1 else 0) + eps)
+  return adv.reshape(batch)  # [B]
 
 
 IS_METRIC_LOG_BOUND = 50.0  # raw IS weights (metrics only) are exp(clip(log w, -50, 50))
@@ -184,45 +186,45 @@ IS_METRIC_LOG_BOUND = 50.0  # raw IS weights (metrics only) are exp(clip(log w, 
 
 def importance_weights(prox_logprobs: jax.Array, sampler_logprobs: jax.Array, mask: jax.Array, *,
                        level: str, mode: str, cap: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """IS correction from the sampler (engine) to pi_prox (trainer on the same weights).
+  """IS correction from the sampler (engine) to pi_prox (trainer on the same weights).
 
-    ``log w = log pi_prox - log pi_sampler`` per token (``level="token"``) or per answer, summed
-    over its tokens and broadcast back (``"sequence"``); then ``"truncate"``: ``min(w, C)``,
-    ``"mask"``: 0 where ``w`` is outside ``[1/C, C]``, ``"none"``: 1. Everything is decided in
-    log space against ``±log C`` and only clipped log-weights are exponentiated, so a summed
-    log-ratio of hundreds of nats (a long answer, a stale sampler) gives finite weights and no
-    ``inf * 0 = NaN``.
+  ``log w = log pi_prox - log pi_sampler`` per token (``level="token"``) or per answer, summed
+  over its tokens and broadcast back (``"sequence"``); then ``"truncate"``: ``min(w, C)``,
+  ``"mask"``: 0 where ``w`` is outside ``[1/C, C]``, ``"none"``: 1. Everything is decided in
+  log space against ``±log C`` and only clipped log-weights are exponentiated, so a summed
+  log-ratio of hundreds of nats (a long answer, a stale sampler) gives finite weights and no
+  ``inf * 0 = NaN``.
 
-    Returns ``(weights [B, T], raw weights [B, T], kept [B, T])``, all stop-gradient; ``kept``
-    is 0 on counted tokens that ``"mask"`` dropped. Entries outside ``mask`` are 1 and unused.
-    The raw weights are for metrics: ``exp(clip(log w, -L, L))`` with ``L =
-    IS_METRIC_LOG_BOUND`` (50 nats, ``e^50 ~ 5e21``), so they saturate instead of overflowing
-    and a mean over even 1e12 tokens stays finite in float32.
-    """
-    if level not in IS_LEVELS:
-        raise ValueError(f"is_level must be one of {IS_LEVELS}, got {level!r}")
-    if mode not in IS_MODES:
-        raise ValueError(f"is_mode must be one of {IS_MODES}, got {mode!r}")
-    _check_positive("is_cap", cap)
-    valid = mask > 0
-    log_w = jnp.where(valid, jax.lax.stop_gradient(prox_logprobs) - sampler_logprobs, 0.0)  # [B, T]
-    if level == "sequence":
-        log_w = jnp.broadcast_to(log_w.sum(axis=1, keepdims=True), log_w.shape)
-    log_cap = math.log(cap)
-    bound = IS_METRIC_LOG_BOUND
-    raw = jnp.exp(jnp.clip(log_w, -bound, bound))  # [B, T]
-    ones = jnp.ones_like(raw)
-    if mode == "truncate":
-        w = jnp.where(log_w < log_cap, jnp.exp(jnp.minimum(log_w, log_cap)), cap)  # C exactly
-        kept = ones
-    elif mode == "mask":
-        keep = (log_w >= -log_cap) & (log_w <= log_cap)  # [B, T]
-        kept = keep.astype(raw.dtype)
-        w = jnp.where(keep, jnp.exp(jnp.clip(log_w, -log_cap, log_cap)), 0.0)
-    else:
-        w, kept = ones, ones
-    w = jnp.where(valid, w, 1.0)
-    return jax.lax.stop_gradient(w), jax.lax.stop_gradient(raw), jnp.where(valid, kept, 1.0)
+  Returns ``(weights [B, T], raw weights [B, T], kept [B, T])``, all stop-gradient; ``kept``
+  is 0 on counted tokens that ``"mask"`` dropped. Entries outside ``mask`` are 1 and unused.
+  The raw weights are for metrics: ``exp(clip(log w, -L, L))`` with ``L =
+  IS_METRIC_LOG_BOUND`` (50 nats, ``e^50 ~ 5e21``), so they saturate instead of overflowing
+  and a mean over even 1e12 tokens stays finite in float32.
+  """
+  if level not in IS_LEVELS:
+    raise ValueError(f"is_level must be one of {IS_LEVELS}, got {level!r}")
+  if mode not in IS_MODES:
+    raise ValueError(f"is_mode must be one of {IS_MODES}, got {mode!r}")
+  _check_positive("is_cap", cap)
+  valid = mask > 0
+  log_w = jnp.where(valid, jax.lax.stop_gradient(prox_logprobs) - sampler_logprobs, 0.0)  # [B, T]
+  if level == "sequence":
+    log_w = jnp.broadcast_to(log_w.sum(axis=1, keepdims=True), log_w.shape)
+  log_cap = math.log(cap)
+  bound = IS_METRIC_LOG_BOUND
+  raw = jnp.exp(jnp.clip(log_w, -bound, bound))  # [B, T]
+  ones = jnp.ones_like(raw)
+  if mode == "truncate":
+    w = jnp.where(log_w < log_cap, jnp.exp(jnp.minimum(log_w, log_cap)), cap)  # C exactly
+    kept = ones
+  elif mode == "mask":
+    keep = (log_w >= -log_cap) & (log_w <= log_cap)  # [B, T]
+    kept = keep.astype(raw.dtype)
+    w = jnp.where(keep, jnp.exp(jnp.clip(log_w, -log_cap, log_cap)), 0.0)
+  else:
+    w, kept = ones, ones
+  w = jnp.where(valid, w, 1.0)
+  return jax.lax.stop_gradient(w), jax.lax.stop_gradient(raw), jnp.where(valid, kept, 1.0)
 
 
 def grpo(
@@ -246,97 +248,129 @@ def grpo(
     ref_logprobs: jax.Array | None = None,
     kl_coef: float = 0.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """GRPO's clipped surrogate with an importance-sampling correction (oapl.md, the baseline).
+  """GRPO's clipped surrogate with an importance-sampling correction (oapl.md, the baseline).
 
-    Per counted token ``t`` of answer ``i``::
+  Per counted token ``t`` of answer ``i``::
 
-        r_t   = exp(log pi_theta_t - log pi_prox_t)          # PPO ratio vs the sampling snapshot
-        w_t   = IS weight pi_prox / pi_sampler (see importance_weights), no gradient
-        obj_t = w_t * min(r_t * A_i, clip(r_t, 1 - eps_low, 1 + eps_high) * A_i)
-                - kl_coef * k3(pi_theta, pi_ref)_t
-        loss  = -normalise(obj)
+      r_t   = exp(log pi_theta_t - log pi_prox_t)          # PPO ratio vs the sampling snapshot
+      w_t   = IS weight pi_prox / pi_sampler (see importance_weights), no gradient
+      obj_t = w_t * min(r_t * A_i, clip(r_t, 1 - eps_low, 1 + eps_high) * A_i)
+              - kl_coef * k3(pi_theta, pi_ref)_t
+      loss  = -normalise(obj)
 
-    ``norm``: ``"token_mean"`` (sum over counted tokens / their count; ``num_tokens`` overrides
-    the count, so gradient-accumulation micro-batches can share the full batch's), ``"seq_mean"``
-    (each answer's token mean, then the mean over answers), ``"constant"`` (Dr.GRPO: sum / (B *
-    ``max_tokens``)). ``k3 = exp(ref - logp) - (ref - logp) - 1`` is the usual non-negative
-    estimator of KL(pi_theta || pi_ref).
+  ``norm``: ``"token_mean"`` (sum over counted tokens / their count; ``num_tokens`` overrides
+  the count, so gradient-accumulation micro-batches can share the full batch's), ``"seq_mean"``
+  (each answer's token mean, then the mean over answers), ``"constant"`` (Dr.GRPO: sum / (B *
+  ``max_tokens``)). ``k3 = exp(ref - logp) - (ref - logp) - 1`` is the usual non-negative
+  estimator of KL(pi_theta || pi_ref).
 
-    With ``logprobs == prox_logprobs == sampler_logprobs`` (lag 0, no engine mismatch) every
-    ratio and weight is 1 and the gradient is plain GRPO's, ``-A_i * grad log pi_theta_t / N``.
+  With ``logprobs == prox_logprobs == sampler_logprobs`` (lag 0, no engine mismatch) every
+  ratio and weight is 1 and the gradient is plain GRPO's, ``-A_i * grad log pi_theta_t / N``.
 
-    Args:
-      logprobs: ``[B, T]`` log pi_theta (carries gradient).
-      prox_logprobs: ``[B, T]`` the trainer's log-probs under the snapshot that sampled.
-      sampler_logprobs: ``[B, T]`` the engine's log-probs.
-      mask: ``[B, T]`` 1 on counted answer tokens, 0 elsewhere (log-probs there may be -inf).
-      rewards: ``[B]``, groups of ``group_size`` contiguous answers.
-      ref_logprobs: ``[B, T]`` reference log-probs, needed when ``kl_coef > 0``.
+  Args:
+    logprobs: ``[B, T]`` log pi_theta (carries gradient).
+    prox_logprobs: ``[B, T]`` the trainer's log-probs under the snapshot that sampled.
+    sampler_logprobs: ``[B, T]`` the engine's log-probs.
+    mask: ``[B, T]`` 1 on counted answer tokens, 0 elsewhere (log-probs there may be -inf).
+    rewards: ``[B]``, groups of ``group_size`` contiguous answers.
+    ref_logprobs: ``[B, T]`` reference log-probs, needed when ``kl_coef > 0``.
 
-    Returns:
-      ``(loss, metrics)``; metrics: ``clip_fraction`` (tokens whose clipped term is the min),
-      ``is_weight_mean/min/max`` (raw weights over counted tokens, each saturating at
-      ``exp(±IS_METRIC_LOG_BOUND)``: see :func:`importance_weights`), ``is_masked_fraction``,
-      ``ratio_mean``, ``advantage_abs_mean``, and ``kl`` when ``kl_coef > 0``.
-    """
-    if not (logprobs.shape == prox_logprobs.shape == sampler_logprobs.shape == mask.shape) \
-            or logprobs.ndim != 2:
-        raise ValueError(
-            "logprobs, prox_logprobs, sampler_logprobs, mask must share one [B, T] shape, got "
-            f"{logprobs.shape}, {prox_logprobs.shape}, {sampler_logprobs.shape}, {mask.shape}")
-    if rewards.shape != logprobs.shape[:1]:
-        raise ValueError(f"rewards must be [B]={logprobs.shape[:1]}, got {rewards.shape}")
-    if not (0 <= eps_low < 1 and eps_high >= 0):
-        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    if norm == "constant" and not max_tokens:
-        raise ValueError("norm='constant' (Dr.GRPO) needs max_tokens")
-    if kl_coef and ref_logprobs is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs")
+  Returns:
+    ``(loss, metrics)``; metrics: ``clip_fraction`` (tokens whose clipped term is the min),
+    ``is_weight_mean/min/max`` (raw weights over counted tokens, each saturating at
+    ``exp(±IS_METRIC_LOG_BOUND)``: see :func:`importance_weights`), ``is_masked_fraction``,
+    ``ratio_mean``, ``advantage_abs_mean``, and ``kl`` when ``kl_coef > 0``.
+  """
+  if not (logprobs.shape == prox_logprobs.shape == sampler_logprobs.shape == mask.shape) \
+          or logprobs.ndim != 2:
+    raise ValueError(
+        "logprobs, prox_logprobs, sampler_logprobs, mask must share one [B, T] shape, got "
+        f"{logprobs.shape}, {prox_logprobs.shape}, {sampler_logprobs.shape}, {mask.shape}")
+  if rewards.shape != logprobs.shape[:1]:
+    raise ValueError(f"rewards must be [B]={logprobs.shape[:1]}, got {rewards.shape}")
+  if not (0 <= eps_low < 1 and eps_high >= 0):
+    raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
+  if norm not in NORMS:
+    raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+  if norm == "constant" and not max_tokens:
+    raise ValueError("norm='constant' (Dr.GRPO) needs max_tokens")
+  if kl_coef and ref_logprobs is None:
+    raise ValueError("kl_coef > 0 needs ref_logprobs")
 
-    valid = mask > 0  # [B, T]
-    m = jnp.where(valid, mask, 0.0)  # [B, T]
-    prox = jax.lax.stop_gradient(jnp.where(valid, prox_logprobs, 0.0))
-    sampler = jax.lax.stop_gradient(jnp.where(valid, sampler_logprobs, 0.0))
-    logp = jnp.where(valid, logprobs, 0.0)
+  valid = mask > 0  # [B, T]
+  m = jnp.where(valid, mask, 0.0)  # [B, T]
+  prox = jax.lax.stop_gradient(jnp.where(valid, prox_logprobs, 0.0))
+  sampler = jax.lax.stop_gradient(jnp.where(valid, sampler_logprobs, 0.0))
+  logp = jnp.where(valid, logprobs, 0.0)
 
-    adv = group_advantages(rewards, group_size=group_size, adv_norm=adv_norm, eps=adv_eps)[:, None]
-    w, raw_w, kept = importance_weights(prox, sampler, mask, level=is_level, mode=is_mode, cap=is_cap)
-    ratio = jnp.exp(logp - prox)  # [B, T]
-    unclipped = ratio * adv
-    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    obj = w * jnp.minimum(unclipped, clipped)  # [B, T]
-    metrics = {}
-    if kl_coef:
-        ref = jax.lax.stop_gradient(jnp.where(valid, ref_logprobs, 0.0))
-        k3 = jnp.exp(ref - logp) - (ref - logp) - 1.0
-        obj = obj - kl_coef * k3
-        metrics["kl"] = jnp.sum(k3 * m) / jnp.maximum(m.sum(), 1.0)
-    obj = obj * m
+  adv = group_advantages(rewards, group_size=group_size, adv_norm=adv_norm, eps=adv_eps)[:, None]
+  w, raw_w, kept = importance_weights(prox, sampler, mask, level=is_level, mode=is_mode, cap=is_cap)
+  ratio = jnp.exp(logp - prox)  # [B, T]
+  unclipped = ratio * adv
+  clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+  obj = w * jnp.minimum(unclipped, clipped)  # [B, T]
+  metrics = {}
+  if kl_coef:
+    ref = jax.lax.stop_gradient(jnp.where(valid, ref_logprobs, 0.0))
+    k3 = jnp.exp(ref - logp) - (ref - logp) - 1.0
+    obj = obj - kl_coef * k3
+    metrics["kl"] = jnp.sum(k3 * m) / jnp.maximum(m.sum(), 1.0)
+  obj = obj * m
 
-    if norm == "token_mean":
-        denom = m.sum() if num_tokens is None else num_tokens
-        loss = -obj.sum() / jnp.maximum(denom, 1.0)
-    elif norm == "seq_mean":
-        loss = -jnp.mean(obj.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0))
-    else:
-        loss = -obj.sum() / (logprobs.shape[0] * max_tokens)
+  if norm == "token_mean":
+    denom = m.sum() if num_tokens is None else num_tokens
+    loss = -obj.sum() / jnp.maximum(denom, 1.0)
+  elif norm == "seq_mean":
+    loss = -jnp.mean(obj.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0))
+  else:
+    loss = -obj.sum() / (logprobs.shape[0] * max_tokens)
 
-    n = jnp.maximum(m.sum(), 1.0)
-    tmean = lambda x: jnp.sum(x * m) / n  # noqa: E731
-    is_clipped = (clipped < unclipped).astype(jnp.float32)  # the min picked the clipped term
-    big = jnp.finfo(jnp.float32).max
-    metrics.update({
-        "clip_fraction": tmean(is_clipped),
-        "is_weight_mean": tmean(raw_w),
-        "is_weight_min": jnp.min(jnp.where(valid, raw_w, big)),
-        "is_weight_max": jnp.max(jnp.where(valid, raw_w, 0.0)),
-        "is_masked_fraction": tmean(1.0 - kept),
-        "ratio_mean": tmean(jax.lax.stop_gradient(ratio)),
-        "advantage_abs_mean": jnp.mean(jnp.abs(adv)),
-    })
-    return loss, metrics
+  n = jnp.maximum(m.sum(), 1.0)
+  tmean = lambda x: jnp.sum(x * m) / n  # noqa: E731
+  is_clipped = (clipped < unclipped).astype(jnp.float32)  # the min picked the clipped term
+  big = jnp.finfo(jnp.float32).max
+  metrics.update({
+      "clip_fraction": tmean(is_clipped),
+      "is_weight_mean": tmean(raw_w),
+      "is_weight_min": jnp.min(jnp.where(valid, raw_w, big)),
+      "is_weight_max": jnp.max(jnp.where(valid, raw_w, 0.0)),
+      "is_masked_fraction": tmean(1.0 - kept),
+      "ratio_mean": tmean(jax.lax.stop_gradient(ratio)),
+      "advantage_abs_mean": jnp.mean(jnp.abs(adv)),
+  })
+  return loss, metrics
 
 
-LOSSES: dict[str, Callable[..., tuple[jax.Array, dict[str, jax.Array]]]] = {"oapl": oapl, "grpo": grpo}
+# --- the registry: each loss and the config settings its keyword arguments come from ---------
+
+LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+  """A registered loss: its function and, for each keyword argument the config sets, the dotted
+  config setting it comes from (`group_size` and the batch's arrays are the trainer's)."""
+
+  fn: LossFn
+  settings: dict[str, str]  # keyword argument -> setting, e.g. {"beta1": "rl.beta1"}
+
+
+LOSS_SPECS: dict[str, LossSpec] = {
+    "oapl": LossSpec(oapl, {"beta1": "rl.beta1", "beta2": "rl.beta2"}),
+    "grpo": LossSpec(grpo, {
+        "adv_norm": "rl.grpo.adv_norm", "adv_eps": "rl.grpo.adv_eps",
+        "eps_low": "rl.grpo.eps_low", "eps_high": "rl.grpo.eps_high",
+        "is_level": "rl.grpo.is_level", "is_mode": "rl.grpo.is_mode",
+        "is_cap": "rl.grpo.is_cap", "norm": "rl.grpo.norm", "kl_coef": "rl.grpo.kl_coef",
+        "max_tokens": "sampling.max_new_tokens"}),
+}
+# Name -> loss function: the names `config.rl.loss` is checked against.
+LOSSES: dict[str, LossFn] = {name: spec.fn for name, spec in LOSS_SPECS.items()}
+
+
+def kwargs_from_config(config) -> dict:
+  """The keyword arguments of the configured loss (`config.rl.loss`), each read from the
+  setting its `LOSS_SPECS` entry names: `{"beta1": config.rl.beta1, "beta2": ...}` for OAPL."""
+  def setting(name: str):  # "rl.grpo.is_cap" -> config.rl.grpo.is_cap
+    return functools.reduce(lambda section, part: section[part], name.split("."), config)
+  return {arg: setting(name) for arg, name in LOSS_SPECS[config.rl.loss].settings.items()}

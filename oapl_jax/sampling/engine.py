@@ -129,6 +129,17 @@ class TokenizerAdapter(tokenizer_api.Tokenizer):
     return self.tokenizer.bos_id
 
 
+# Engine arguments that are `config.sampling` settings of the same name.
+CONFIG_SETTINGS = ("steps_per_call", "attn_chunk", "cache_bucket", "max_prefill_batch",
+                   "min_decode_width")
+
+
+def engine_settings(sampling) -> dict:
+  """The `CONFIG_SETTINGS` keyword arguments of `Engine`, read from a config's `sampling`
+  section: `Engine(..., **engine_settings(config.sampling))`."""
+  return {name: sampling[name] for name in CONFIG_SETTINGS}
+
+
 class Engine(engine_api.Engine):
   """A JetStream engine over `oapl_jax.models.Transformer`.
 
@@ -140,22 +151,23 @@ class Engine(engine_api.Engine):
     max_prefill_length: longest prompt.
     max_len: KV-cache length per slot (prompt + answer); tens of thousands is fine, decode
       only reads up to the longest live answer.
-    mesh: device mesh (default: the first local device on one "data" axis).
+    The five below are `config.sampling` settings of the same name (`engine_settings` reads
+    them); the config holds their defaults, so the engine has none.
     steps_per_call: decode steps `generate_steps` may run in one jitted call.
     attn_chunk: decode attention reads the cache in chunks of this many positions.
     cache_bucket: smallest cache capacity `rollout` uses; capacities are it times powers of 2.
     min_decode_width: `rollout` narrows the decode state (halving its width) during the final
       drain, but not below this many slots; >= max_slots turns narrowing off.
     max_prefill_batch: prompts `prefill_batch` takes at once (batches padded to powers of 2).
+    mesh: device mesh (default: the first local device on one "data" axis).
     tokenizer: one of our tokenizers, needed only under JetStream's orchestrator
       (`build_tokenizer`); the engine itself works on token ids.
   """
 
   def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingParams, *,
-               max_slots: int, max_prefill_length: int, max_len: int,
-               mesh: jax.sharding.Mesh | None = None, steps_per_call: int = 32,
-               attn_chunk: int = 1024, cache_bucket: int = 64, max_prefill_batch: int = 8,
-               min_decode_width: int = 8, tokenizer=None):
+               max_slots: int, max_prefill_length: int, max_len: int, steps_per_call: int,
+               attn_chunk: int, cache_bucket: int, max_prefill_batch: int, min_decode_width: int,
+               mesh: jax.sharding.Mesh | None = None, tokenizer=None):
     if max_prefill_length >= max_len:
       raise ValueError(f"max_prefill_length={max_prefill_length} must be < max_len={max_len}")
     self._graphdef = graphdef
