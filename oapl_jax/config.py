@@ -40,6 +40,21 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.model.param_dtype = "float32"  # Weight storage dtype: "float32", "bfloat16" or "float16".
   c.model.dtype = "float32"  # Matmul dtype (logits and softmax are always float32).
 
+  c.sharding = ml_collections.ConfigDict()  # How weights lie on a device mesh (oapl_jax/sharding.py).
+  # (logical axis, mesh axes) pairs: each weight dimension's logical axis (models.transformer.
+  # LOGICAL_AXES, each needs a rule) -> a mesh axis of ("data", "fsdp", "tensor"), a tuple of
+  # them (split over their product) or None (replicated). A sharded dimension must divide over
+  # its mesh axes. Reference: MaxText's configs/base.yml logical_axis_rules.
+  c.sharding.rules = (
+      ("vocab", "tensor"),  # Vocabulary V of the embedding and LM head (MaxText: tensor).
+      ("embed", "fsdp"),  # Hidden size E of every matrix: ZeRO-3, gathered per layer (MaxText: fsdp).
+      ("mlp", "tensor"),  # MLP width F: gate/up columns, down rows (Megatron; MaxText: tensor).
+      ("q_heads", "tensor"),  # Query heads N of q_proj, o_proj, q_bias (MaxText: tensor).
+      ("kv_heads", "tensor"),  # Key/value heads K of k/v_proj, k/v_bias; K must divide (MaxText: tensor).
+      ("head_dim", None),  # Head width D, and the QK-norm weights [D]: replicated (MaxText: kv -> none).
+      ("norm", None),  # Hidden-size RMSNorm weights [E]: replicated, E floats (MaxText: tensor).
+  )
+
   c.warmup = ml_collections.ConfigDict()  # Supervised warm-up (embedded addition task only).
   c.warmup.steps = 0  # Supervised steps that make the base model (clean, then noisy demos); 0 = none.
   c.warmup.noisy_steps = 0  # The last this many warm-up steps use noisy demonstrations.
@@ -319,6 +334,7 @@ def validate(c) -> None:
            "not a Hugging Face checkpoint folder (no config.json); for the :tiny configs make one "
            "with `python launch/make_tiny_hf.py`")
   _validate_model(c)
+  _validate_sharding(c)
   _check(c.warmup.steps == 0 or c.task.name == "addition", "warmup.steps", c.warmup.steps,
          "the supervised warm-up exists only for the embedded addition task")
 
@@ -411,6 +427,32 @@ def _validate_model(c) -> None:
     _int(c, "model.rope_original_max_len", 1)
   _dtype(c, "model.param_dtype")
   _dtype(c, "model.dtype")
+
+
+def _validate_sharding(c) -> None:
+  """`c.sharding.rules`: (logical axis, mesh axes) pairs naming known mesh axes, one rule per
+  logical axis, and a rule (None = replicated) for every logical axis a weight carries."""
+  from oapl_jax.models.transformer import LOGICAL_AXES  # noqa: PLC0415 (JAX: see the imports)
+  from oapl_jax.sharding import MESH_AXES  # noqa: PLC0415
+  rules = c.sharding.rules
+  _check(isinstance(rules, (tuple, list)), "sharding.rules", rules,
+         "must be a tuple of (logical axis, mesh axes) pairs")
+  seen = set()
+  for i, rule in enumerate(rules):
+    setting = f"sharding.rules[{i}]"
+    _check(isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str),
+           setting, rule, "must be a pair (logical axis name, mesh axes)")
+    logical, mesh_axes = rule
+    _check(logical not in seen, setting, rule, f"logical axis {logical!r} already has a rule")
+    seen.add(logical)
+    names = (mesh_axes,) if mesh_axes is None or isinstance(mesh_axes, str) else mesh_axes
+    ok = isinstance(names, (tuple, list)) and len(set(names)) == len(names)
+    ok = ok and all(n is None and len(names) == 1 or n in MESH_AXES for n in names)
+    _check(ok, setting, rule, f"mesh axes {mesh_axes!r}: give one of {MESH_AXES}, a tuple of "
+           "distinct ones, or None (replicated)")
+  missing = [a for a in LOGICAL_AXES if a not in seen]
+  _check(not missing, "sharding.rules", rules,
+         f"no rule for logical axes {missing}, which weights carry; give (axis, None) to replicate")
 
 
 def _validate_task(c) -> None:
