@@ -197,8 +197,11 @@ class Checkpointer:
 
   # restoring
 
-  def restore_latest(self, target: dict[str, Any], model_meta: dict[str, Any]):
+  def restore_latest(self, target: dict[str, Any], model_meta: dict[str, Any], *, partial: bool = False):
     """(step, state, meta) of the newest step that loads and verifies; None if there is no step.
+
+    partial: restore only the entries of `target` (e.g. `{"params": ...}` for evaluation); the
+    rest of the run state is not read.
 
     Damaged steps are skipped with a warning and left in place. Raises OtherModelError for a
     checkpoint of another model, CheckpointError when every step is damaged.
@@ -207,7 +210,7 @@ class Checkpointer:
     reasons = {}
     for step in sorted(self._mgr.all_steps(), reverse=True):
       try:
-        state, meta = self.restore(step, target, model_meta)
+        state, meta = self.restore(step, target, model_meta, partial=partial)
       except DamagedStep as e:
         reasons[step] = str(e)
         warn(f"checkpoint {self.step_dir(step)} is damaged and skipped ({e}); it is left in place")
@@ -221,8 +224,10 @@ class Checkpointer:
           "step directories away to start over there, or use another --workdir.")
     return None
 
-  def restore(self, step: int, target: dict[str, Any], model_meta: dict[str, Any]):
-    """(state, meta) of one step. `target` gives the structure of params/opt_state/snapshot.
+  def restore(self, step: int, target: dict[str, Any], model_meta: dict[str, Any], *,
+              partial: bool = False):
+    """(state, meta) of one step. `target` gives the structure of params/opt_state/snapshot
+    (arrays or `jax.ShapeDtypeStruct`s); with `partial`, of the entries to read, no more.
 
     Raises DamagedStep when a file does not load or the data does not match its checksums,
     OtherModelError for a checkpoint of another model.
@@ -237,18 +242,27 @@ class Checkpointer:
       raise OtherModelError(
           f"checkpoint {self.step_dir(step)} is of another model:\n  saved:  {meta.get('model')}"
           f"\n  config: {model_meta}\nUse another --workdir or the matching config.model.")
-    try:
-      rows = {name: {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta[f"{name}_shapes"].items()}
-              for name in ROWS if f"{name}_shapes" in meta}
-    except (TypeError, ValueError, KeyError) as e:
-      raise DamagedStep(f"{self.step_dir(step)}/meta/metadata: bad row shapes: {_describe(e)}") from e
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {**target, **rows})
-    state = self._read(step, "state", ocp.args.StandardRestore(abstract))
+    if partial:
+      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+      state = self._read(step, "state", ocp.args.PyTreeRestore(
+          abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+          partial_restore=True))
+    else:
+      state = self._read(step, "state", ocp.args.StandardRestore(self._abstract_state(step, target, meta)))
     if sums is None:
       log.info("checkpoint %s was saved without checksums: restored unverified", self.step_dir(step))
     else:
       _verify(state, sums.get("state", {}))
     return state, meta
+
+  def _abstract_state(self, step: int, target: dict[str, Any], meta: dict) -> dict:
+    """The whole state's structure: `target`'s trees plus the host rows, shaped as saved."""
+    try:
+      rows = {name: {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta[f"{name}_shapes"].items()}
+              for name in ROWS if f"{name}_shapes" in meta}
+    except (TypeError, ValueError, KeyError) as e:
+      raise DamagedStep(f"{self.step_dir(step)}/meta/metadata: bad row shapes: {_describe(e)}") from e
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, {**target, **rows})
 
   def _read(self, step: int, item: str, args):
     """One item (`meta` or `state`) of a step; any failure to load is a DamagedStep naming it."""

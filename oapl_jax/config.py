@@ -17,6 +17,7 @@ from ml_collections.config_dict import placeholder
 
 from oapl_jax.errors import UserError
 from oapl_jax.models.presets import PRESETS  # names and numbers only: no JAX, no Flax
+from oapl_jax.tasks.base import TASKS  # the task registry (names -> builders): no JAX either
 
 # Config files import this module and must not import JAX or Flax (a launcher, a notebook cell
 # or a test may read a config without them); what validation needs from the model and the
@@ -172,7 +173,6 @@ def repo_config(name: str) -> ml_collections.ConfigDict:
 
 OLD_LOGPROB_SOURCES = ("sampler", "snapshot")
 MODES = ("sync", "async")
-TASKS = ("addition", "math", "code", "reasoning_gym")
 
 
 class ConfigError(UserError, ValueError):
@@ -282,7 +282,7 @@ def task_section(name: str) -> ml_collections.ConfigDict:
   their sources, `question_field` and `num_eval`. The config file adds the task's own settings.
   """
   if name not in TASKS:
-    raise ValueError(f"unknown task {name!r}; known: {TASKS}")
+    raise ValueError(f"unknown task {name!r}; known: {tuple(TASKS)}")
   t = ml_collections.ConfigDict()
   t.name = name  # Task in oapl_jax.tasks: how prompts are made and answers scored.
   if name != "addition":
@@ -322,7 +322,7 @@ def validate(c) -> None:
   checked for type, finiteness and range before any work starts."""
   from oapl_jax.rl import losses  # noqa: PLC0415 (JAX: see the imports)
   _int(c, "seed", 0)
-  _check(c.task.name in TASKS, "task.name", c.task.name, f"must be one of {TASKS}")
+  _check(c.task.name in TASKS, "task.name", c.task.name, f"must be one of {tuple(TASKS)}")
   for field in ("train_path", "eval_path"):
     if field in c.task:
       source = c.task[field] or ""

@@ -32,8 +32,9 @@ def main(argv):
   # Imported once the config is valid: `train` pulls in TensorFlow (clu, jetstream), whose
   # import prints log lines on stderr that would bury a one-line refusal.
   from oapl_jax import train  # noqa: PLC0415
+  from oapl_jax.rl.loop import devices_wanted  # noqa: PLC0415
   from oapl_jax.sampling.parallel import request_host_devices  # noqa: PLC0415
-  request_host_devices(train.devices_wanted(config))  # on CPU: a host device per engine (+ trainer)
+  request_host_devices(devices_wanted(config))  # on CPU: a host device per engine (+ trainer)
   print(f"jax {jax.__version__}, devices {jax.devices()}")
   summary = train.run(config, _WORKDIR.value)
   keys = [k for k in summary["eval_after"] if k.startswith("pass@")]

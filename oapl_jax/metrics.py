@@ -1,4 +1,4 @@
-"""Metrics: one JSON line per logged trainer step, plus TensorBoard events through clu."""
+"""Metrics: one JSON line per logged trainer step, TensorBoard events through clu, console lines."""
 
 from __future__ import annotations
 
@@ -8,8 +8,15 @@ import os
 import sys
 
 from clu import metric_writers
+from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
 
 log = logging.getLogger(__name__)
+
+
+def say(msg: str) -> None:
+  """A progress line on the console that does not break the progress bar (and in the log)."""
+  tqdm.tqdm.write(msg)
+  logging.info(msg)
 
 
 class MetricsLog:

@@ -9,11 +9,20 @@ pass@1 is about (1 - noise)^digits, and RL with the verifiable reward has errors
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
+
+from oapl_jax.metrics import say
 
 
 def demo_batch(task, tokenizer, rng: np.random.Generator, *, batch_size: int, seq_len: int,
@@ -55,3 +64,50 @@ def run(graphdef, params, task, tokenizer, cfg, *, seq_len: int, seed: int):
                        digit_noise=noise)
     params, opt_state, loss = step(params, opt_state, batch)
   return params, float(loss)
+
+
+def write_json(path: str, obj) -> None:
+  """Writes `obj` to `path` aside, then renames it: a reader never sees half a file."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)
+
+
+def cache_path(config, seq_len: int) -> str | None:
+  """`<warmup.cache_dir>/<hash>`, the hash of everything the warmed-up base depends on."""
+  if not config.warmup.cache_dir:
+    return None
+  key = {"seed": config.seed, "model": config.model.to_dict(), "task": config.task.to_dict(),
+         "warmup": {k: v for k, v in config.warmup.items() if k != "cache_dir"},
+         "seq_len": seq_len}
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+  return os.path.join(os.path.abspath(config.warmup.cache_dir), f"seed{config.seed}-{digest}")
+
+
+def base_model(config, graphdef, params, task, tokenizer, *, seq_len: int) -> tuple[dict, dict]:
+  """The supervised warm-up's (params, info) from `params`; read from / written to
+  `warmup.cache_dir` if set."""
+  path = cache_path(config, seq_len)
+  if path and os.path.isfile(os.path.join(path, "info.json")):
+    params = ocp.StandardCheckpointer().restore(
+        os.path.join(path, "params"), jax.tree.map(ocp.utils.to_shape_dtype_struct, params))
+    with open(os.path.join(path, "info.json")) as f:
+      info = {**json.load(f), "cached": path}
+    say(f"warm-up: base model read from {path}")
+    return params, info
+  t0 = time.perf_counter()
+  params, loss = run(graphdef, params, task, tokenizer, config.warmup, seq_len=seq_len, seed=config.seed)
+  info = {"seconds": time.perf_counter() - t0, "final_loss": loss, "steps": config.warmup.steps}
+  say(f"warm-up: {config.warmup.steps} steps, final loss {loss:.3f}, {info['seconds']:.1f}s")
+  if path:  # written aside, then renamed: a concurrent or killed writer never leaves half a cache
+    tmp = f"{path}.tmp{os.getpid()}"
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.join(tmp, "params"), params)
+    ckptr.wait_until_finished()
+    write_json(os.path.join(tmp, "info.json"), info)
+    try:
+      os.rename(tmp, path)
+    except OSError:  # another run cached the same base first
+      shutil.rmtree(tmp, ignore_errors=True)
+  return params, info

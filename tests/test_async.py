@@ -50,11 +50,11 @@ def test_async_resumes_exactly_with_the_rollout_in_flight(smoke_config, tmp_path
   want = _steps(straight, 6)
   first = train.Run(c, str(tmp_path / "resumed"))
   _steps(first, 3)
-  assert first._inflight is not None
+  assert first.source.pending() is not None
   first.save()  # waits for the rollout in flight and stores it
   first.close()
   second = train.Run(c, str(tmp_path / "resumed"))
-  assert second.restore_latest() and second._inflight is not None
+  assert second.restore_latest() and second.source.pending() is not None
   got = _steps(second, 3)
   assert [m["lag_hist"] for m in got] == [m["lag_hist"] for m in want[3:]]
   assert [m["reward_mean"] for m in got] == [m["reward_mean"] for m in want[3:]]

@@ -32,8 +32,8 @@ def _trainer_logprobs(small_model, ro, sampling, seq_len=40):
   """(trainer log-probs, sampler log-probs, mask), `[N, seq_len-1]` each, of a rollout."""
   _, graphdef, params = small_model
   batch = make_batch(ro, np.zeros(ro.num_samples), seq_len=seq_len, pad_id=0)
-  logp, _ = jax.jit(lambda p, t: token_logprobs(nnx.merge(graphdef, p), t, sampling))(params, batch["tokens"])
-  return np.asarray(logp), batch["sampler_logprobs"], batch["mask"] > 0
+  logp, _ = jax.jit(lambda p, t: token_logprobs(nnx.merge(graphdef, p), t, sampling))(params, batch.tokens)
+  return np.asarray(logp), batch.sampler_logprobs, batch.mask > 0
 
 
 def test_is_a_jetstream_engine(small_model):
@@ -60,7 +60,7 @@ def test_engine_logprobs_equal_trainer_kernel(small_model, sampling, layout):
   # the processing really truncated something and log-probs are not trivially zero
   assert np.abs(sampler[mask]).mean() > 0.05
   if sampling.top_p < 1:
-    tokens = make_batch(ro, np.zeros(ro.num_samples), seq_len=28, pad_id=0)["tokens"]
+    tokens = make_batch(ro, np.zeros(ro.num_samples), seq_len=28, pad_id=0).tokens
     logits = nnx.merge(graphdef, params)(tokens[:, :-1]) / sampling.temperature
     kept = np.asarray(keep_mask(logits, sampling))[mask]
     assert (kept.sum(-1) < cfg.vocab_size).mean() > 0.5

@@ -11,7 +11,7 @@ import pytest
 
 from oapl_jax import config as config_lib
 from oapl_jax import train
-from oapl_jax.rl.losses import LOSSES, group_advantages, grpo, importance_weights
+from oapl_jax.rl.losses import LOSSES, group_advantages, grpo, importance_weights, kwargs_from_config
 
 # Two groups of G=2 answers, T=3 positions; -inf on masked positions must not leak.
 NEG_INF = float("-inf")
@@ -166,7 +166,7 @@ def test_registered_and_configurable():
   assert LOSSES["grpo"] is grpo
   c = config_lib.defaults("tiny_addition")
   c.rl.loss = "grpo"
-  kw = train.loss_kwargs(_with_task(c))
+  kw = kwargs_from_config(_with_task(c))
   assert kw["is_mode"] == "truncate" and kw["is_cap"] == 2.0 and kw["eps_high"] > kw["eps_low"]
 
 

@@ -13,10 +13,12 @@ import pytest
 from flax import nnx
 
 from configs import tiny
-from oapl_jax import train
+from oapl_jax.models.build import init_model
 from oapl_jax.rl import losses
 from oapl_jax.rl.logprobs import token_logprobs
+from oapl_jax.rl.step import Batch, make_train_step
 from oapl_jax.sampling import SamplingParams
+from oapl_jax.sampling.sampler import seq_len
 
 NEG_INF = float("-inf")
 
@@ -200,14 +202,15 @@ def _setup(loss: str, accum: int, norm: str = "token_mean"):
   c.rl.groups_per_step = GROUPS
   c.rl.grpo.norm = norm
   c.train.grad_accum = accum
-  _, graphdef, params = train.init_model(c)
-  return c, graphdef, params, train.make_train_step(c, graphdef, _gradient_out())
+  _, graphdef, params = init_model(c)
+  sampling = SamplingParams.from_config(c.sampling)
+  return c, graphdef, params, make_train_step(c, graphdef, _gradient_out(), sampling)
 
 
 def _batch(config, *, truncated_rows=(), seed=0) -> dict:
   """A hand-made batch of GROUPS whole groups: random tokens, answers of random lengths."""
   rng = np.random.default_rng(seed)
-  b, t = GROUPS * GROUP_SIZE, train.seq_len(config)
+  b, t = GROUPS * GROUP_SIZE, seq_len(config)
   tokens = rng.integers(0, config.model.vocab_size, (b, t)).astype(np.int32)  # [B, T]
   mask = np.zeros((b, t - 1), np.float32)  # [B, T-1]
   for row, length in enumerate(rng.integers(1, t - PROMPT_LEN + 1, b)):
@@ -223,7 +226,7 @@ def _step(setup, snapshot, batch):
   _, _, params, step = setup
   copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731  (the step donates its inputs)
   _, grads, metrics = step(copy(params), _gradient_out().init(params), snapshot,
-                           {k: jnp.asarray(v) for k, v in batch.items()})
+                           Batch(**{k: jnp.asarray(v) for k, v in batch.items()}))
   return float(metrics["loss"]), grads
 
 

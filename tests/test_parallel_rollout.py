@@ -62,8 +62,8 @@ SAMPLER = textwrap.dedent("""
         n = alone.lengths[a]
         np.testing.assert_array_equal(ro.answers[r, :n], alone.answers[a, :n])
     batch = make_batch(ro, np.zeros(10), seq_len=20, pad_id=0)  # the log-prob contract, merged
-    logp, _ = token_logprobs(nnx.merge(graphdef, params), batch["tokens"], sampling)
-    err = np.abs(np.where(batch["mask"] > 0, np.asarray(logp) - batch["sampler_logprobs"], 0)).max()
+    logp, _ = token_logprobs(nnx.merge(graphdef, params), batch.tokens, sampling)
+    err = np.abs(np.where(batch.mask > 0, np.asarray(logp) - batch.sampler_logprobs, 0)).max()
     assert err <= 1e-5, err
     one = replicas.rollout(weights, prompts[:1], key=key, **kw)  # fewer prompts than replicas
     alone = rollout(replicas.engines[0], weights[0], prompts[:1], key=jax.random.fold_in(key, 0), **kw)
@@ -105,7 +105,7 @@ LOOP = textwrap.dedent("""
     assert [on(w) for w in second.engine_weights()] == [{d} for d in jax.devices()]
     c.sampling.engines, c.rl.mode = 1, "async"  # the engine on device 1, the trainer on device 0
     overlapped = train.Run(c, out + "/async")
-    assert overlapped.engines.devices == [jax.devices()[1]]
+    assert overlapped.sampler.replicas.devices == [jax.devices()[1]]
     metrics = [overlapped.step() for _ in range(4)]
     assert metrics[0]["engine_mismatch_abs"] < 1e-5
     assert on(overlapped.params) == {jax.devices()[0]}

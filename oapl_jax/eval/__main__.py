@@ -3,6 +3,7 @@
   python -m oapl_jax.eval --config=configs/tiny.py --workdir=/tmp/oapl_tiny \
       [--config.eval.samples_per_problem=64] [--policy=snapshot]
 
+Loads the checkpoint's policy and engines, nothing else (no optimizer state, no trainer).
 Writes `<workdir>/eval_step<N>.json` and prints it. A refused setting (the same validation as
 `oapl_jax.main`) or a workdir without a checkpoint is one line on stderr and exit code 2;
 `--verbose` prints the traceback instead.
@@ -26,20 +27,44 @@ _POLICY = flags.DEFINE_enum("policy", "theta", ["theta", "snapshot"],
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def evaluate_checkpoint(config, workdir: str, policy: str = "theta") -> dict:
+  """pass@k of the newest good checkpoint's `policy` ("theta": pi_theta, "snapshot": pi_old).
+
+  Reads only that policy's weights (not the optimizer or the buffer) into engines built from
+  the config; the draws are the run's own evaluation draws (`evaluate.eval_key(seed)`).
+  """
+  import dataclasses  # noqa: PLC0415
+  from oapl_jax.checkpoint import Checkpointer  # noqa: PLC0415 (after validation: TensorFlow logs)
+  from oapl_jax.eval.evaluate import eval_key, evaluate  # noqa: PLC0415
+  from oapl_jax.models.build import abstract_model  # noqa: PLC0415
+  from oapl_jax.sampling import SamplingParams  # noqa: PLC0415
+  from oapl_jax.sampling.parallel import request_host_devices  # noqa: PLC0415
+  from oapl_jax.sampling.sampler import Sampler, make_replicas  # noqa: PLC0415
+  from oapl_jax.tasks import make_task  # noqa: PLC0415
+  request_host_devices(config.sampling.engines)
+  task, tokenizer = make_task(config)
+  model_cfg, graphdef, abstract = abstract_model(config)
+  name = {"theta": "params", "snapshot": "snapshot"}[policy]
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+  found = ckpt.restore_latest({name: abstract}, dataclasses.asdict(model_cfg), partial=True)
+  if found is None:
+    raise errors.UserError(f"no checkpoint under {ckpt.directory}")
+  step, state, _ = found
+  replicas = make_replicas(config, model_cfg, graphdef, SamplingParams.from_config(config.sampling))
+  sampler = Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
+  out = evaluate(sampler, state[name], samples_per_problem=config.eval.samples_per_problem,
+                 key=eval_key(config.seed))
+  return {"step": step, "policy": policy, **out}
+
+
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   config = config_lib.from_flag(_CONFIG)
   config_lib.validate(config)  # before the workdir is touched
-  from oapl_jax import train  # noqa: PLC0415 (after validation: its TensorFlow import logs on stderr)
-  r = train.Run(config, _WORKDIR.value)
-  if not r.restore_latest():
-    raise errors.UserError(f"no checkpoint under {r.ckpt.directory}")
-  params = r.params if _POLICY.value == "theta" else r.snapshot
-  out = {"step": r.counters.step, "policy": _POLICY.value,
-         **r.evaluate(params, f"step {r.counters.step}")}
-  path = os.path.join(_WORKDIR.value, f"eval_step{r.counters.step}.json")
+  out = evaluate_checkpoint(config, _WORKDIR.value, _POLICY.value)
+  path = os.path.join(_WORKDIR.value, f"eval_step{out['step']}.json")
   with open(path, "w") as f:
     json.dump(out, f, indent=2)
   print(json.dumps(out, indent=2))

@@ -1,8 +1,8 @@
-"""The trainer's sequence log-prob kernel and the batch layout it reads.
+"""The trainer's sequence log-prob kernel, and `make_batch`, which lays a rollout out for it.
 
 A batch row is `prompt + answer + padding` starting at position 0 (the same positions the
 engine used). Targets are `tokens[:, 1:]`; `mask[:, t]` is 1 where target t is an answer
-token that counts in the loss.
+token that counts in the loss (`buffer.Rows`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from oapl_jax.rl.buffer import Rows
 from oapl_jax.sampling.processing import SamplingParams, entropy, process_logits
 from oapl_jax.sampling.rollout import FINISH_LENGTH, Rollout
 
@@ -34,13 +35,12 @@ def token_logprobs(model: nnx.Module, tokens: jax.Array, sampling: SamplingParam
 
 
 def make_batch(rollout: Rollout, rewards: np.ndarray, *, seq_len: int, pad_id: int,
-               count_truncated: bool = True) -> dict[str, np.ndarray]:
-  """Lays a rollout out for the trainer.
+               count_truncated: bool = True) -> Rows:
+  """Lays a rollout out for the trainer: `Rows` of `[N, seq_len]` tokens (see `Rows`).
 
-  Returns numpy arrays: tokens `[N, seq_len]`, mask `[N, seq_len-1]` (answer targets),
-  sampler_logprobs `[N, seq_len-1]` (engine log-probs aligned with targets, 0 elsewhere),
-  rewards `[N]`, answer_lengths `[N]`. With `count_truncated=False`, answers cut at the
-  length limit get mask 0 (they are in their group's V_hat but carry no loss gradient).
+  The rows carry the engine's version stamps and `snapshot_step` -1 until `buffer.stamp`.
+  With `count_truncated=False`, answers cut at the length limit get mask 0 (they are in their
+  group's V_hat but out of the loss).
   """
   n, g = rollout.num_samples, rollout.group_size
   tokens = np.full((n, seq_len), pad_id, np.int32)
@@ -56,5 +56,6 @@ def make_batch(rollout: Rollout, rewards: np.ndarray, *, seq_len: int, pad_id: i
     if count_truncated or rollout.finish[row] != FINISH_LENGTH:
       mask[row, p - 1:p - 1 + a] = 1.0
     old[row, p - 1:p - 1 + a] = rollout.logprobs[row, :a]
-  return {"tokens": tokens, "mask": mask, "sampler_logprobs": old,
-          "rewards": np.asarray(rewards, np.float32), "answer_lengths": rollout.lengths.copy()}
+  return Rows(tokens=tokens, mask=mask, sampler_logprobs=old,
+              rewards=np.asarray(rewards, np.float32), answer_lengths=rollout.lengths.copy(),
+              version=np.asarray(rollout.versions, np.int32), snapshot_step=np.full((n,), -1, np.int32))

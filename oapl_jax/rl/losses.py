@@ -227,6 +227,36 @@ def importance_weights(prox_logprobs: jax.Array, sampler_logprobs: jax.Array, ma
   return jax.lax.stop_gradient(w), jax.lax.stop_gradient(raw), jnp.where(valid, kept, 1.0)
 
 
+def _check_grpo_args(logprobs, prox_logprobs, sampler_logprobs, mask, rewards, *, eps_low,
+                     eps_high, norm, max_tokens, needs_ref) -> None:
+  """Raises ValueError for shapes or settings `grpo` cannot use."""
+  if not (logprobs.shape == prox_logprobs.shape == sampler_logprobs.shape == mask.shape) \
+          or logprobs.ndim != 2:
+    raise ValueError(
+        "logprobs, prox_logprobs, sampler_logprobs, mask must share one [B, T] shape, got "
+        f"{logprobs.shape}, {prox_logprobs.shape}, {sampler_logprobs.shape}, {mask.shape}")
+  if rewards.shape != logprobs.shape[:1]:
+    raise ValueError(f"rewards must be [B]={logprobs.shape[:1]}, got {rewards.shape}")
+  if not (0 <= eps_low < 1 and eps_high >= 0):
+    raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
+  if norm not in NORMS:
+    raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+  if norm == "constant" and not max_tokens:
+    raise ValueError("norm='constant' (Dr.GRPO) needs max_tokens")
+  if needs_ref:
+    raise ValueError("kl_coef > 0 needs ref_logprobs")
+
+
+def _normalise(obj: jax.Array, m: jax.Array, norm: str, *, num_tokens, max_tokens) -> jax.Array:
+  """The batch objective from per-token terms `obj` `[B, T]` (zero where `m` is 0), by `norm`."""
+  if norm == "token_mean":
+    denom = m.sum() if num_tokens is None else num_tokens
+    return obj.sum() / jnp.maximum(denom, 1.0)
+  if norm == "seq_mean":
+    return jnp.mean(obj.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0))
+  return obj.sum() / (obj.shape[0] * max_tokens)
+
+
 def grpo(
     logprobs: jax.Array,
     prox_logprobs: jax.Array,
@@ -281,21 +311,9 @@ def grpo(
     ``exp(±IS_METRIC_LOG_BOUND)``: see :func:`importance_weights`), ``is_masked_fraction``,
     ``ratio_mean``, ``advantage_abs_mean``, and ``kl`` when ``kl_coef > 0``.
   """
-  if not (logprobs.shape == prox_logprobs.shape == sampler_logprobs.shape == mask.shape) \
-          or logprobs.ndim != 2:
-    raise ValueError(
-        "logprobs, prox_logprobs, sampler_logprobs, mask must share one [B, T] shape, got "
-        f"{logprobs.shape}, {prox_logprobs.shape}, {sampler_logprobs.shape}, {mask.shape}")
-  if rewards.shape != logprobs.shape[:1]:
-    raise ValueError(f"rewards must be [B]={logprobs.shape[:1]}, got {rewards.shape}")
-  if not (0 <= eps_low < 1 and eps_high >= 0):
-    raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
-  if norm not in NORMS:
-    raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-  if norm == "constant" and not max_tokens:
-    raise ValueError("norm='constant' (Dr.GRPO) needs max_tokens")
-  if kl_coef and ref_logprobs is None:
-    raise ValueError("kl_coef > 0 needs ref_logprobs")
+  _check_grpo_args(logprobs, prox_logprobs, sampler_logprobs, mask, rewards, eps_low=eps_low,
+                   eps_high=eps_high, norm=norm, max_tokens=max_tokens,
+                   needs_ref=bool(kl_coef) and ref_logprobs is None)
 
   valid = mask > 0  # [B, T]
   m = jnp.where(valid, mask, 0.0)  # [B, T]
@@ -317,19 +335,20 @@ def grpo(
     metrics["kl"] = jnp.sum(k3 * m) / jnp.maximum(m.sum(), 1.0)
   obj = obj * m
 
-  if norm == "token_mean":
-    denom = m.sum() if num_tokens is None else num_tokens
-    loss = -obj.sum() / jnp.maximum(denom, 1.0)
-  elif norm == "seq_mean":
-    loss = -jnp.mean(obj.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0))
-  else:
-    loss = -obj.sum() / (logprobs.shape[0] * max_tokens)
+  loss = -_normalise(obj, m, norm, num_tokens=num_tokens, max_tokens=max_tokens)
 
+  metrics.update(_grpo_metrics(m, valid, unclipped=unclipped, clipped=clipped, raw_w=raw_w,
+                               kept=kept, ratio=ratio, adv=adv))
+  return loss, metrics
+
+
+def _grpo_metrics(m, valid, *, unclipped, clipped, raw_w, kept, ratio, adv) -> dict[str, jax.Array]:
+  """Token means over counted tokens (`m` `[B, T]`) of what `grpo` reports."""
   n = jnp.maximum(m.sum(), 1.0)
   tmean = lambda x: jnp.sum(x * m) / n  # noqa: E731
   is_clipped = (clipped < unclipped).astype(jnp.float32)  # the min picked the clipped term
   big = jnp.finfo(jnp.float32).max
-  metrics.update({
+  return {
       "clip_fraction": tmean(is_clipped),
       "is_weight_mean": tmean(raw_w),
       "is_weight_min": jnp.min(jnp.where(valid, raw_w, big)),
@@ -337,8 +356,7 @@ def grpo(
       "is_masked_fraction": tmean(1.0 - kept),
       "ratio_mean": tmean(jax.lax.stop_gradient(ratio)),
       "advantage_abs_mean": jnp.mean(jnp.abs(adv)),
-  })
-  return loss, metrics
+  }
 
 
 # --- the registry: each loss and the config settings its keyword arguments come from ---------

@@ -185,10 +185,47 @@ def _entropy_window(r: RunResult, first: bool, n: int = 20) -> float:
 # --- the report ---------------------------------------------------------------------------------
 
 
+def _pass1_curves(runs):
+  """(generated answers `[n]`, pass@1 `[seeds, n]`) over the runs' evaluations."""
+  curves = [r.pass1_curve() for r in runs]
+  n = min(len(c[0]) for c in curves)
+  return np.mean([c[0][:n] for c in curves], axis=0), np.array([c[1][:n] for c in curves])
+
+
+def _entropy_curves(runs):
+  """(trainer step `[n]`, smoothed entropy `[seeds, n]`)."""
+  series = [r.series("entropy") for r in runs]
+  n = min(len(s[1]) for s in series)
+  window = max(1, min(10, n // 5))
+  y = np.array([_smooth(s[1][:n], window) for s in series])
+  return series[0][0][:n][n - y.shape[1]:], y  # steps at the end of each averaging window
+
+
+def _passk_panel(ax, runs_by_method: dict, n_max: int) -> None:
+  """pass@k for k = 1..n_max before (the shared base) and after each method's training."""
+  import matplotlib.ticker
+  ks = np.arange(1, n_max + 1)
+  method_colors = dict(zip(METHODS, ["tab:blue", "tab:green", "tab:red"]))
+  befores = {r.seed: r.passk("before", ks) for runs in runs_by_method.values() for r in runs}
+  if befores:
+    b = np.array(list(befores.values()))
+    ax.plot(ks, b.mean(0), "k--", label="before (base)")
+    ax.fill_between(ks, b.min(0), b.max(0), color="k", alpha=0.1)
+  for method, runs in runs_by_method.items():
+    if runs:
+      a = np.array([r.passk("after", ks) for r in runs])
+      ax.plot(ks, a.mean(0), color=method_colors[method], label=METHODS[method][0])
+      ax.fill_between(ks, a.min(0), a.max(0), color=method_colors[method], alpha=0.15)
+  ax.set(xlabel="k", xscale="log")
+  ticks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= n_max]
+  ax.set_xticks(ticks, [str(k) for k in ticks])
+  ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+  ax.grid(alpha=0.3)
+
+
 def plot(results, fig_dir: str) -> dict[str, str]:
   """Writes the three figures as PNG; returns {name: path}."""
   import matplotlib  # figures built without pyplot: the caller's backend (a notebook's) is untouched
-  import matplotlib.ticker
   from matplotlib.figure import Figure
 
   def subplots(ncols, width):
@@ -225,47 +262,19 @@ def plot(results, fig_dir: str) -> dict[str, str]:
     axes[0][0].legend(fontsize=8)
     return fig
 
-  def pass1(runs):
-    curves = [r.pass1_curve() for r in runs]
-    n = min(len(c[0]) for c in curves)
-    return np.mean([c[0][:n] for c in curves], axis=0), np.array([c[1][:n] for c in curves])
-
-  def entropy(runs):
-    series = [r.series("entropy") for r in runs]
-    n = min(len(s[1]) for s in series)
-    window = max(1, min(10, n // 5))
-    y = np.array([_smooth(s[1][:n], window) for s in series])
-    return series[0][0][:n][n - y.shape[1]:], y  # steps at the end of each averaging window
-
-  paths["pass1"] = save(per_method(pass1, "generated answers", "held-out pass@1", "o-"),
+  paths["pass1"] = save(per_method(_pass1_curves, "generated answers", "held-out pass@1", "o-"),
                         "pass1_vs_samples.png",
                         "pass@1 vs generated answers (mean over seeds; band: min-max)")
-  paths["entropy"] = save(per_method(entropy, "trainer step",
+  paths["entropy"] = save(per_method(_entropy_curves, "trainer step",
                                      "entropy of pi_theta on sampled answers (nats/token)"),
                           "entropy_vs_step.png",
                           "policy entropy vs trainer step (moving average; band: min-max over seeds)")
 
   n_max = min(r.summary["eval_after"]["samples_per_problem"] for r in results)
-  ks = np.arange(1, n_max + 1)
   fig, axes = subplots(len(lags), 4.2)
-  method_colors = dict(zip(METHODS, ["tab:blue", "tab:green", "tab:red"]))
   for ax, lag in zip(axes[0], lags):
-    befores = {r.seed: r.passk("before", ks) for m in methods for r in groups.get((m, lag), [])}
-    if befores:
-      b = np.array(list(befores.values()))
-      ax.plot(ks, b.mean(0), "k--", label="before (base)")
-      ax.fill_between(ks, b.min(0), b.max(0), color="k", alpha=0.1)
-    for method in methods:
-      runs = groups.get((method, lag), [])
-      if runs:
-        a = np.array([r.passk("after", ks) for r in runs])
-        ax.plot(ks, a.mean(0), color=method_colors[method], label=METHODS[method][0])
-        ax.fill_between(ks, a.min(0), a.max(0), color=method_colors[method], alpha=0.15)
-    ax.set(title=f"L={lag}", xlabel="k", xscale="log")
-    ticks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= n_max]
-    ax.set_xticks(ticks, [str(k) for k in ticks])
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.grid(alpha=0.3)
+    _passk_panel(ax, {m: groups.get((m, lag), []) for m in methods}, n_max)
+    ax.set(title=f"L={lag}")
   axes[0][0].set_ylabel("held-out pass@k")
   axes[0][0].legend(fontsize=7, loc="lower right")
   paths["passk"] = save(fig, "passk_before_after.png",

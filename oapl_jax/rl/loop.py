@@ -1,0 +1,288 @@
+"""The lagged OAPL loop (Algorithm 1 of the paper): one run's state and its step.
+
+    pi_theta <- pi_old <- base weights; version = 0
+    each trainer step s:
+        while the buffer holds fewer than `rl.groups_per_step` groups: take the next rollout
+            (`rl.groups_per_rollout` groups sampled by the engines holding pi_old, stamped
+            with its version) from the source (`rl.mode`: `sources.SOURCES`) into the buffer
+        take the oldest groups, one optimizer step on the loss (`rl.loss`: OAPL, or the
+            GRPO+IS baseline, whose pi_prox is the trainer's log-probs on the snapshot)
+        if (s + 1) % L == 0: pi_old <- pi_theta, version += 1; sync mode empties the buffer
+
+In async mode a rollout launched before a refresh lands after it, and left-over groups
+outlive it: both are used with their own stamps (realised lags >= L: the staleness of an
+asynchronous pipeline), unless older than `rl.max_lag`. Data order and sampling keys are
+functions of (seed, rollout index), and rollouts are launched at fixed points of the step
+sequence, so a run in either mode is exactly reproducible from its seed and resumes exactly
+from a checkpoint (which holds a rollout in flight, too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oapl_jax import config as config_lib
+from oapl_jax.checkpoint import Checkpointer
+from oapl_jax.eval.evaluate import eval_key, evaluate
+from oapl_jax.metrics import say
+from oapl_jax.models.build import init_model
+from oapl_jax.rl.buffer import GroupBuffer, Rows, stamp
+from oapl_jax.rl.logprobs import make_batch
+from oapl_jax.rl.sources import SOURCES, Drawn
+from oapl_jax.rl.step import Batch, make_optimizer, make_train_step, uses_reference
+from oapl_jax.sampling import SamplingParams
+from oapl_jax.sampling.parallel import request_host_devices
+from oapl_jax.sampling.sampler import Sampler, make_replicas, seq_len
+from oapl_jax.tasks import make_task
+
+
+@dataclasses.dataclass
+class Counters:
+  """Host-side counters saved with each checkpoint."""
+
+  step: int = 0  # trainer steps taken
+  version: int = 0  # engine refreshes so far
+  snapshot_step: int = 0  # trainer step at which the engine's weights were copied
+  rollouts: int = 0  # rollout calls so far (seeds the data order and sampling keys)
+  samples_generated: int = 0  # answers sampled for training
+  groups_dropped: int = 0  # sync mode: groups emptied from the buffer at refreshes, unused
+  groups_dropped_stale: int = 0  # groups dropped for a realised lag above rl.max_lag
+  steps_skipped: int = 0  # trainer steps whose loss / gradient was not finite (no update)
+  nonfinite_in_a_row: int = 0  # the current run of such steps (train.max_nonfinite_steps)
+  train_seconds: float = 0.0  # wall time of the RL loop (sampling + training)
+
+
+def devices_wanted(config) -> int:
+  """Local devices a run uses: one per engine, plus the trainer's own when sampling overlaps."""
+  return config.sampling.engines + SOURCES[config.rl.mode].overlaps_training
+
+
+def engine_devices(config) -> list:
+  """The engines' devices: the first local ones, or, when sampling overlaps training, the ones
+  after the trainer's device 0 (shared with it if there are too few)."""
+  devices = jax.local_devices()
+  if SOURCES[config.rl.mode].overlaps_training and len(devices) > config.sampling.engines:
+    devices = devices[1:]
+  return devices
+
+
+def draw_rollout(config, sampler: Sampler, weights, *, index: int, version: int,
+                 snapshot_step: int) -> Drawn:
+  """Rollout number `index`: `rl.groups_per_rollout` fresh training problems x G answers.
+
+  weights: the snapshot as `sampler.load(snapshot, version)`, copied from pi_theta at trainer
+  step `snapshot_step`. Problems and sampling keys are functions of (seed, index).
+  """
+  rng = np.random.default_rng([config.seed, 1, index])
+  key = jax.random.fold_in(jax.random.key(config.seed), index)
+  problems = sampler.task.train_problems(rng, config.rl.groups_per_rollout)
+  scored = sampler.sample(weights, problems, group_size=config.rl.group_size, key=key)
+  rows = make_batch(scored.rollout, scored.rewards, seq_len=seq_len(config),
+                    pad_id=sampler.tokenizer.pad_id, count_truncated=config.rl.count_truncated)
+  return Drawn(stamp(rows, version=version, snapshot_step=snapshot_step),
+               int(scored.rollout.lengths.sum()))
+
+
+def copy_tree(tree):
+  """A copy with its own buffers (the train step donates pi_theta's)."""
+  return jax.tree.map(jnp.copy, tree)
+
+
+def lag_histogram(lags: np.ndarray) -> dict[str, int]:
+  values, counts = np.unique(lags, return_counts=True)
+  return {str(int(v)): int(c) for v, c in zip(values, counts)}
+
+
+def check_all_finite(trees: dict) -> None:
+  """A checkpoint never holds non-finite weights: non-finite steps are skipped, so this is a bug."""
+  for name, tree in trees.items():
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if leaves and not bool(jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))):
+      raise RuntimeError(f"refusing to checkpoint non-finite {name} (a skipped step leaked an update)")
+
+
+class Run:
+  """One training run: pi_theta and its optimizer state, the engines' snapshot pi_old, the
+  buffer, the sample source and the counters; `step()` is one step of the lagged loop.
+
+  `oapl_jax.train.run` drives it; tests and notebooks use its pieces directly.
+  """
+
+  def __init__(self, config, workdir: str):
+    config_lib.validate(config)
+    request_host_devices(devices_wanted(config))  # on CPU, if JAX has not started yet
+    self.config = config
+    os.makedirs(workdir, exist_ok=True)
+    task, tokenizer = make_task(config)
+    if config.model.vocab_size < tokenizer.vocab_size:
+      raise config_lib.ConfigError(
+          f"config.model.vocab_size={config.model.vocab_size}: must be >= the tokenizer's "
+          f"{tokenizer.vocab_size}")
+    self.model_cfg, self.graphdef, params = init_model(config)
+    self.optimizer = make_optimizer(config.train, config.train.steps)
+    sampling = SamplingParams.from_config(config.sampling)  # the engine's and the trainer's
+    replicas = make_replicas(config, self.model_cfg, self.graphdef, sampling, engine_devices(config))
+    self.sampler = Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
+    self.source = SOURCES[config.rl.mode]()
+    self.train_step = make_train_step(config, self.graphdef, self.optimizer, sampling)
+    self.buffer = GroupBuffer(config.rl.group_size)
+    self.counters = Counters()
+    self.params = params  # pi_theta
+    self.opt_state = self.optimizer.init(params)
+    self.snapshot = copy_tree(params)  # pi_old, the engines' weights
+    self.reference = copy_tree(params) if uses_reference(config) else None  # frozen: the RL start
+    self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+
+  # checkpoints
+  def model_meta(self) -> dict:
+    return dataclasses.asdict(self.model_cfg)
+
+  def _trees(self) -> dict:
+    """The device pytrees of the run state, by checkpoint name."""
+    trees = {"params": self.params, "opt_state": self.opt_state, "snapshot": self.snapshot}
+    if self.reference is not None:
+      trees["reference"] = self.reference
+    return trees
+
+  def save(self) -> None:
+    """Checkpoints the run; a rollout in flight is waited for and saved with it."""
+    check_all_finite({k: v for k, v in self._trees().items() if k != "reference"})
+    state = {**self._trees(), "buffer": self.buffer.state()}
+    meta = {"counters": dataclasses.asdict(self.counters), "model": self.model_meta()}
+    pending = self.source.pending()
+    if pending is not None:
+      state["inflight"], meta["inflight_tokens"] = pending.rows.as_dict(), pending.answer_tokens
+    self.ckpt.save(self.counters.step, state, meta)
+
+  def restore_latest(self) -> bool:
+    """Restores the newest checkpoint that loads and verifies (damaged ones are skipped with a
+    warning); False if there is none. Raises checkpoint.CheckpointError if all are damaged."""
+    found = self.ckpt.restore_latest(self._trees(), self.model_meta())
+    if found is None:
+      return False
+    _, state, meta = found
+    self.params, self.opt_state, self.snapshot = state["params"], state["opt_state"], state["snapshot"]
+    self.reference = state.get("reference")
+    self.buffer.load(state["buffer"])
+    self.counters = Counters(**meta["counters"])
+    inflight = state.get("inflight")
+    self.source.resume(Drawn(Rows.from_dict(inflight), meta["inflight_tokens"]) if inflight else None)
+    return True
+
+  # the loop
+  def engine_weights(self) -> list:
+    """The snapshot on every engine's device, stamped with the version (placed once per snapshot)."""
+    return self.sampler.load(self.snapshot, self.counters.version)
+
+  def _next_job(self):
+    """Fixes rollout number `counters.rollouts` (the engines' current snapshot and its stamps)."""
+    c = self.counters
+    job = functools.partial(draw_rollout, self.config, self.sampler, self.engine_weights(),
+                            index=c.rollouts, version=c.version, snapshot_step=c.snapshot_step)
+    c.rollouts += 1
+    return job
+
+  def wait(self) -> None:
+    """Waits for the rollout in flight, if any (before the engines sample anything else)."""
+    self.source.wait()
+
+  def close(self) -> None:
+    """Waits for the rollout in flight and stops the rollout thread (async mode)."""
+    self.source.close()
+
+  def refresh_engine(self) -> None:
+    """pi_old <- pi_theta; version += 1.
+
+    Sync mode empties the buffer (Algorithm 1: each window trains on its own pi_old's groups).
+    Async mode drops nothing: left-over groups of the previous pi_old are used next, like the
+    rollout in flight, with their own stamps (oapl.md: stale samples are used), unless their
+    realised lag exceeds `rl.max_lag`.
+    """
+    self.snapshot = copy_tree(self.params)
+    self.counters.version += 1
+    self.counters.snapshot_step = self.counters.step
+    if self.source.empties_buffer_at_refresh:
+      self.counters.groups_dropped += self.buffer.clear()
+
+  def _drop_stale(self) -> None:
+    """Drops buffered groups whose realised lag at this step would exceed `rl.max_lag`."""
+    max_lag = self.config.rl.max_lag
+    if max_lag is not None:
+      self.counters.groups_dropped_stale += self.buffer.drop_older_than(self.counters.step - max_lag)
+
+  def _fill_buffer(self) -> int:
+    """Takes rollouts until the buffer holds a step's groups; returns the answer tokens taken."""
+    answer_tokens = 0
+    self._drop_stale()
+    while len(self.buffer) < self.config.rl.groups_per_step:
+      drawn = self.source.next(self._next_job)
+      self.buffer.extend(drawn.rows)
+      self.counters.samples_generated += len(drawn.rows)
+      answer_tokens += drawn.answer_tokens
+      self._drop_stale()  # a rollout that was in flight may land already too old
+    return answer_tokens
+
+  def step(self) -> dict:
+    """One trainer step (sampling first if the buffer runs short). Returns its metrics."""
+    c, rl = self.counters, self.config.rl
+    t0 = time.perf_counter()
+    answer_tokens = self._fill_buffer()
+    wait_seconds = time.perf_counter() - t0  # with overlapped sampling: only the wait for it
+    rows = self.buffer.take(rl.groups_per_step)
+    lags = c.step - rows.snapshot_step
+    self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, self.snapshot,
+                                                     Batch.from_rows(rows), self.reference)
+    m = jax.device_get(m)
+    c.step += 1
+    c.steps_skipped += bool(m["step_skipped"])
+    c.nonfinite_in_a_row = c.nonfinite_in_a_row + 1 if m["step_skipped"] else 0
+    elapsed = time.perf_counter() - t0
+    c.train_seconds += elapsed
+    metrics = {**m, "reward_mean": float(rows.rewards.mean()),
+               "answer_length": float(rows.answer_lengths.mean()),
+               "lag_mean": float(lags.mean()), "lag_hist": lag_histogram(lags),
+               "policy_version": c.version, "samples_generated": c.samples_generated,
+               "groups_dropped": c.groups_dropped, "groups_dropped_stale": c.groups_dropped_stale,
+               "steps_skipped": c.steps_skipped, "step_seconds": elapsed,
+               "train_seconds": c.train_seconds}
+    if answer_tokens:
+      metrics["sample_wait_seconds"] = wait_seconds
+      if not self.source.overlaps_training:  # overlapped sampling: no rate from the wait
+        metrics["sample_tokens_per_s"] = answer_tokens / max(wait_seconds, 1e-9)
+    if lags.max() == 0:  # pi_theta == pi_old at this step: the engine/trainer mismatch
+      metrics["engine_mismatch_abs"] = m["trainer_vs_sampler_abs"]
+    if c.step % rl.lag == 0:
+      self.refresh_engine()
+    return metrics
+
+  # looking at the policy
+  def sample_answers(self, *, num_problems: int = 4, n: int = 4, params=None, seed: int = 0) -> list[dict]:
+    """`n` decoded answers to each of the first held-out problems, with their rewards.
+
+    params: default pi_theta. Returns [{"prompt": str, "answers": [str], "rewards": [float]}].
+    """
+    self.wait()
+    problems = self.sampler.task.eval_problems()[:num_problems]
+    scored = self.sampler.sample(self.params if params is None else params, problems,
+                                 group_size=n, key=jax.random.key(seed))
+    texts = self.sampler.decode(scored.rollout)
+    return [{"prompt": p.prompt, "answers": texts[j * n:(j + 1) * n],
+             "rewards": [float(r) for r in scored.rewards[j * n:(j + 1) * n]]}
+            for j, p in enumerate(problems)]
+
+  def evaluate(self, params, tag: str) -> dict:
+    """pass@k of `params` on the held-out problems (the same draws at every call), printed."""
+    self.wait()
+    t0 = time.perf_counter()
+    out = evaluate(self.sampler, params, samples_per_problem=self.config.eval.samples_per_problem,
+                   key=eval_key(self.config.seed))
+    say(f"eval {tag}: " + ", ".join(f"{k}={v:.3f}" for k, v in out.items() if k.startswith("pass@"))
+        + f" ({time.perf_counter() - t0:.1f}s)")
+    return out

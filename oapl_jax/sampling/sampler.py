@@ -1,0 +1,98 @@
+"""The sampler layer: problems -> encode -> engines -> decode -> score, written once.
+
+Training rollouts (`rl.loop`), evaluation (`eval.evaluate`) and `Run.sample_answers` all sample
+through a `Sampler`: engine replicas (`parallel.Replicas`) plus the task that poses the
+problems and scores the answers, and its tokenizer. `make_replicas` builds the engines from
+the config, with the `SamplingParams` that the trainer's log-prob kernel is handed too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from oapl_jax.sampling.engine import Engine, EngineParams
+from oapl_jax.sampling.parallel import Replicas
+from oapl_jax.sampling.processing import SamplingParams
+from oapl_jax.sampling.rollout import Rollout
+
+
+def seq_len(config) -> int:
+  """Longest row: prompt + answer (the KV cache's and the trainer's length)."""
+  return config.sampling.max_prompt_len + config.sampling.max_new_tokens
+
+
+def make_engine(config, model_cfg, graphdef, sampling: SamplingParams) -> Engine:
+  """One engine with the config's sampling settings."""
+  s = config.sampling
+  return Engine(graphdef, model_cfg, sampling, max_slots=s.max_slots,
+                max_prefill_length=s.max_prompt_len, max_len=seq_len(config),
+                steps_per_call=s.steps_per_call, attn_chunk=s.attn_chunk,
+                cache_bucket=s.cache_bucket, max_prefill_batch=s.max_prefill_batch,
+                min_decode_width=s.min_decode_width)
+
+
+def make_replicas(config, model_cfg, graphdef, sampling: SamplingParams, devices=None) -> Replicas:
+  """`sampling.engines` engines, one on each of the first of `devices` (default: local ones)."""
+  return Replicas(lambda: make_engine(config, model_cfg, graphdef, sampling), config.sampling.engines,
+                  devices)
+
+
+def decode_answers(tokenizer, ro: Rollout) -> list[str]:
+  """The text of every answer of a rollout, row order."""
+  return [tokenizer.decode(ro.answers[i, :ro.lengths[i]]) for i in range(ro.num_samples)]
+
+
+def score_rollout(task, tokenizer, problems, ro: Rollout) -> np.ndarray:
+  """Rewards `[P*G]` of a rollout whose prompt p is `problems[p]`.
+
+  Tasks with a `score_batch(responses, problems)` method (code: parallel sandboxes) get the
+  whole rollout at once; others are scored answer by answer with `score(response, problem)`.
+  """
+  g = ro.group_size
+  responses = decode_answers(tokenizer, ro)
+  owners = [problems[i // g] for i in range(ro.num_samples)]
+  if hasattr(task, "score_batch"):
+    return np.asarray(task.score_batch(responses, owners), np.float32)
+  return np.array([task.score(r, p) for r, p in zip(responses, owners)], np.float32)
+
+
+@dataclasses.dataclass
+class Scored:
+  """G answers to each of P problems, with their rewards (row p * G + g answers problems[p])."""
+
+  problems: list
+  rollout: Rollout
+  rewards: np.ndarray  # [P*G] float32
+
+
+class Sampler:
+  """Samples and scores answers to a task's problems with engine replicas."""
+
+  def __init__(self, replicas: Replicas, task, tokenizer, *, max_new_tokens: int):
+    self.replicas = replicas
+    self.task = task
+    self.tokenizer = tokenizer
+    self.max_new_tokens = max_new_tokens
+    self._loaded = (None, None, None)  # (params, version, their copies on the engines)
+
+  def load(self, params, version: int) -> list[EngineParams]:
+    """`params` on every engine's device, stamped with `version`; placed once per (params, version)."""
+    loaded_params, loaded_version, weights = self._loaded
+    if loaded_params is not params or loaded_version != version:
+      weights = self.replicas.load_params(params, version=version)
+      self._loaded = (params, version, weights)
+    return weights
+
+  def sample(self, weights, problems: list, *, group_size: int, key: jax.Array) -> Scored:
+    """G = `group_size` answers per problem. weights: from `load`, or bare params (version -1)."""
+    prompts = [self.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
+    ro = self.replicas.rollout(weights, prompts, group_size=group_size,
+                               max_new_tokens=self.max_new_tokens, eos_id=self.tokenizer.eos_id,
+                               pad_id=self.tokenizer.pad_id, key=key)
+    return Scored(problems, ro, score_rollout(self.task, self.tokenizer, problems, ro))
+
+  def decode(self, ro: Rollout) -> list[str]:
+    return decode_answers(self.tokenizer, ro)
