@@ -382,7 +382,6 @@ def validate(c) -> None:
   _int(c, "sampling.cache_bucket", 1)
   _int(c, "sampling.max_prefill_batch", 1)
 
-  t = c.train
   _int(c, "train.steps", 1)
   _number(c, "train.lr", 0, lo_open=True)
   _number(c, "train.warmup_ratio", 0, 1, hi_open=True)
@@ -393,7 +392,7 @@ def validate(c) -> None:
   _number(c, "train.weight_decay", 0)
   _number(c, "train.grad_clip", 0, lo_open=True)
   _int(c, "train.grad_accum", 1)
-  _check(rl.groups_per_step % t.grad_accum == 0, "train.grad_accum", t.grad_accum,
+  _check(rl.groups_per_step % c.train.grad_accum == 0, "train.grad_accum", c.train.grad_accum,
          f"must divide rl.groups_per_step={rl.groups_per_step}")
   _int(c, "train.max_nonfinite_steps", 1)
 
@@ -457,17 +456,17 @@ def _validate_sharding(c) -> None:
 
 def _validate_task(c) -> None:
   """The numeric settings of the task sections of configs/*.py (those a task has)."""
-  t = c.task
-  if "min_digits" in t:  # addition (oapl_jax/tasks/arithmetic.py: at most 9 digits)
+  task = c.task
+  if "min_digits" in task:  # addition (oapl_jax/tasks/arithmetic.py: at most 9 digits)
     _int(c, "task.min_digits", 1, 9)
     _int(c, "task.max_digits", "task.min_digits", 9)
-  if "num_eval" in t:  # None (math, code: all eval problems) where the config allows it
-    _int(c, "task.num_eval", 1, optional=t.name in FILE_TASKS)
-  if "reward_workers" in t:
+  if "num_eval" in task:  # None (math, code: all eval problems) where the config allows it
+    _int(c, "task.num_eval", 1, optional=task.name in FILE_TASKS)
+  if "reward_workers" in task:
     _int(c, "task.reward_workers", 1, note="1 = in the trainer process")
-  if "timeout_s" in t:
+  if "timeout_s" in task:
     _number(c, "task.timeout_s", 0, lo_open=True)
-  if "memory_mb" in t:
+  if "memory_mb" in task:
     _int(c, "task.memory_mb", 1)
-  if "size" in t:
+  if "size" in task:
     _int(c, "task.size", 1)

@@ -35,17 +35,17 @@ class Batch:
                rewards=rows.rewards)
 
 
-def make_optimizer(t, total_steps: int) -> optax.GradientTransformation:
-  """AdamW with grad-norm clipping and a cosine schedule with linear warm-up."""
-  warm = int(round(t.warmup_ratio * total_steps))
+def make_optimizer(train, total_steps: int) -> optax.GradientTransformation:
+  """AdamW with grad-norm clipping and a cosine schedule with linear warm-up (`train`: config.train)."""
+  warm = int(round(train.warmup_ratio * total_steps))
   if warm == 0:
-    schedule = optax.cosine_decay_schedule(t.lr, total_steps, alpha=t.min_lr_ratio)
+    schedule = optax.cosine_decay_schedule(train.lr, total_steps, alpha=train.min_lr_ratio)
   else:  # linear from lr/(warm+1) (the first step is never a zero-lr step), then cosine
     schedule = optax.warmup_cosine_decay_schedule(
-        t.lr / (warm + 1), t.lr, warm, max(total_steps, warm + 1), t.lr * t.min_lr_ratio)
+        train.lr / (warm + 1), train.lr, warm, max(total_steps, warm + 1), train.lr * train.min_lr_ratio)
   return optax.chain(
-      optax.clip_by_global_norm(t.grad_clip),
-      optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay))
+      optax.clip_by_global_norm(train.grad_clip),
+      optax.adamw(schedule, b1=train.b1, b2=train.b2, eps=train.eps, weight_decay=train.weight_decay))
 
 
 def uses_reference(config) -> bool:

@@ -225,8 +225,8 @@ class AdditionTask:
 def make_addition_task(config) -> tuple[AdditionTask, CharTokenizer]:
   """The addition task of `config.task` (seeded by `config.seed`) and its tokenizer; refuses a
   `sampling.max_prompt_len` its prompts do not fit in (:func:`check_addition_prompts`)."""
-  t = config.task
-  task = AdditionTask(t.min_digits, t.max_digits, t.num_eval, config.seed)
+  settings = config.task
+  task = AdditionTask(settings.min_digits, settings.max_digits, settings.num_eval, config.seed)
   tokenizer = CharTokenizer()
   check_addition_prompts(task, tokenizer, config.sampling.max_prompt_len)
   return task, tokenizer
