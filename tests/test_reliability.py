@@ -136,7 +136,7 @@ def test_max_lag_below_the_lag_is_refused(smoke_config):
 
 # --- kill -9, SIGTERM, SIGINT in the middle of RL: the resumed run is the straight run --------
 
-_CONFIG = ["--config=configs/tiny.py:smoke", "--config.train.steps=10", "--config.checkpoint.every=4",
+_CONFIG = ["--config=configs/tiny.py:smoke", "--config.train.steps=14", "--config.checkpoint.every=4",
            "--config.log.progress=False"]
 _TIMING = ("step_seconds", "train_seconds", "sample_wait_seconds", "sample_tokens_per_s")
 
@@ -192,7 +192,7 @@ def test_kill_sigterm_sigint_mid_rl_resume_to_the_straight_run(tmp_path):
       last = err.strip().splitlines()[-1]
       assert f"stopped by {sig.name} at step" in last and "run the same command again" in last
       stopped = int(last.split("at step ")[1].split(":")[0])
-      assert 5 <= stopped < 10 and str(stopped) in os.listdir(workdir / "checkpoints")
+      assert 5 <= stopped < 14 and str(stopped) in os.listdir(workdir / "checkpoints")
     assert not (workdir / "summary.json").exists()
     rc, out, err = _finish(_main(workdir))  # the same command resumes
     assert rc == 0, err[-3000:]
