@@ -19,6 +19,14 @@ def say(msg: str) -> None:
   logging.info(msg)
 
 
+def write_json(path: str, obj) -> None:
+  """Writes `obj` to `path` aside, then renames it: a reader never sees half a file."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)
+
+
 class MetricsLog:
   """Appends to `<workdir>/metrics.jsonl` and writes TensorBoard scalars.
 

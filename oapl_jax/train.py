@@ -17,10 +17,9 @@ from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
 from oapl_jax import config as config_lib
 from oapl_jax import warmup
 from oapl_jax.errors import UserError
-from oapl_jax.metrics import MetricsLog, say
+from oapl_jax.metrics import MetricsLog, say, write_json
 from oapl_jax.rl.loop import Run, copy_tree
 from oapl_jax.sampling.sampler import seq_len
-from oapl_jax.warmup import write_json
 from oapl_jax.workdir import Interrupted, StopSignals, WorkdirLock
 
 __all__ = ["NonFiniteSteps", "Run", "run"]

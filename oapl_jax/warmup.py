@@ -22,7 +22,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from oapl_jax.metrics import say
+from oapl_jax.metrics import say, write_json
 
 
 def demo_batch(task, tokenizer, rng: np.random.Generator, *, batch_size: int, seq_len: int,
@@ -64,14 +64,6 @@ def run(graphdef, params, task, tokenizer, cfg, *, seq_len: int, seed: int):
                        digit_noise=noise)
     params, opt_state, loss = step(params, opt_state, batch)
   return params, float(loss)
-
-
-def write_json(path: str, obj) -> None:
-  """Writes `obj` to `path` aside, then renames it: a reader never sees half a file."""
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2)
-  os.replace(tmp, path)
 
 
 def cache_path(config, seq_len: int) -> str | None:

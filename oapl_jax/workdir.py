@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from oapl_jax.errors import UserError
 
@@ -99,7 +100,7 @@ class WorkdirLock:
     """A lock whose holder is a dead process of this host (or unreadable, and older than a minute)."""
     if not holder:
       try:
-        return os.path.getmtime(self.path) < datetime.datetime.now().timestamp() - 60
+        return os.path.getmtime(self.path) < time.time() - 60
       except FileNotFoundError:
         return True
     return holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", -1)))

@@ -64,9 +64,8 @@ def main(argv):
   config = config_lib.from_flag(_CONFIG)
   config_lib.validate(config)  # before the workdir is touched
   out = evaluate_checkpoint(config, _WORKDIR.value, _POLICY.value)
-  path = os.path.join(_WORKDIR.value, f"eval_step{out['step']}.json")
-  with open(path, "w") as f:
-    json.dump(out, f, indent=2)
+  from oapl_jax.metrics import write_json  # noqa: PLC0415
+  write_json(os.path.join(_WORKDIR.value, f"eval_step{out['step']}.json"), out)
   print(json.dumps(out, indent=2))
 
 
