@@ -31,8 +31,9 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # tiny 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = config_lib.parse_arg(arg, tiny=bool, lag=int)
   c = config_lib.defaults("tiny_qwen3" if args["tiny"] else "qwen3_4b_thinking_2507")
-  c.model.param_dtype = "bfloat16"
-  c.model.dtype = "bfloat16"
+  c.model.param_dtype = "float32"  # Master weights and AdamW state (bfloat16 would lose lr-1e-6 updates).
+  c.model.dtype = "bfloat16"  # Compute, and the engines' copy of pi_old.
+  c.train.remat = "full"  # Long answers: recompute each block in the backward pass.
 
   # oapl_jax/tasks/math.py: chat prompt + "\boxed{}" instruction, math-verify reward. Sources,
   # question_field, num_eval, tokenizer_path: config_lib.task_section. Training prompts: DeepScaleR

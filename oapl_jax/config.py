@@ -38,8 +38,21 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   for name, kind in (("rope_scaling_type", str), ("max_position_embeddings", int)):
     if c.model.get(name) is None:
       c.model[name] = placeholder(kind)
-  c.model.param_dtype = "float32"  # Weight storage dtype: "float32", "bfloat16" or "float16".
-  c.model.dtype = "float32"  # Matmul dtype (logits and softmax are always float32).
+  # Mixed precision: the trainer keeps master weights and AdamW's state in param_dtype and
+  # computes in dtype; the engines' snapshot pi_old is a dtype copy. Real runs: float32 / bfloat16
+  # (bfloat16 master weights lose updates at lr 1e-6: most steps round back to the same value).
+  c.model.param_dtype = "float32"  # Master weight dtype: "float32", "bfloat16" or "float16".
+  c.model.dtype = "float32"  # Compute dtype of matmuls and of the engines' weights (log-softmax always float32).
+
+  # The device mesh of the trainer: axes ("data", "fsdp", "tensor"); their product is the number
+  # of devices the trainer uses (all of them: at most one axis is -1 = all remaining devices).
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1  # Pure data parallelism: weights replicated, batch rows split.
+  c.mesh.fsdp = -1  # ZeRO-3: weights, gradients and AdamW state split over "embed"; batch rows split.
+  c.mesh.tensor = 1  # Megatron tensor parallelism: heads, MLP width and vocabulary split.
+  # Named device topology for the memory planner and --dry_run (oapl_jax/plan.py TOPOLOGIES,
+  # e.g. "v5p-64", "v5e-64", "v4-32", "h100x8"); None = the devices this process sees.
+  c.mesh.topology = placeholder(str)
 
   c.sharding = ml_collections.ConfigDict()  # How weights lie on a device mesh (oapl_jax/sharding.py).
   # (logical axis, mesh axes) pairs: each weight dimension's logical axis (models.transformer.
@@ -54,6 +67,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
       ("kv_heads", "tensor"),  # Key/value heads K of k/v_proj, k/v_bias; K must divide (MaxText: tensor).
       ("head_dim", None),  # Head width D, and the QK-norm weights [D]: replicated (MaxText: kv -> none).
       ("norm", None),  # Hidden-size RMSNorm weights [E]: replicated, E floats (MaxText: tensor).
+      ("batch", ("data", "fsdp")),  # Batch rows of a train step's activations (MaxText: data x fsdp).
   )
 
   c.warmup = ml_collections.ConfigDict()  # Supervised warm-up (embedded addition task only).
@@ -72,8 +86,9 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.sampling.top_k = 0  # Keep the k most likely tokens; 0 = off.
   c.sampling.max_prompt_len = 4096  # Longest prompt in tokens (prefill buffer); longer prompts are an error.
   c.sampling.max_new_tokens = 8192  # Answer length limit in tokens (EOS included).
-  c.sampling.max_slots = 64  # Decode slots per engine (answers decoded concurrently).
-  c.sampling.engines = 1  # Engine replicas, one per local device, each with max_slots slots; prompts split over them (on CPU: a host device each; README "Sampling engine").
+  c.sampling.max_slots = 64  # Decode slots in total (answers decoded concurrently), split evenly over the engines.
+  c.sampling.engines = 1  # Engine replicas (the engines' data axis), each on its own sampling.tensor devices; prompts split over them (on CPU: a host device each; README "Sampling engine").
+  c.sampling.tensor = 1  # Devices per engine replica: a "tensor" sub-mesh (weights over heads/MLP/vocab, KV cache over KV heads).
   c.sampling.steps_per_call = 32  # Decode steps per jitted engine call (fewer host round trips).
   c.sampling.attn_chunk = 1024  # Decode attention reads the KV cache in chunks of this many positions.
   c.sampling.cache_bucket = 64  # KV cache grows in power-of-two multiples of this (one compile each).
@@ -121,6 +136,10 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.train.weight_decay = 0.0  # AdamW decoupled weight decay (paper: ~0).
   c.train.grad_clip = 1.0  # Global gradient-norm clip (paper: 1.0).
   c.train.grad_accum = 1  # Micro-batches per step (must divide rl.groups_per_step).
+  # Activation memory of the train step (oapl_jax/plan.py estimates it for each choice):
+  c.train.remat = "none"  # Per transformer block: "none" (keep activations), "dots" (keep matmul outputs only), "full" (recompute the block).
+  c.train.attn_block = 512  # Blockwise attention: query/key block length (online softmax; causal blocks above the diagonal skipped).
+  c.train.logprob_tile = 512  # Log-prob kernel: tokens per tile of [tile, V] logits (LM head inside the tile; no [B, T, V] tensor).
   # A step whose loss or grad norm is not finite is skipped (params and optimizer unchanged);
   # this many in a row stop the run with an error.
   c.train.max_nonfinite_steps = 3
@@ -173,6 +192,7 @@ def repo_config(name: str) -> ml_collections.ConfigDict:
 
 OLD_LOGPROB_SOURCES = ("sampler", "snapshot")
 MODES = ("sync", "async")
+REMAT_POLICIES = ("none", "dots", "full")  # train.remat
 
 
 class ConfigError(UserError, ValueError):
@@ -372,11 +392,20 @@ def validate(c) -> None:
   _number(c, "sampling.top_p", 0, 1, lo_open=True, note="1 = off")
   _int(c, "sampling.top_k", 0, note="0 = off")
   _int(c, "sampling.engines", 1)
+  _int(c, "sampling.tensor", 1)
   _int(c, "sampling.min_decode_width", 1)
   _int(c, "sampling.max_prompt_len", 1)
   _int(c, "sampling.max_new_tokens", 1)
   _int(c, "sampling.max_slots", "rl.group_size")
   _int(c, "sampling.max_slots", "eval.samples_per_problem")
+  s = c.sampling
+  _check(s.max_slots % s.engines == 0, "sampling.max_slots", s.max_slots,
+         f"a total over the engines: must be a multiple of sampling.engines={s.engines}")
+  per_engine = s.max_slots // s.engines
+  for setting in ("rl.group_size", "eval.samples_per_problem"):
+    _check(per_engine >= _get(c, setting), "sampling.max_slots", s.max_slots,
+           f"{per_engine} slots per engine (over sampling.engines={s.engines}) must be >= "
+           f"{setting}={_get(c, setting)}: a group is decoded on one engine")
   _int(c, "sampling.steps_per_call", 1)
   _int(c, "sampling.attn_chunk", 1)
   _int(c, "sampling.cache_bucket", 1)
@@ -395,6 +424,10 @@ def validate(c) -> None:
   _check(rl.groups_per_step % c.train.grad_accum == 0, "train.grad_accum", c.train.grad_accum,
          f"must divide rl.groups_per_step={rl.groups_per_step}")
   _int(c, "train.max_nonfinite_steps", 1)
+  _check(c.train.remat in REMAT_POLICIES, "train.remat", c.train.remat, f"must be one of {REMAT_POLICIES}")
+  _int(c, "train.attn_block", 1)
+  _int(c, "train.logprob_tile", 1)
+  _validate_mesh(c)
 
   _int(c, "warmup.steps", 0)
   _int(c, "warmup.noisy_steps", 0, "warmup.steps")
@@ -452,6 +485,21 @@ def _validate_sharding(c) -> None:
   missing = [a for a in LOGICAL_AXES if a not in seen]
   _check(not missing, "sharding.rules", rules,
          f"no rule for logical axes {missing}, which weights carry; give (axis, None) to replicate")
+
+
+def _validate_mesh(c) -> None:
+  """`c.mesh`: each axis a size >= 1 or -1 (all remaining devices; at most one), a known topology."""
+  for axis in ("data", "fsdp", "tensor"):
+    v = c.mesh[axis]
+    _check(isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or v == -1), f"mesh.{axis}",
+           v, "must be an int >= 1, or -1 (all remaining devices)")
+  minus = [a for a in ("data", "fsdp", "tensor") if c.mesh[a] == -1]
+  _check(len(minus) <= 1, f"mesh.{minus[-1] if minus else 'fsdp'}", -1,
+         f"only one mesh axis may be -1 (got {minus})")
+  if c.mesh.topology is not None:
+    from oapl_jax.plan import TOPOLOGIES  # noqa: PLC0415 (JAX: see the imports)
+    _check(c.mesh.topology in TOPOLOGIES, "mesh.topology", c.mesh.topology,
+           f"unknown topology; known: {sorted(TOPOLOGIES)}")
 
 
 def _validate_task(c) -> None:
