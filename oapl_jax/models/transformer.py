@@ -380,6 +380,11 @@ class Transformer(nnx.Module):
     logits = self._logits(x)
     return (logits, kvs) if return_kv else logits
 
+  def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Final hidden states `[B, T, E]` (after the final norm, compute dtype): the logits are
+    `hidden_states(tokens) @ head_matrix()` in float32 (the tiled log-prob kernel's input)."""
+    return self.final_norm(self._hidden(tokens, positions)[0])
+
   def _hidden(self, tokens: jax.Array, positions: jax.Array | None):
     """Causal pass up to (excluding) the final norm: x `[B, T, E]` and each layer's (k, v)."""
     b, t = tokens.shape
