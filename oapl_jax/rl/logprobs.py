@@ -3,9 +3,22 @@
 A batch row is `prompt + answer + padding` starting at position 0 (the same positions the
 engine used). Targets are `tokens[:, 1:]`; `mask[:, t]` is 1 where target t is an answer
 token that counts in the loss (`buffer.Rows`).
+
+Memory: the kernel never builds `[B, T, V]` logits. It takes the final hidden states
+`[B, T-1, E]` and the LM head `[E, V]`, and scans over tiles of `tile` positions of every row:
+each step computes the `[B, tile, V]` float32 logits of one tile (the head matmul inside the
+tile), processes them exactly as the engine does (`processing.process_logits`: temperature,
+top-k and top-p by bisection thresholds, the scored token always kept) and reduces them to
+the target's log-prob and the entropy. The tile is a `jax.checkpoint`: the backward pass
+recomputes each tile's logits from its hidden states, so forward and backward hold one
+`[B, tile, V]` block (and its few same-sized temporaries) at a time, plus `[E, V]` head
+gradients. Tiles run along T within each row, so a batch sharded by rows stays sharded
+(each device scores its own rows' tiles); a per-device block is `[B/shards, tile, V]`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,20 +30,65 @@ from oapl_jax.sampling.processing import SamplingParams, entropy, process_logits
 from oapl_jax.sampling.rollout import FINISH_LENGTH, Rollout
 
 
-def token_logprobs(model: nnx.Module, tokens: jax.Array, sampling: SamplingParams):
+def token_logprobs(model: nnx.Module, tokens: jax.Array, sampling: SamplingParams, *,
+                   tile: int = 512, **model_kwargs):
   """Log-probs of each next token under the engine's processed distribution.
 
   tokens: `[B, T]` int. Returns (logprobs `[B, T-1]`, entropy `[B, T-1]`), float32:
   logprobs[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1]) after temperature / top-k /
   top-p processing (the scored token always kept; see `processing.py`). Gradients flow into
-  the model's parameters through the logits; the truncation mask is stop-gradient.
-  Entropy is of the processed distribution and should be read as a metric only.
+  the model's parameters through the hidden states and the LM head; the truncation mask is
+  stop-gradient. Entropy is of the processed distribution and should be read as a metric only.
+  tile: positions per row per scan step (`min(tile, T-1)`; see the module docstring).
+  model_kwargs go to `model.hidden_states`.
   """
-  logits = model(tokens[:, :-1])  # [B, T-1, V] float32
-  targets = tokens[:, 1:]  # [B, T-1]
-  processed = process_logits(logits, sampling, always_keep=targets)  # [B, T-1, V]
+  hidden = model.hidden_states(tokens[:, :-1], **model_kwargs)  # [B, T-1, E] compute dtype
+  return tiled_logprobs(hidden, model.head_matrix(), tokens[:, 1:], sampling, tile=tile)
+
+
+def tiled_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
+                   sampling: SamplingParams, *, tile: int = 512):
+  """(logprobs, entropy) `[B, T]` float32 of targets `[B, T]` int, logits = hidden @ head.
+
+  hidden: `[B, T, E]` (compute dtype); head: `[E, V]`.
+
+  Equal to `logits_logprobs(hidden @ head, targets, sampling)` without its `[B, T, V]`
+  tensors: a scan over `ceil(T / tile)` rematerialised tiles of `min(tile, T)` positions; the
+  last tile is padded with zero hidden states (finite, uniform logits) whose results are
+  dropped. The head is cast to the hidden states' dtype inside the tile, so its gradient is
+  summed over tiles in the head's own dtype (float32 master weights).
+  """
+  if tile < 1:
+    raise ValueError(f"tile must be >= 1, got {tile}")
+  b, t, e = hidden.shape
+  tile = min(tile, t)
+  n = -(-t // tile)  # tiles per row
+  pad = n * tile - t
+  h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+  h = h.reshape(b, n, tile, e).swapaxes(0, 1)  # [n, B, tile, E]
+  y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, tile).swapaxes(0, 1)  # [n, B, tile]
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan: no CSE across steps
+  def one_tile(h_tile, y_tile):  # [B, tile, E], [B, tile] -> ([B, tile], [B, tile])
+    w = head.astype(h_tile.dtype)  # [E, V]
+    logits = jnp.dot(h_tile, w, preferred_element_type=jnp.float32)  # [B, tile, V]
+    return logits_logprobs(logits, y_tile, sampling)
+
+  _, (logp, ent) = jax.lax.scan(lambda c, xs: (c, one_tile(*xs)), None, (h, y))  # [n, B, tile] each
+  unstack = lambda x: x.swapaxes(0, 1).reshape(b, n * tile)[:, :t]  # [B, T]
+  return unstack(logp), unstack(ent)
+
+
+def logits_logprobs(logits: jax.Array, targets: jax.Array, sampling: SamplingParams):
+  """(logprobs, entropy) `[...]` float32 of targets `[...]` int under logits `[..., V]` float32.
+
+  The processing of `token_logprobs` on given logits: one tile of it inside the kernel, and,
+  on a whole batch's `[B, T, V]` logits, the plain (memory-unbounded) computation that the
+  tests and `benchmarks/logprob_memory.py` compare the kernel with.
+  """
+  processed = process_logits(logits, sampling, always_keep=targets)  # [..., V]
   logp_all = jax.nn.log_softmax(processed, axis=-1)
-  logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]  # [B, T-1]
+  logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]  # [...]
   return logp, entropy(processed)
 
 

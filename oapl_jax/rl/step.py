@@ -80,10 +80,12 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams):
   needs_snapshot = rl.loss == "grpo" or rl.old_logprobs == "snapshot"
 
   def frozen_logprobs(params, tokens):
-    return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), tokens, sampling)[0])
+    return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), tokens, sampling,
+                                                tile=config.train.logprob_tile)[0])
 
   def micro_loss(params, snapshot, reference, mb, num_tokens, num_answers):
-    logp, ent = token_logprobs(nnx.merge(graphdef, params), mb.tokens, sampling)  # [b, T-1]
+    logp, ent = token_logprobs(nnx.merge(graphdef, params), mb.tokens, sampling,
+                               tile=config.train.logprob_tile)  # [b, T-1]
     mask, sampler = mb.mask, mb.sampler_logprobs
     m = {}
     snap = None

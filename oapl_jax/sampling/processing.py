@@ -40,15 +40,18 @@ class SamplingParams:
 def keep_mask(scaled: jax.Array, params: SamplingParams) -> jax.Array:
   """Boolean `[..., V]`: tokens kept by top-k then top-p on temperature-scaled logits.
 
-  Top-p keeps the smallest set of most likely tokens whose mass reaches top_p: token i is
-  kept iff the mass of the tokens strictly more likely than it is < top_p (so ties at the
-  threshold are kept). Everything here is stop-gradient by nature (comparisons).
+  Top-k keeps every token at least as likely as the k-th most likely one (ties at the k-th
+  value are kept). Top-p keeps the smallest set of most likely tokens whose mass reaches
+  top_p: token i is kept iff the mass of the tokens strictly more likely than it is < top_p
+  (so ties at the threshold are kept). Both thresholds are found by bisection on order keys
+  (no sort, no `lax.top_k`: each of the 32 steps is one reduction over the vocabulary, which
+  stays a reduction when V is sharded). Everything here is stop-gradient by nature.
   """
   scaled = jax.lax.stop_gradient(scaled)
   keep = jnp.ones(scaled.shape, bool)
   if params.top_k > 0 and params.top_k < scaled.shape[-1]:
-    kth = jax.lax.top_k(scaled, params.top_k)[0][..., -1:]  # [..., 1]
-    keep = scaled >= kth
+    keys = _order_key(scaled)
+    keep = keys >= _top_k_threshold(keys, params.top_k)[..., None]
   if params.top_p < 1.0:
     masked = jnp.where(keep, scaled, NEG_INF)
     keep = keep & (_order_key(masked) >= _top_p_threshold(masked, params.top_p)[..., None])
@@ -83,6 +86,24 @@ def _top_p_threshold(masked: jax.Array, top_p: float) -> jax.Array:
   return hi
 
 
+def _top_k_threshold(keys: jax.Array, k: int) -> jax.Array:
+  """The order key `[...]` of the k-th largest entry of keys `[..., V]` (1 <= k <= V).
+
+  Bisection for the largest t with count(key >= t) >= k, which is exactly the k-th largest
+  key (with multiplicity): 32 counts over the vocabulary. Keys must not be NaN keys (the
+  `+ 1` below would wrap).
+  """
+  def body(_, bounds):  # invariant: count(key >= lo) >= k > count(key >= hi)
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2
+    enough = jnp.sum(keys >= mid[..., None], axis=-1, dtype=jnp.int32) >= k
+    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+  lo = jnp.zeros(keys.shape[:-1], jnp.uint32)
+  lo, _ = jax.lax.fori_loop(0, 32, body, (lo, jnp.max(keys, axis=-1) + jnp.uint32(1)))
+  return lo
+
+
 def process_logits(logits: jax.Array, params: SamplingParams,
                    always_keep: jax.Array | None = None) -> jax.Array:
   """Logits `[..., V]` -> processed logits `[..., V]` (float32, truncated entries = -inf).
@@ -93,7 +114,7 @@ def process_logits(logits: jax.Array, params: SamplingParams,
   scaled = logits.astype(jnp.float32) / params.temperature
   keep = keep_mask(scaled, params)
   if always_keep is not None:
-    keep = keep | jax.nn.one_hot(always_keep, scaled.shape[-1], dtype=bool)
+    keep = keep | (jnp.arange(scaled.shape[-1]) == always_keep[..., None])  # no one-hot buffer
   return jnp.where(keep, scaled, NEG_INF)
 
 
