@@ -5,15 +5,24 @@ engine used). Targets are `tokens[:, 1:]`; `mask[:, t]` is 1 where target t is a
 token that counts in the loss (`buffer.Rows`).
 
 Memory: the kernel never builds `[B, T, V]` logits. It takes the final hidden states
-`[B, T-1, E]` and the LM head `[E, V]`, and scans over tiles of `tile` positions of every row:
-each step computes the `[B, tile, V]` float32 logits of one tile (the head matmul inside the
-tile), processes them exactly as the engine does (`processing.process_logits`: temperature,
-top-k and top-p by bisection thresholds, the scored token always kept) and reduces them to
-the target's log-prob and the entropy. The tile is a `jax.checkpoint`: the backward pass
-recomputes each tile's logits from its hidden states, so forward and backward hold one
-`[B, tile, V]` block (and its few same-sized temporaries) at a time, plus `[E, V]` head
-gradients. Tiles run along T within each row, so a batch sharded by rows stays sharded
-(each device scores its own rows' tiles); a per-device block is `[B/shards, tile, V]`.
+`[B, T-1, E]` and the LM head `[E, V]` and scans over tiles of `tile` positions of every row.
+Each step computes one tile's `[B, tile, V]` float32 logits (the head matmul inside the tile),
+finds the engine's truncation threshold (`processing.keep_threshold`: temperature, top-k and
+top-p by bisection, the scored token always kept) and reduces the tile to the target's
+log-prob and the entropy; it keeps only two `[B, tile]` numbers per position (threshold and
+log-normaliser). The backward pass is a second scan that recomputes each tile's logits and
+turns them into the tile's logit gradient `(onehot(target) - p) * g / temperature`, then into
+the hidden-state and head gradients. Forward and backward hold a few `[B, tile, V]` blocks at a
+time plus the `[E, V]` head gradient; see `benchmarks/logprob_memory.py`.
+
+Why a hand-written backward (a `custom_vjp`) rather than autodiff of a `jax.checkpoint`ed
+tile: both recompute the logits, but XLA (CPU) turned the autodiff version into about 6 live
+`[tile, V]` buffers (constants broadcast to `[tile, V]` hoisted out of the loop, a transposed
+copy of the logit gradient, the bisection rerun); this one needs about 2 besides the per-tile
+head gradient.
+
+Tiles run along T within each row, so a batch sharded by rows stays sharded (each device
+scores its own rows' tiles); a per-device block is `[B/shards, tile, V]`.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ import numpy as np
 from flax import nnx
 
 from oapl_jax.rl.buffer import Rows
-from oapl_jax.sampling.processing import SamplingParams, entropy, process_logits
+from oapl_jax.sampling.processing import (NEG_INF, SamplingParams, entropy, keep_threshold,
+                                          process_logits, truncates)
 from oapl_jax.sampling.rollout import FINISH_LENGTH, Rollout
 
 
@@ -37,8 +47,8 @@ def token_logprobs(model: nnx.Module, tokens: jax.Array, sampling: SamplingParam
   tokens: `[B, T]` int. Returns (logprobs `[B, T-1]`, entropy `[B, T-1]`), float32:
   logprobs[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1]) after temperature / top-k /
   top-p processing (the scored token always kept; see `processing.py`). Gradients flow into
-  the model's parameters through the hidden states and the LM head; the truncation mask is
-  stop-gradient. Entropy is of the processed distribution and should be read as a metric only.
+  the model's parameters through the hidden states and the LM head; the truncation is
+  stop-gradient. Entropy is of the processed distribution, a metric: stop-gradient.
   tile: positions per row per scan step (`min(tile, T-1)`; see the module docstring).
   model_kwargs go to `model.hidden_states`.
   """
@@ -50,13 +60,13 @@ def tiled_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
                    sampling: SamplingParams, *, tile: int = 512):
   """(logprobs, entropy) `[B, T]` float32 of targets `[B, T]` int, logits = hidden @ head.
 
-  hidden: `[B, T, E]` (compute dtype); head: `[E, V]`.
-
-  Equal to `logits_logprobs(hidden @ head, targets, sampling)` without its `[B, T, V]`
-  tensors: a scan over `ceil(T / tile)` rematerialised tiles of `min(tile, T)` positions; the
-  last tile is padded with zero hidden states (finite, uniform logits) whose results are
-  dropped. The head is cast to the hidden states' dtype inside the tile, so its gradient is
-  summed over tiles in the head's own dtype (float32 master weights).
+  hidden: `[B, T, E]` (compute dtype); head: `[E, V]` (cast to the compute dtype for the
+  matmul, whose output is float32). Equal to `reference_logprobs(hidden @ head, targets,
+  sampling)` without its `[B, T, V]` tensors: `ceil(T / tile)` tiles of `min(tile, T)`
+  positions per row; the last tile is padded with zero hidden states (finite, uniform logits)
+  whose results are dropped (and get zero gradient). Gradients: w.r.t. hidden and head
+  (the head's summed over tiles in float32, returned in the head's dtype); none through the
+  threshold or the entropy.
   """
   if tile < 1:
     raise ValueError(f"tile must be >= 1, got {tile}")
@@ -67,24 +77,81 @@ def tiled_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
   h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
   h = h.reshape(b, n, tile, e).swapaxes(0, 1)  # [n, B, tile, E]
   y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, tile).swapaxes(0, 1)  # [n, B, tile]
-
-  @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan: no CSE across steps
-  def one_tile(h_tile, y_tile):  # [B, tile, E], [B, tile] -> ([B, tile], [B, tile])
-    w = head.astype(h_tile.dtype)  # [E, V]
-    logits = jnp.dot(h_tile, w, preferred_element_type=jnp.float32)  # [B, tile, V]
-    return logits_logprobs(logits, y_tile, sampling)
-
-  _, (logp, ent) = jax.lax.scan(lambda c, xs: (c, one_tile(*xs)), None, (h, y))  # [n, B, tile] each
+  logp, ent = _tiles(h, head, y, sampling)  # [n, B, tile] each
   unstack = lambda x: x.swapaxes(0, 1).reshape(b, n * tile)[:, :t]  # [B, T]
   return unstack(logp), unstack(ent)
 
 
-def logits_logprobs(logits: jax.Array, targets: jax.Array, sampling: SamplingParams):
-  """(logprobs, entropy) `[...]` float32 of targets `[...]` int under logits `[..., V]` float32.
+def _scaled_logits(h: jax.Array, w: jax.Array, sampling: SamplingParams) -> jax.Array:
+  """Temperature-scaled logits `[B, tile, V]` float32 of h `[B, tile, E]`, w `[E, V]`."""
+  return jnp.dot(h, w, preferred_element_type=jnp.float32) / sampling.temperature
 
-  The processing of `token_logprobs` on given logits: one tile of it inside the kernel, and,
-  on a whole batch's `[B, T, V]` logits, the plain (memory-unbounded) computation that the
-  tests and `benchmarks/logprob_memory.py` compare the kernel with.
+
+def _is_target(targets: jax.Array, vocab: int) -> jax.Array:
+  """Boolean `[..., V]`, true at each row's target (an iota compare XLA fuses; no one-hot)."""
+  return jnp.arange(vocab) == targets[..., None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tiles(h, head, y, sampling):
+  """(logprobs, entropy) `[n, B, tile]` of tiles h `[n, B, tile, E]`, targets y `[n, B, tile]`."""
+  return _tiles_fwd(h, head, y, sampling)[0]
+
+
+def _tiles_fwd(h, head, y, sampling):
+  w = head.astype(h.dtype)  # [E, V]
+  vocab = w.shape[-1]
+
+  def step(_, xs):
+    h_tile, y_tile = xs  # [B, tile, E], [B, tile]
+    scaled = _scaled_logits(h_tile, w, sampling)  # [B, tile, V]
+    is_target = _is_target(y_tile, vocab)
+    if truncates(sampling, vocab):
+      threshold = keep_threshold(scaled, sampling)  # [B, tile]: kept iff scaled >= it
+      kept = jnp.where((scaled >= threshold[..., None]) | is_target, scaled, NEG_INF)
+    else:
+      threshold, kept = jnp.full(scaled.shape[:-1], NEG_INF), scaled
+    lse = jax.nn.logsumexp(kept, axis=-1)  # [B, tile]
+    logp = jnp.sum(jnp.where(is_target, scaled, 0.0), axis=-1) - lse
+    logp_all = kept - lse[..., None]  # [B, tile, V] (fused into the entropy's sum)
+    p = jnp.exp(logp_all)
+    ent = -jnp.sum(jnp.where(p > 0, p * logp_all, 0.0), axis=-1)
+    return None, (logp, ent, threshold, lse)
+
+  _, (logp, ent, threshold, lse) = jax.lax.scan(step, None, (h, y))
+  return (logp, ent), (h, head, y, threshold, lse)
+
+
+def _tiles_bwd(sampling, residuals, cotangents):
+  h, head, y, threshold, lse = residuals  # [n, B, tile, E], [E, V], [n, B, tile] x 3
+  g = cotangents[0]  # [n, B, tile]; the entropy's cotangent is ignored (stop-gradient)
+  w = head.astype(h.dtype)
+  vocab = w.shape[-1]
+
+  def step(dw, xs):
+    h_tile, y_tile, threshold_tile, lse_tile, g_tile = xs
+    scaled = _scaled_logits(h_tile, w, sampling)  # [B, tile, V] recomputed
+    is_target = _is_target(y_tile, vocab)
+    kept = (scaled >= threshold_tile[..., None]) | is_target
+    p = jnp.where(kept, jnp.exp(scaled - lse_tile[..., None]), 0.0)  # processed probabilities
+    # d logp / d logits = (onehot(target) - p) / temperature
+    dlogits = (g_tile[..., None] / sampling.temperature * (is_target - p)).astype(h_tile.dtype)
+    dh = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32).astype(h_tile.dtype)
+    dw = dw + jnp.einsum("bte,btv->ev", h_tile, dlogits, preferred_element_type=jnp.float32)
+    return dw, dh  # [E, V] float32, [B, tile, E]
+
+  dw, dh = jax.lax.scan(step, jnp.zeros(head.shape, jnp.float32), (h, y, threshold, lse, g))
+  return dh, dw.astype(head.dtype), None
+
+
+_tiles.defvjp(_tiles_fwd, _tiles_bwd)
+
+
+def reference_logprobs(logits: jax.Array, targets: jax.Array, sampling: SamplingParams):
+  """(logprobs, entropy) `[...]` of targets `[...]` int under logits `[..., V]` float32.
+
+  Reference only (tests, `benchmarks/logprob_memory.py`): the kernel before tiling, on a
+  whole batch's `[B, T, V]` logits: `process_logits`, log-softmax, gather, `entropy`.
   """
   processed = process_logits(logits, sampling, always_keep=targets)  # [..., V]
   logp_all = jax.nn.log_softmax(processed, axis=-1)

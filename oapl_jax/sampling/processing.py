@@ -43,19 +43,35 @@ def keep_mask(scaled: jax.Array, params: SamplingParams) -> jax.Array:
   Top-k keeps every token at least as likely as the k-th most likely one (ties at the k-th
   value are kept). Top-p keeps the smallest set of most likely tokens whose mass reaches
   top_p: token i is kept iff the mass of the tokens strictly more likely than it is < top_p
-  (so ties at the threshold are kept). Both thresholds are found by bisection on order keys
-  (no sort, no `lax.top_k`: each of the 32 steps is one reduction over the vocabulary, which
-  stays a reduction when V is sharded). Everything here is stop-gradient by nature.
+  (so ties at the threshold are kept). Both leave a set `scaled >= threshold`: see
+  `keep_threshold`. Everything here is stop-gradient by nature.
   """
-  scaled = jax.lax.stop_gradient(scaled)
-  keep = jnp.ones(scaled.shape, bool)
-  if params.top_k > 0 and params.top_k < scaled.shape[-1]:
-    keys = _order_key(scaled)
-    keep = keys >= _top_k_threshold(keys, params.top_k)[..., None]
+  if not truncates(params, scaled.shape[-1]):
+    return jnp.ones(scaled.shape, bool)
+  return scaled >= keep_threshold(scaled, params)[..., None]
+
+
+def truncates(params: SamplingParams, vocab: int) -> bool:
+  """Whether top-k or top-p can drop tokens from a `vocab`-sized distribution."""
+  return 0 < params.top_k < vocab or params.top_p < 1.0
+
+
+def keep_threshold(scaled: jax.Array, params: SamplingParams) -> jax.Array:
+  """float32 `[...]`: the scaled logit of the least likely token top-k then top-p keep.
+
+  scaled: `[..., V]` float32 (no NaNs). The kept set is `scaled >= threshold` (-inf: all).
+  Found by bisection on 32-bit order keys (no sort, no `lax.top_k`): each of the 32 steps per
+  threshold is one reduction over the vocabulary (one all-reduce of `[...]` when V is
+  sharded) that compares `scaled` with the float a key stands for, so apart from `scaled`
+  only top-p's probabilities are a `[..., V]` buffer. Stop-gradient.
+  """
+  scaled = jax.lax.stop_gradient(scaled).astype(jnp.float32)
+  threshold = jnp.zeros(scaled.shape[:-1], jnp.uint32)  # an order key; 0: all kept
+  if 0 < params.top_k < scaled.shape[-1]:
+    threshold = _top_k_threshold(scaled, params.top_k)
   if params.top_p < 1.0:
-    masked = jnp.where(keep, scaled, NEG_INF)
-    keep = keep & (_order_key(masked) >= _top_p_threshold(masked, params.top_p)[..., None])
-  return keep
+    threshold = jnp.maximum(threshold, _top_p_threshold(scaled, params.top_p, threshold))
+  return _key_value(threshold)
 
 
 def _order_key(x: jax.Array) -> jax.Array:
@@ -65,43 +81,60 @@ def _order_key(x: jax.Array) -> jax.Array:
   return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _top_p_threshold(masked: jax.Array, top_p: float) -> jax.Array:
-  """The order key `[...]` of the least likely token top-p keeps (masked: `[..., V]`).
+_KEY_NEG_INF = 0x007FFFFF  # _order_key(-inf): the smallest key of a non-NaN float
 
-  Bisection on the 32-bit keys for the smallest t with mass(key > t) < top_p: 32 masked sums
-  over the vocabulary instead of a sort, several times cheaper per decode step on CPU.
+
+def _key_value(key: jax.Array) -> jax.Array:
+  """float32 `[...]` f with `x >= f` <=> `_order_key(x) >= key` for every non-NaN float32 x.
+
+  The inverse of `_order_key` on keys of floats; keys below -inf's give -inf (every x is
+  >= them), keys above +inf's give NaN (no x is), and the unused key between -0.0 and 0.0
+  gives -0.0 (x >= -0.0 <=> x >= 0.0).
   """
-  probs = jax.nn.softmax(masked, axis=-1)  # [..., V]
-  keys = _order_key(masked)
-
-  def body(_, bounds):  # invariant: mass(key > lo) >= top_p > mass(key > hi)
-    lo, hi = bounds
-    mid = lo + (hi - lo) // 2
-    mass = jnp.sum(jnp.where(keys > mid[..., None], probs, 0.0), axis=-1)
-    below = mass < top_p
-    return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
-
-  lo = jnp.zeros(keys.shape[:-1], jnp.uint32)
-  _, hi = jax.lax.fori_loop(0, 32, body, (lo, jnp.max(keys, axis=-1)))
-  return hi
+  key = jnp.maximum(key, jnp.uint32(_KEY_NEG_INF))
+  bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _top_k_threshold(keys: jax.Array, k: int) -> jax.Array:
-  """The order key `[...]` of the k-th largest entry of keys `[..., V]` (1 <= k <= V).
+def _top_k_threshold(scaled: jax.Array, k: int) -> jax.Array:
+  """The order key `[...]` of the k-th largest entry of scaled `[..., V]` (1 <= k < V).
 
   Bisection for the largest t with count(key >= t) >= k, which is exactly the k-th largest
-  key (with multiplicity): 32 counts over the vocabulary. Keys must not be NaN keys (the
-  `+ 1` below would wrap).
+  key (with multiplicity, so ties at the k-th value are kept): 32 counts over the vocabulary.
   """
   def body(_, bounds):  # invariant: count(key >= lo) >= k > count(key >= hi)
     lo, hi = bounds
     mid = lo + (hi - lo) // 2
-    enough = jnp.sum(keys >= mid[..., None], axis=-1, dtype=jnp.int32) >= k
-    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+    count = jnp.sum(scaled >= _key_value(mid)[..., None], axis=-1, dtype=jnp.int32)
+    return jnp.where(count >= k, mid, lo), jnp.where(count >= k, hi, mid)
 
-  lo = jnp.zeros(keys.shape[:-1], jnp.uint32)
-  lo, _ = jax.lax.fori_loop(0, 32, body, (lo, jnp.max(keys, axis=-1) + jnp.uint32(1)))
-  return lo
+  lo = jnp.zeros(scaled.shape[:-1], jnp.uint32)
+  hi = _order_key(jnp.max(scaled, axis=-1)) + jnp.uint32(1)  # no wrap: the max is not NaN
+  return jax.lax.fori_loop(0, 32, body, (lo, hi))[0]
+
+
+def _top_p_threshold(scaled: jax.Array, top_p: float, floor: jax.Array) -> jax.Array:
+  """The order key `[...]` of the least likely token top-p keeps among those with key >= floor.
+
+  scaled: `[..., V]`; floor: `[...]` (top-k's threshold key, or 0). Bisection for the smallest
+  t with mass(key > t) < top_p, the mass under the softmax over the tokens with key >= floor:
+  32 masked sums over the vocabulary instead of a sort, several times cheaper per decode step
+  on CPU. The result is >= floor unless rounding puts that set's mass below top_p
+  (`keep_threshold` takes the larger of the two).
+  """
+  m = jnp.max(scaled, axis=-1, keepdims=True)  # the most likely token is always kept
+  e = jnp.where(scaled >= _key_value(floor)[..., None], jnp.exp(scaled - m), 0.0)  # [..., V]
+  probs = e / jnp.sum(e, axis=-1, keepdims=True)
+
+  def body(_, bounds):  # invariant: mass(key > lo) >= top_p > mass(key > hi)
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2
+    above = scaled >= _key_value(mid + jnp.uint32(1))[..., None]  # key > mid (mid < hi: no wrap)
+    below = jnp.sum(jnp.where(above, probs, 0.0), axis=-1) < top_p
+    return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+  lo = jnp.zeros(scaled.shape[:-1], jnp.uint32)
+  return jax.lax.fori_loop(0, 32, body, (lo, _order_key(m[..., 0])))[1]
 
 
 def process_logits(logits: jax.Array, params: SamplingParams,
