@@ -165,6 +165,26 @@ def test_top_k_by_counting_equals_lax_top_k():
     np.testing.assert_array_equal(keep_mask(x, SamplingParams(top_k=k)), x >= kth)
 
 
+def test_keep_mask_matches_a_sorting_reference():
+  """keep_mask (bisection thresholds) against the definition computed by brute force: top-k
+  keeps values >= the k-th largest; top-p then keeps token i iff the mass (softmax over the
+  top-k set) of the tokens strictly more likely than i is < top_p."""
+  x = jax.random.normal(jax.random.key(1), (64, 50)) * 2.0
+  x = x.at[:16].set(jnp.round(x[:16]))  # ties
+  for params in (SamplingParams(top_p=0.8), SamplingParams(top_k=7, top_p=0.9),
+                 SamplingParams(top_k=4), SamplingParams(top_p=0.3)):
+    xs = np.asarray(x, np.float64)
+    keep = np.ones(xs.shape, bool)
+    if params.top_k:
+      keep = xs >= np.sort(xs, axis=-1)[:, -params.top_k][:, None]
+    if params.top_p < 1:
+      p = np.where(keep, np.exp(xs - xs.max(-1, keepdims=True)), 0.0)
+      p /= p.sum(-1, keepdims=True)
+      above = (p[:, None, :] * (xs[:, None, :] > xs[:, :, None])).sum(-1)  # [rows, i]
+      keep &= above < params.top_p
+    np.testing.assert_array_equal(keep_mask(x, params), keep, err_msg=str(params))
+
+
 def _largest_buffer(compiled_text: str) -> int:
   """Elements of the largest array shape in an HLO module's text."""
   dims = re.findall(r"\b(?:f32|bf16|f16|s32|u32|pred|s8|u8)\[([\d,]*)\]", compiled_text)
