@@ -9,8 +9,8 @@ Memory: the kernel never builds `[B, T, V]` logits. It takes the final hidden st
 Each step computes one tile's `[B, tile, V]` float32 logits (the head matmul inside the tile),
 finds the engine's truncation threshold (`processing.keep_threshold`: temperature, top-k and
 top-p by bisection, the scored token always kept) and reduces the tile to the target's
-log-prob and the entropy; it keeps only two `[B, tile]` numbers per position (threshold and
-log-normaliser). The backward pass is a second scan that recomputes each tile's logits and
+log-prob and the entropy; it keeps only three numbers per position (threshold, max and sum
+of the softmax). The backward pass is a second scan that recomputes each tile's logits and
 turns them into the tile's logit gradient `(onehot(target) - p) * g / temperature`, then into
 the hidden-state and head gradients. Forward and backward hold a few `[B, tile, V]` blocks at a
 time plus the `[E, V]` head gradient; see `benchmarks/logprob_memory.py`.
@@ -111,36 +111,42 @@ def _tiles_fwd(h, head, y, sampling):
       kept = jnp.where((scaled >= threshold[..., None]) | is_target, scaled, NEG_INF)
     else:
       threshold, kept = jnp.full(scaled.shape[:-1], NEG_INF), scaled
-    lse = jax.nn.logsumexp(kept, axis=-1)  # [B, tile]
-    logp = jnp.sum(jnp.where(is_target, scaled, 0.0), axis=-1) - lse
-    logp_all = kept - lse[..., None]  # [B, tile, V] (fused into the entropy's sum)
+    # log-softmax as `jax.nn.log_softmax` computes it (the same rounding as the plain kernel)
+    top = jnp.max(kept, axis=-1)  # [B, tile]
+    total = jnp.sum(jnp.exp(kept - top[..., None]), axis=-1)  # [B, tile]
+    log_total = jnp.log(total)
+    target = jnp.sum(jnp.where(is_target, scaled, 0.0), axis=-1)  # [B, tile] scaled[target]
+    logp = (target - top) - log_total
+    logp_all = (kept - top[..., None]) - log_total[..., None]  # [B, tile, V] (fused)
     p = jnp.exp(logp_all)
     ent = -jnp.sum(jnp.where(p > 0, p * logp_all, 0.0), axis=-1)
-    return None, (logp, ent, threshold, lse)
+    return None, (logp, ent, threshold, top, total)
 
-  _, (logp, ent, threshold, lse) = jax.lax.scan(step, None, (h, y))
-  return (logp, ent), (h, head, y, threshold, lse)
+  _, (logp, ent, threshold, top, total) = jax.lax.scan(step, None, (h, y))
+  return (logp, ent), (h, head, y, threshold, top, total)
 
 
 def _tiles_bwd(sampling, residuals, cotangents):
-  h, head, y, threshold, lse = residuals  # [n, B, tile, E], [E, V], [n, B, tile] x 3
+  h, head, y, threshold, top, total = residuals  # [n, B, tile, E], [E, V], [n, B, tile] x 4
   g = cotangents[0]  # [n, B, tile]; the entropy's cotangent is ignored (stop-gradient)
   w = head.astype(h.dtype)
   vocab = w.shape[-1]
 
   def step(dw, xs):
-    h_tile, y_tile, threshold_tile, lse_tile, g_tile = xs
+    h_tile, y_tile, threshold_tile, top_tile, total_tile, g_tile = xs  # [B, tile, E], [B, tile] x 5
     scaled = _scaled_logits(h_tile, w, sampling)  # [B, tile, V] recomputed
     is_target = _is_target(y_tile, vocab)
     kept = (scaled >= threshold_tile[..., None]) | is_target
-    p = jnp.where(kept, jnp.exp(scaled - lse_tile[..., None]), 0.0)  # processed probabilities
-    # d logp / d logits = (onehot(target) - p) / temperature
-    dlogits = (g_tile[..., None] / sampling.temperature * (is_target - p)).astype(h_tile.dtype)
+    e = jnp.exp(scaled - top_tile[..., None])  # softmax numerators of the kept tokens
+    # d logp / d logits = (onehot(target) - e / total) / temperature, in autodiff's op order
+    d = jnp.where(is_target, g_tile[..., None], 0.0) + (-g_tile / total_tile)[..., None] * e
+    dlogits = (jnp.where(kept, d, 0.0) / sampling.temperature).astype(h_tile.dtype)  # [B, tile, V]
     dh = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32).astype(h_tile.dtype)
     dw = dw + jnp.einsum("bte,btv->ev", h_tile, dlogits, preferred_element_type=jnp.float32)
     return dw, dh  # [E, V] float32, [B, tile, E]
 
-  dw, dh = jax.lax.scan(step, jnp.zeros(head.shape, jnp.float32), (h, y, threshold, lse, g))
+  xs = (h, y, threshold, top, total, g)
+  dw, dh = jax.lax.scan(step, jnp.zeros(head.shape, jnp.float32), xs)
   return dh, dw.astype(head.dtype), None
 
 
