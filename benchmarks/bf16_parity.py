@@ -58,16 +58,19 @@ def random_params(cfg: ModelConfig, seed: int = 0):
   return graphdef, params
 
 
-def measure(cfg: ModelConfig, *, prompts: int, answers: int, group: int = 4, seed: int = 0):
+def measure(cfg: ModelConfig, *, prompts: int, answers: int, group: int = 4, seed: int = 0,
+            min_decode_width: int | None = None):
   """Returns (gaps over answer tokens `[n]`, number of answer tokens)."""
   graphdef, master = random_params(cfg, seed)
   compute = jnp.dtype(cfg.dtype)
   snapshot = jax.tree.map(lambda x: x.astype(compute), master)  # the engine's copy
   sampling = SamplingParams(temperature=1.0)
   prompt_len = 24
+  settings = engine_settings(config_lib.defaults("tiny_addition").sampling)
+  if min_decode_width is not None:
+    settings["min_decode_width"] = min_decode_width
   engine = Engine(graphdef, cfg, sampling, max_slots=prompts * group,
-                  max_prefill_length=prompt_len, max_len=prompt_len + answers,
-                  **engine_settings(config_lib.defaults("tiny_addition").sampling))
+                  max_prefill_length=prompt_len, max_len=prompt_len + answers, **settings)
   rng = np.random.default_rng(seed)
   ps = [[1] + list(rng.integers(3, cfg.vocab_size, rng.integers(4, prompt_len))) for _ in range(prompts)]
   ro = rollout(engine, snapshot, ps, group_size=group, max_new_tokens=answers, eos_id=-1,
