@@ -6,7 +6,11 @@ qkv bias) -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM he
 
 Two entry points share every weight and every layer:
 * `model(tokens)` — full causal forward pass, logits `[B, T, V]` (training, log-probs,
-  prefill). With `return_kv=True` it also returns each layer's keys and values.
+  prefill). With `return_kv=True` it also returns each layer's keys and values. Attention is
+  blockwise (`causal_attention`: online softmax over blocks of `attn_block` positions, blocks
+  above the causal diagonal skipped, no `[T, T]` tensor, a blockwise custom gradient), and
+  each transformer block runs under a remat policy (`REMAT_POLICIES`: "none" / "dots" /
+  "full", `config.train.remat`).
 * `model.decode(tokens, positions, cache, live_len=...)` — one token per row against a KV
   cache (the sampling engine's decode step). Attention reads the cache in chunks of `chunk`
   positions, only up to `live_len`, so a step costs what the live length needs, not the
@@ -16,6 +20,16 @@ KV cache layout (`init_cache`): one buffer per layer, keys `[B, K, D, S]` (posit
 the score reduction runs over a major axis, which XLA's CPU emitter vectorises well), values
 `[B, K, S, D]`. Per-layer buffers rather than one `[L, ...]` array: a layer slice of a stacked
 cache is materialised as a copy on CPU (measured 1.2x slower at 160 positions, 2.3x at 1024).
+
+bfloat16 parity (issue 13): the forward pass computes what the decode step computes, so the
+trainer's log-probs match the engine's: q scaled by 1/sqrt(D) in the compute dtype before the
+score dot, scores and PV with float32 accumulation, a float32 online softmax with unnormalised
+probabilities cast to the value dtype, the same chunked arithmetic (`_online_update`);
+RMSNorm weights rounded to the compute dtype (float32 master weights = the bf16 snapshot);
+RoPE frequencies and tables computed on the host (the same bits in every compiled program).
+Key blocks of the forward pass (`attn_block`) and decode chunks (`sampling.attn_chunk`) of
+different lengths round the probabilities against different running maxima: equal lengths (or
+sequences shorter than both) give the closest numbers.
 
 Every weight carries `logical_axes` metadata (e.g. `("embed", "mlp")`); one table in the
 config maps logical axes to mesh axes (see `oapl_jax.sharding`).
