@@ -6,7 +6,11 @@ qkv bias) -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM he
 
 Two entry points share every weight and every layer:
 * `model(tokens)` — full causal forward pass, logits `[B, T, V]` (training, log-probs,
-  prefill). With `return_kv=True` it also returns each layer's keys and values.
+  prefill). With `return_kv=True` it also returns each layer's keys and values. Attention is
+  blockwise (`causal_attention`: online softmax over blocks of `attn_block` positions, blocks
+  above the causal diagonal skipped, no `[T, T]` tensor, a blockwise custom gradient), and
+  each transformer block runs under a remat policy (`REMAT_POLICIES`: "none" / "dots" /
+  "full", `config.train.remat`).
 * `model.decode(tokens, positions, cache, live_len=...)` — one token per row against a KV
   cache (the sampling engine's decode step). Attention reads the cache in chunks of `chunk`
   positions, only up to `live_len`, so a step costs what the live length needs, not the
@@ -17,6 +21,16 @@ the score reduction runs over a major axis, which XLA's CPU emitter vectorises w
 `[B, K, S, D]`. Per-layer buffers rather than one `[L, ...]` array: a layer slice of a stacked
 cache is materialised as a copy on CPU (measured 1.2x slower at 160 positions, 2.3x at 1024).
 
+bfloat16 parity (issue 13): the forward pass computes what the decode step computes, so the
+trainer's log-probs match the engine's: q scaled by 1/sqrt(D) in the compute dtype before the
+score dot, scores and PV with float32 accumulation, a float32 online softmax with unnormalised
+probabilities cast to the value dtype, the same chunked arithmetic (`_online_update`);
+RMSNorm weights rounded to the compute dtype (float32 master weights = the bf16 snapshot);
+RoPE frequencies and tables computed on the host (the same bits in every compiled program).
+Key blocks of the forward pass (`attn_block`) and decode chunks (`sampling.attn_chunk`) of
+different lengths round the probabilities against different running maxima: equal lengths (or
+sequences shorter than both) give the closest numbers.
+
 Every weight carries `logical_axes` metadata (e.g. `("embed", "mlp")`); one table in the
 config maps logical axes to mesh axes (see `oapl_jax.sharding`).
 """
@@ -24,6 +38,7 @@ config maps logical axes to mesh axes (see `oapl_jax.sharding`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -121,7 +136,8 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nn
 
 
 class RMSNorm(nnx.Module):
-  """y = x / rms(x) * weight, computed in float32."""
+  """y = x / rms(x) * weight, computed in float32 from the weight rounded to x's dtype (so
+  float32 master weights and the engine's bfloat16 copy give the same numbers)."""
 
   def __init__(self, dim: int, eps: float, dtype, axis_name: str = "norm"):
     self.weight = nnx.Param(jnp.ones((dim,), dtype), logical_axes=(axis_name,))
@@ -130,32 +146,50 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+    w = self.weight[...].astype(x.dtype).astype(jnp.float32)  # as the compute-dtype snapshot has it
+    return (x32 * w).astype(x.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
   """Inverse frequencies `[D/2]` float32 of the config's RoPE (plain or "llama3"-scaled).
 
+  Computed on the host in float64 and rounded once (a NumPy constant): the same bits in
+  every compiled program (XLA's own `pow`, constant-folded in one program and evaluated in
+  another, differs in the last bits, and RoPE tables that differ between the trainer and
+  the engine flip bfloat16 roundings everywhere downstream).
   The "llama3" branch follows `transformers.modeling_rope_utils._compute_llama3_parameters`.
   """
   half = cfg.head_dim // 2
-  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(half, dtype=jnp.float32) / half))  # [D/2]
-  if cfg.rope_scaling_type != "llama3":
-    return inv_freq
-  factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-  old_len = cfg.rope_original_max_len
-  wavelen = 2 * math.pi / inv_freq
-  scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-  smooth = (old_len / wavelen - low) / (high - low)
-  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-  is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-  return jnp.where(is_medium, smoothed, scaled)
+  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(half, dtype=np.float64) / half))  # [D/2]
+  if cfg.rope_scaling_type == "llama3":
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    inv_freq = np.where(is_medium, smoothed, scaled)
+  return inv_freq.astype(np.float32)
 
 
-def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cos, sin `[B, T, 1, D/2]` float32 of positions `[B, T]` (computed once, shared by layers)."""
+def rope_tables(positions: jax.Array, inv_freq) -> tuple[jax.Array, jax.Array]:
+  """cos, sin `[B, T, 1, D/2]` float32 of positions `[B, T]` (computed once, shared by layers).
+
+  Traced positions use XLA's cos/sin; the forward pass at positions `arange(T)` and the
+  engine's decode table use `rope_table_host` (the same bits in every program).
+  """
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
   return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def rope_table_host(cfg: ModelConfig, size: int) -> tuple[np.ndarray, np.ndarray]:
+  """cos, sin `[size, D/2]` float32 of positions `0..size-1`, computed on the host: angle =
+  position x inverse frequency rounded to float32 (as `rope_tables` computes it), cos / sin
+  in float64 rounded once. A NumPy constant, identical in every compiled program."""
+  angles = np.arange(size, dtype=np.float32)[:, None] * rope_frequencies(cfg)  # [size, D/2] float32
+  angles = angles.astype(np.float64)
+  return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -166,20 +200,141 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Grouped-query attention with a boolean mask.
+# --- Blockwise causal attention (the full forward pass) ------------------------------------
 
-  q: `[B, T, N, D]`; k, v: `[B, S, K, D]` with N a multiple of K; mask: `[B, T, S]`
-  (True = may attend). Softmax in float32. Returns `[B, T, N, D]`.
+DEFAULT_ATTN_BLOCK = 512  # `attn_block=None`: query/key block length (config.train.attn_block's default)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = DEFAULT_ATTN_BLOCK,
+                     *, fused: bool = True) -> jax.Array:
+  """Causal grouped-query attention, blockwise (online softmax): no `[T, T]` tensor.
+
+  q: `[B, T, N, D]` ALREADY SCALED by 1/sqrt(D) (in the compute dtype, as the decode path
+  scales it); k, v: `[B, T, K, D]`, N a multiple of K. Returns `[B, T, N, D]` in q's dtype.
+
+  Query and key blocks of `C = min(block, T)` positions (T padded up to a multiple of C):
+  query block i visits key blocks 0..i only (blocks above the diagonal are skipped, not
+  masked; a `[C, C]` causal mask only inside the diagonal block), with the engine's
+  `decode_attend` arithmetic: scores `q k` with float32 accumulation, a float32 online
+  softmax, unnormalised probabilities cast to v's dtype for the PV dot (float32
+  accumulation), the float32 sum divided out at the end. Memory O(C^2) per head group per
+  block, O(T) saved for the backward pass (a hand-written blockwise gradient, `_flash`).
+
+  fused: on a GPU backend with a 16-bit dtype, use cuDNN's fused causal kernel
+  (`jax.nn.dot_product_attention(implementation="cudnn")`: the same blockwise algorithm with
+  its own block sizes). Everywhere else (CPU, TPU, float32) the pure-JAX path runs; the TPU's
+  splash kernel is not wired in yet.
   """
   b, t, n, d = q.shape
-  kv_heads = k.shape[2]
-  q = q.reshape(b, t, kv_heads, n // kv_heads, d)  # [B, T, K, G, D]
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32) * d**-0.5
-  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, S]
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-  return out.reshape(b, t, n, d)
+  kv = k.shape[2]
+  if fused and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+    return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="cudnn")
+  c = min(block, t)
+  pad = -t % c
+  q = q.reshape(b, t, kv, n // kv, d)  # [B, T, K, G, D]
+  if pad:
+    q, k, v = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v))
+  out = _flash(q, k, v, c)  # [B, Tp, K, G, D]
+  return out[:, :t].reshape(b, t, n, d)
+
+
+def _online_update(carry, s: jax.Array, pv):
+  """One key chunk of the online softmax (shared by the forward pass and `decode_attend`).
+
+  carry: running max m `[..., Q]`, sum l `[..., Q]`, output acc `[..., Q, D]`, all float32;
+  s: this chunk's scores `[..., Q, C]` float32 (-inf where masked; the running max must be
+  finite after the update); pv(p): p `[..., Q, C]` float32 -> `[..., Q, D]` float32.
+  """
+  m, l, acc = carry
+  m_new = jnp.maximum(m, s.max(-1))
+  corr = jnp.exp(m - m_new)
+  p = jnp.exp(s - m_new[..., None])
+  return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv(p)
+
+
+def _block(x: jax.Array, i, c: int) -> jax.Array:
+  """Positions `[i*c, (i+1)*c)` of x along axis 1."""
+  return jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)
+
+
+def _scores(qi: jax.Array, kj: jax.Array, mask: jax.Array | None) -> jax.Array:
+  """qi `[B, Cq, K, G, D]`, kj `[B, Ck, K, D]` -> `[B, K, G, Cq, Ck]` float32; -inf off `mask`."""
+  s = jnp.einsum("bqkgd,bckd->bkgqc", qi, kj, preferred_element_type=jnp.float32)
+  return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def _flash_forward(q, k, v, c: int):
+  """q `[B, Tp, K, G, D]`, k, v `[B, Tp, K, D]`, Tp = nb * c. Returns out `[B, Tp, K, G, D]`
+  (q's dtype) and the float32 log-sum-exp of each query's scores `[nb, B, K, G, c]`."""
+  b, tp, kv, g, d = q.shape
+  diagonal = jnp.tril(jnp.ones((c, c), bool))  # [Cq, Ck]: the only mask there is
+
+  def query_block(i):
+    qi = _block(q, i, c)  # [B, C, K, G, D]
+
+    def key_block(j, carry, mask=None):
+      vj = _block(v, j, c)  # [B, C, K, D]
+      pv = lambda p: jnp.einsum("bkgqc,bckd->bkgqd", p.astype(vj.dtype), vj,
+                                preferred_element_type=jnp.float32)
+      return _online_update(carry, _scores(qi, _block(k, j, c), mask), pv)
+
+    init = (jnp.full((b, kv, g, c), -jnp.inf), jnp.zeros((b, kv, g, c)), jnp.zeros((b, kv, g, c, d)))
+    carry = jax.lax.fori_loop(0, i, key_block, init)  # key blocks below the diagonal, unmasked
+    m, l, acc = key_block(i, carry, diagonal)
+    out = (acc / l[..., None]).astype(q.dtype)  # [B, K, G, C, D]
+    return out, m + jnp.log(l)
+
+  out, lse = jax.lax.map(query_block, jnp.arange(tp // c))  # [nb, B, K, G, C, D], [nb, B, K, G, C]
+  return jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(b, tp, kv, g, d), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash(q, k, v, c: int):
+  """Blockwise causal attention `_flash_forward` (out only) with a blockwise gradient."""
+  return _flash_forward(q, k, v, c)[0]
+
+
+def _flash_fwd(q, k, v, c: int):
+  out, lse = _flash_forward(q, k, v, c)
+  return out, (q, k, v, out, lse)
+
+
+def _flash_bwd(c: int, res, d_out):
+  """FlashAttention-2's backward: probabilities recomputed block by block from the saved
+  log-sum-exp; dq per query block, dk / dv accumulated in float32 over query blocks."""
+  q, k, v, out, lse = res
+  b, tp, kv, g, d = q.shape
+  diagonal = jnp.tril(jnp.ones((c, c), bool))
+  delta = jnp.einsum("btkgd,btkgd->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))  # [B, K, G, Tp]
+
+  def query_block(i, grads):
+    dq, dk, dv = grads
+    qi, doi = _block(q, i, c), _block(d_out, i, c)  # [B, C, K, G, D]
+    lse_i = lse[i][..., None]  # [B, K, G, C, 1]
+    delta_i = jax.lax.dynamic_slice_in_dim(delta, i * c, c, axis=3)[..., None]  # [B, K, G, C, 1]
+
+    def key_block(j, carry, mask=None):
+      dqi, dk, dv = carry
+      kj, vj = _block(k, j, c), _block(v, j, c)  # [B, C, K, D]
+      p = jnp.exp(_scores(qi, kj, mask) - lse_i)  # [B, K, G, Cq, Ck]
+      dp = jnp.einsum("bqkgd,bckd->bkgqc", doi, vj, preferred_element_type=jnp.float32)
+      ds = (p * (dp - delta_i)).astype(q.dtype)
+      dv_j = jnp.einsum("bkgqc,bqkgd->bckd", p.astype(v.dtype), doi, preferred_element_type=jnp.float32)
+      dk_j = jnp.einsum("bkgqc,bqkgd->bckd", ds, qi, preferred_element_type=jnp.float32)
+      dqi = dqi + jnp.einsum("bkgqc,bckd->bqkgd", ds, kj, preferred_element_type=jnp.float32)
+      add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(acc, _block(acc, j, c) + x, j * c, axis=1)
+      return dqi, add(dk, dk_j), add(dv, dv_j)
+
+    carry = jax.lax.fori_loop(0, i, key_block, (jnp.zeros(qi.shape, jnp.float32), dk, dv))
+    dqi, dk, dv = key_block(i, carry, diagonal)
+    return jax.lax.dynamic_update_slice_in_dim(dq, dqi, i * c, axis=1), dk, dv
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  dq, dk, dv = jax.lax.fori_loop(0, tp // c, query_block, (zeros(q), zeros(k), zeros(v)))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 class Attention(nnx.Module):
@@ -271,13 +426,15 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, rope_cs, mask):
-    """x `[B, T, E]`, rope_cs: `rope_tables` of the positions, causal `mask` `[B, T, T]`.
+  def __call__(self, x, rope_cs, attn_block: int):
+    """Causal pass over x `[B, T, E]`; rope_cs: `rope_tables` of the positions; attention in
+    blocks of `attn_block` positions (`causal_attention`).
 
     Returns (x, (k, v)), k, v `[B, T, K, D]`.
     """
-    q, k, v = self.attn.project_qkv(self.input_norm(x), rope_cs)
-    x = x + self.attn.output(attend(q, k, v, mask))
+    q, k, v = self.attn.project_qkv(self.input_norm(x), rope_cs)  # [B, T, N|K, D]
+    q = q * q.shape[-1] ** -0.5  # in the compute dtype, as `decode` scales it
+    x = x + self.attn.output(causal_attention(q, k, v, attn_block))
     x = x + self.mlp(self.post_attn_norm(x))
     return x, (k, v)
 
@@ -333,16 +490,34 @@ def decode_attend(q, k_cache, v_cache, positions, live_len, chunk: int) -> jax.A
   carry = (m, p.sum(-1), pv(p, v))
 
   def body(c, carry):
-    m, l, acc = carry
     s, v = scores(c * c_len)
-    m_new = jnp.maximum(m, s.max(-1))
-    corr = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[..., None])
-    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv(p, v)
+    return _online_update(carry, s, lambda p: pv(p, v))
 
   num_chunks = (live_len + c_len - 1) // c_len
   _, l, acc = jax.lax.fori_loop(1, num_chunks, body, carry)
   return acc / l[..., None]
+
+
+# What a block keeps for the backward pass (`config.train.remat`): every activation, only the
+# outputs of weight matmuls (the rest recomputed), or only its input (all recomputed).
+REMAT_POLICIES = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def _run_block(layer: Block, x, rope_cs, attn_block: int, remat: str):
+  """`layer(x, rope_cs, attn_block)`, under `jax.checkpoint(policy=REMAT_POLICIES[remat])`
+  unless remat is "none". Returns (x `[B, T, E]`, (k, v) `[B, T, K, D]`)."""
+  if remat == "none":
+    return layer(x, rope_cs, attn_block)
+  graphdef, state = nnx.split(layer)
+
+  def run(state, x, rope_cs):
+    return nnx.merge(graphdef, state)(x, rope_cs, attn_block)
+
+  return jax.checkpoint(run, policy=REMAT_POLICIES[remat])(state, x, rope_cs)
 
 
 class Transformer(nnx.Module):
@@ -369,43 +544,58 @@ class Transformer(nnx.Module):
     return jnp.dot(x, w, preferred_element_type=jnp.float32)  # [B, T, V] float32
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
-               return_kv: bool = False):
+               return_kv: bool = False, attn_block: int | None = None, remat: str = "none"):
     """Full causal forward pass.
 
     tokens: `[B, T]` int; positions: `[B, T]` (default `arange(T)`).
+    attn_block: attention query/key block length (None: `DEFAULT_ATTN_BLOCK`; any value
+    gives the same numbers up to float rounding); remat: what each block keeps for the
+    backward pass, one of `REMAT_POLICIES` (the same numbers for every policy).
     Returns logits `[B, T, V]` float32, and with `return_kv` also a list over layers of
     (k, v), each `[B, T, K, D]`.
     """
-    x, kvs = self._hidden(tokens, positions)
+    x, kvs = self._hidden(tokens, positions, attn_block, remat)
     logits = self._logits(x)
     return (logits, kvs) if return_kv else logits
 
-  def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+  def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None, *,
+                    attn_block: int | None = None, remat: str = "none") -> jax.Array:
     """Final hidden states `[B, T, E]` (after the final norm, compute dtype): the logits are
-    `hidden_states(tokens) @ head_matrix()` in float32 (the tiled log-prob kernel's input)."""
-    return self.final_norm(self._hidden(tokens, positions)[0])
+    `hidden_states(tokens) @ head_matrix()` in float32 (the tiled log-prob kernel's input).
+    attn_block, remat: as in `__call__`."""
+    return self.final_norm(self._hidden(tokens, positions, attn_block, remat)[0])
 
-  def _hidden(self, tokens: jax.Array, positions: jax.Array | None):
-    """Causal pass up to (excluding) the final norm: x `[B, T, E]` and each layer's (k, v)."""
+  def _hidden(self, tokens: jax.Array, positions: jax.Array | None,
+              attn_block: int | None = None, remat: str = "none"):
+    """Causal pass up to (excluding) the final norm: x `[B, T, E]` and each layer's (k, v).
+
+    Each block runs under `jax.checkpoint` with the `remat` policy (`REMAT_POLICIES`).
+    """
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={remat!r} is not one of {list(REMAT_POLICIES)}")
+    block = DEFAULT_ATTN_BLOCK if attn_block is None else attn_block
+    if block < 1:
+      raise ValueError(f"attn_block={attn_block} must be >= 1")
     b, t = tokens.shape
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))  # [B, T, T]
-    rope_cs = rope_tables(positions, rope_frequencies(self.cfg))
+    if positions is None:  # [1, T, 1, D/2] host constants
+      rope_cs = tuple(jnp.asarray(x)[None, :, None, :] for x in rope_table_host(self.cfg, t))
+    else:
+      rope_cs = rope_tables(positions, rope_frequencies(self.cfg))
     x = self._embed(tokens)
     kvs = []
     for layer in self.layers:
-      x, kv = layer(x, rope_cs, mask)
+      x, kv = _run_block(layer, x, rope_cs, block, remat)
       kvs.append(kv)
     return x, kvs
 
-  def prefill(self, tokens: jax.Array, lengths: jax.Array):
+  def prefill(self, tokens: jax.Array, lengths: jax.Array, attn_block: int | None = None):
     """Prompts for the sampling engine: the LM head only at each prompt's last token.
 
-    tokens: `[B, T]` int, right-padded; lengths: `[B]` (1 <= length <= T). Returns (logits
+    tokens: `[B, T]` int, right-padded; lengths: `[B]` (1 <= length <= T); attn_block: as in
+    `__call__`. Returns (logits
     `[B, V]` float32 of the token after each prompt, list over layers of (k, v) `[B, T, K, D]`).
     """
-    x, kvs = self._hidden(tokens, None)
+    x, kvs = self._hidden(tokens, None, attn_block)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, E]
     return self._logits(last)[:, 0], kvs
 
@@ -418,8 +608,7 @@ class Transformer(nnx.Module):
 
   def rope_table(self, size: int) -> tuple[jax.Array, jax.Array]:
     """cos, sin `[size, D/2]` of positions `0..size-1`, for `decode(..., rope_table=)`."""
-    cos, sin = rope_tables(jnp.arange(size)[None], rope_frequencies(self.cfg))  # [1, size, 1, D/2]
-    return cos[0, :, 0], sin[0, :, 0]
+    return tuple(jnp.asarray(x) for x in rope_table_host(self.cfg, size))  # [size, D/2]
 
   def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict[str, Any], *,
              live_len: jax.Array | int | None = None, chunk: int = 256,
