@@ -107,11 +107,18 @@ def lag_histogram(lags: np.ndarray) -> dict[str, int]:
   return {str(int(v)): int(c) for v, c in zip(values, counts)}
 
 
+@jax.jit
+def _all_finite(leaves: list) -> jax.Array:
+  """Whether every float leaf is finite: one program (on a mesh: one set of all-reduces; many
+  small eager ones in flight at once can deadlock the CPU backend's collectives)."""
+  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
+
 def check_all_finite(trees: dict) -> None:
   """A checkpoint never holds non-finite weights: non-finite steps are skipped, so this is a bug."""
   for name, tree in trees.items():
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    if leaves and not bool(jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))):
+    if leaves and not bool(_all_finite(leaves)):
       raise RuntimeError(f"refusing to checkpoint non-finite {name} (a skipped step leaked an update)")
 
 
