@@ -26,6 +26,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,6 +105,9 @@ def child(args) -> dict:
     params, opt_state, m = step(params, opt_state, snapshot, batch)
     losses.append(float(jax.block_until_ready(m["loss"])))
     times.append(time.perf_counter() - t0)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"step {len(times)}: {times[-1]:.1f} s, loss {losses[-1]:.6f}, peak RSS {rss:.2f} GiB",
+          file=sys.stderr, flush=True)
   tokens = batch.tokens.size
   median = statistics.median(times[1:])
   return {"devices": jax.device_count(), "mesh": dict(mesh.shape), "tokens_per_step": tokens,
@@ -131,19 +135,20 @@ def run_child(devices: int, fsdp: int, tensor: int, reps: int, qwen3: bool,
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   cmd = [sys.executable, os.path.abspath(__file__), "--child", f"--fsdp={fsdp}",
          f"--tensor={tensor}", f"--reps={reps}"] + (["--qwen3"] if qwen3 else [])
-  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, cwd=ROOT)
+  log = tempfile.NamedTemporaryFile("w+", prefix="sharded_step_", suffix=".log", delete=False)
+  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
   peak = 0.0
   while proc.poll() is None:
     peak = max(peak, _rss_gib(proc.pid))
     if rss_limit_gib and peak > rss_limit_gib:
       proc.kill()
       proc.communicate()
-      raise SystemExit(f"child {cmd} passed {rss_limit_gib} GiB of RSS: stopped")
+      raise SystemExit(f"child {cmd} passed {rss_limit_gib} GiB of RSS: stopped (log {log.name})")
     time.sleep(0.2)
-  stdout, stderr = proc.communicate()
+  stdout, _ = proc.communicate()
   if proc.returncode:
-    raise SystemExit(f"child {cmd} failed:\n{stderr[-4000:]}")
+    log.seek(0)
+    raise SystemExit(f"child {cmd} failed (log {log.name}):\n{log.read()[-4000:]}")
   return {**json.loads(stdout.strip().splitlines()[-1]), "watched_peak_rss_gib": round(peak, 2)}
 
 

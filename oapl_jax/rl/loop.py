@@ -126,6 +126,10 @@ class Run:
   """One training run: pi_theta and its optimizer state, the engines' snapshot pi_old, the
   buffer, the sample source and the counters; `step()` is one step of the lagged loop.
 
+  pi_theta (model.param_dtype), its AdamW state, pi_old (a model.dtype copy) and the GRPO
+  reference live sharded on the trainer's mesh (`self.mesh`, over `trainer_devices`; layouts
+  and the jitted step: `step.TrainStep`); the engines load pi_old from there.
+
   `oapl_jax.train.run` drives it; tests and notebooks use its pieces directly.
   """
 
@@ -291,8 +295,8 @@ class Run:
     """
     self.wait()
     problems = self.sampler.task.eval_problems()[:num_problems]
-    scored = self.sampler.sample(self.engine_copy(self.params if params is None else params), problems,
-                                 group_size=n, key=jax.random.key(seed))
+    weights = self.engine_copy(self.params if params is None else params)
+    scored = self.sampler.sample(weights, problems, group_size=n, key=jax.random.key(seed))
     texts = self.sampler.decode(scored.rollout)
     return [{"prompt": p.prompt, "answers": texts[j * n:(j + 1) * n],
              "rewards": [float(r) for r in scored.rewards[j * n:(j + 1) * n]]}
@@ -309,8 +313,8 @@ class Run:
     """pass@k of `params` on the held-out problems (the same draws at every call), printed."""
     self.wait()
     t0 = time.perf_counter()
-    out = evaluate(self.sampler, self.engine_copy(params), samples_per_problem=self.config.eval.samples_per_problem,
-                   key=eval_key(self.config.seed))
+    out = evaluate(self.sampler, self.engine_copy(params),
+                   samples_per_problem=self.config.eval.samples_per_problem, key=eval_key(self.config.seed))
     say(f"eval {tag}: " + ", ".join(f"{k}={v:.3f}" for k, v in out.items() if k.startswith("pass@"))
         + f" ({time.perf_counter() - t0:.1f}s)")
     return out

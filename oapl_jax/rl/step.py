@@ -141,7 +141,8 @@ class TrainStep:
     batch = Batch(*(self.batch_sharding,) * 4)
     self.jitted = jax.jit(
         fn, donate_argnums=(0, 1),
-        in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings, batch, reference),
+        in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings, batch,
+                      reference),
         out_shardings=(self.param_shardings, self.opt_shardings, self.replicated))
     self.dtype = jnp.dtype(config.model.dtype)
     self._snapshot = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p),
