@@ -5,11 +5,12 @@
 
 Each mesh runs in its own child process (JAX fixes its CPU device count at start-up) on the
 same model, batch and seed: parameters and AdamW state created sharded, the batch laid out by
-`TrainStep.place_batch`, one compile step, then `--reps` timed steps; the figure is the median
-(tokens = rows x sequence length per step). Host "devices" share this machine's cores, so 8 of
+`TrainStep.place_batch`, the step compiled ahead of time (`lower().compile()`: compile time and
+XLA's per-device memory figures apart), one warm-up step, then `--reps` timed steps; the figure
+is the median (tokens = rows x sequence length per step). Host "devices" share this machine's cores, so 8 of
 them show the cost of the sharded program (collectives, partitioning), not a speed-up.
 
-`--qwen3`: one or two OAPL steps of the Qwen3-0.6B preset's architecture (random weights,
+`--qwen3`: one (`--reps 0`) or two OAPL steps of the Qwen3-0.6B preset's architecture (random weights,
 float32 master weights, bfloat16 compute, 2 rows x 2048 tokens) on 8 host devices
 (fsdp 2 x tensor 4: 2 rows cannot split over more batch shards), printing the step time and the
 process's peak RSS (`resource.getrusage(...).ru_maxrss`). It sets train.remat=full,
@@ -98,20 +99,30 @@ def child(args) -> dict:
   snapshot = step.snapshot_of(params)
   jax.block_until_ready((params, opt_state, snapshot))
   init_s = time.perf_counter() - t0
-  batch = _batch(c)
+  batch = step.place_batch(_batch(c))
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):  # ahead of time: the compile apart, and XLA's memory figures
+    compiled = step.jitted.lower(params, opt_state, snapshot, batch, None).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  memory = {k: round(getattr(mem, f"{k}_size_in_bytes") / 2**30, 3)
+            for k in ("argument", "output", "alias", "temp")} if mem is not None else None
+  print(f"compiled in {compile_s:.1f} s; per-device GiB {memory}", file=sys.stderr, flush=True)
   times, losses = [], []
-  for _ in range(args.reps + 1):  # the first one compiles
+  for _ in range(args.reps + 1):  # the first one warms up
     t0 = time.perf_counter()
-    params, opt_state, m = step(params, opt_state, snapshot, batch)
+    with jax.set_mesh(mesh):
+      params, opt_state, m = compiled(params, opt_state, snapshot, batch, None)
     losses.append(float(jax.block_until_ready(m["loss"])))
     times.append(time.perf_counter() - t0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"step {len(times)}: {times[-1]:.1f} s, loss {losses[-1]:.6f}, peak RSS {rss:.2f} GiB",
           file=sys.stderr, flush=True)
   tokens = batch.tokens.size
-  median = statistics.median(times[1:])
+  median = statistics.median(times[1:] or times)  # --reps 0: the one step
   return {"devices": jax.device_count(), "mesh": dict(mesh.shape), "tokens_per_step": tokens,
-          "init_s": round(init_s, 2), "compile_step_s": round(times[0], 2),
+          "init_s": round(init_s, 2), "compile_s": round(compile_s, 1),
+          "xla_memory_gib_per_device": memory, "first_step_s": round(times[0], 2),
           "step_s": [round(t, 3) for t in times[1:]], "median_step_s": round(median, 3),
           "tokens_per_s": round(tokens / median, 1), "loss": losses,
           "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
@@ -166,10 +177,10 @@ def main():
     print(json.dumps(child(args)), flush=True)
     return
   if args.qwen3:
-    r = run_child(8, 2, 4, max(1, min(args.reps, 2)), qwen3=True, rss_limit_gib=args.rss_limit_gib)
+    r = run_child(8, 2, 4, min(args.reps, 1), qwen3=True, rss_limit_gib=args.rss_limit_gib)
     print(json.dumps(r, indent=1))
     print(f"Qwen3-0.6B OAPL step, 8 host devices (fsdp 2 x tensor 4), 2 x 2048 tokens, bf16 compute: "
-          f"{r['median_step_s']:.1f} s/step (first step with compile {r['compile_step_s']:.1f} s), "
+          f"{r['median_step_s']:.1f} s/step (compile {r['compile_s']:.0f} s, first step {r['first_step_s']:.0f} s), "
           f"peak RSS {r['peak_rss_gib']:.2f} GiB; settings honoured: {r['honoured']}")
     return
   rows = [run_child(d, f, t, args.reps, qwen3=False) for d, f, t in MESHES]

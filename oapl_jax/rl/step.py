@@ -246,10 +246,14 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
     def body(grads, mb):
       mb = jax.tree.map(by_rows, mb)  # [b, ...]: rows over the batch shards
       (loss, m), g = grad_fn(params, snapshot, reference, mb, num_tokens, num_answers)
-      return jax.tree.map(jnp.add, grads, g), (loss, m)
+      return (g if grads is None else jax.tree.map(jnp.add, grads, g)), (loss, m)
 
-    grads, (loss, m) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
-    grads = jax.tree.map(lambda g: g / accum, grads)
+    if accum == 1:  # no accumulator: one weight-sized float32 buffer less at the peak
+      grads, (loss, m) = body(None, jax.tree.map(lambda x: x[0], micro))
+      loss, m = jax.tree.map(lambda x: x[None], (loss, m))  # [1] like the scan's
+    else:
+      grads, (loss, m) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+      grads = jax.tree.map(lambda g: g / accum, grads)
     new_updates, new_opt_state = optimizer.update(grads, opt_state, params)
     grad_norm = optax.global_norm(grads)
     # A step whose loss or gradient is not finite is skipped: params and optimizer state stay
