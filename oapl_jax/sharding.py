@@ -15,6 +15,10 @@ here accept the rules as those pairs or as a mapping `{logical axis: mesh axes}`
     array = place(host_array, axes, mesh, rules, name)    # one host array onto the mesh
 
 A weight dimension that does not divide over its mesh axes is refused, naming the weight.
+
+The trainer's mesh (`make_mesh`) has the axes `MESH_AXES` = ("data", "fsdp", "tensor") with
+the sizes of `config.mesh` (-1 = all remaining devices); batch rows of a train step are split
+over the mesh axes of the "batch" rule (`batch_axes`: ("data", "fsdp") by default).
 """
 
 from __future__ import annotations
@@ -25,12 +29,48 @@ from typing import Any, Union
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from oapl_jax.config import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")  # The mesh axes a rule may name (config.sharding.rules).
 
 MeshAxes = Union[str, tuple[str, ...], None]  # One rule's value.
 Rules = Union[Mapping[str, MeshAxes], Iterable[tuple[str, MeshAxes]]]
+
+
+def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
+  """(data, fsdp, tensor) sizes of `mesh_cfg` (config.mesh) over `num_devices` devices: the
+  one axis set to -1 takes all remaining devices. A product other than `num_devices` is a
+  ConfigError naming the mesh settings and the device count."""
+  sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
+  settings = ", ".join(f"mesh.{a}={v}" for a, v in zip(MESH_AXES, sizes))
+  fixed = int(np.prod([v for v in sizes if v != -1]))
+  if -1 in sizes and fixed > 0 and num_devices % fixed == 0:
+    sizes[sizes.index(-1)] = num_devices // fixed
+  if -1 in sizes or int(np.prod(sizes)) != num_devices:
+    raise ConfigError(f"config.mesh ({settings}): the product of the mesh axes must equal the "
+                      f"trainer's {num_devices} devices")
+  return tuple(sizes)
+
+
+def make_mesh(mesh_cfg, devices) -> Mesh:
+  """The trainer's mesh over `devices` (a list of jax devices), axes `MESH_AXES` with the
+  sizes of `mesh_cfg` (config.mesh; see `mesh_shape`). Axis types Auto: GSPMD places the
+  activations (Explicit axes refuse einsums with a sharded contraction)."""
+  devices = list(devices)
+  shape = mesh_shape(mesh_cfg, len(devices))
+  return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def batch_axes(rules: Rules | None) -> MeshAxes:
+  """The mesh axes batch rows are split over: the "batch" rule's (None = replicated)."""
+  return rules_dict(rules).get("batch")
+
+
+def batch_shards(mesh: Mesh, rules: Rules | None) -> int:
+  """How many shards the rows of a batch are split into on `mesh` (product of `batch_axes`)."""
+  return int(np.prod([mesh.shape[n] for n in _spec_names(batch_axes(rules))]))
 
 
 def _mesh_axes(value: Any) -> MeshAxes:

@@ -18,7 +18,7 @@ from oapl_jax import config as config_lib
 from oapl_jax import warmup
 from oapl_jax.errors import UserError
 from oapl_jax.metrics import MetricsLog, say, write_json
-from oapl_jax.rl.loop import Run, copy_tree
+from oapl_jax.rl.loop import Run
 from oapl_jax.sampling.sampler import seq_len
 from oapl_jax.workdir import Interrupted, StopSignals, WorkdirLock
 
@@ -57,10 +57,7 @@ def _start(r: Run, config, workdir: str) -> tuple[dict, dict]:
   if config.warmup.steps:
     r.params, warmup_info = warmup.base_model(config, r.graphdef, r.params, r.sampler.task,
                                               r.sampler.tokenizer, seq_len=seq_len(config))
-  r.opt_state = r.optimizer.init(r.params)
-  r.snapshot = copy_tree(r.params)
-  if r.reference is not None:
-    r.reference = copy_tree(r.params)
+  r.start_from(r.params)  # optimizer state, snapshot and reference of the warmed-up base
   eval_before = r.evaluate(r.params, "before")
   write_json(before_path, {"eval": eval_before, "warmup": warmup_info})
   r.save()

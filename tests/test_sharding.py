@@ -99,8 +99,9 @@ def _refused(rules, match: str) -> None:
 def test_default_rules_cover_every_logical_axis_and_are_valid():
   from oapl_jax.models.transformer import LOGICAL_AXES
   c = tiny.get_config()
-  assert {logical for logical, _ in c.sharding.rules} == set(LOGICAL_AXES)
-  c.sharding.rules = c.sharding.rules + (("batch", ("data", "fsdp")), ("cache", ()))
+  assert {logical for logical, _ in c.sharding.rules} == set(LOGICAL_AXES) | {"batch"}
+  assert dict(c.sharding.rules)["batch"] == ("data", "fsdp")  # a train step's batch rows
+  c.sharding.rules = c.sharding.rules + (("activations", ("data", "fsdp")), ("cache", ()))
   validate(c)  # tuples of mesh axes, and rules for axes weights do not carry, are fine
 
 
@@ -108,8 +109,8 @@ def test_a_rule_naming_an_unknown_mesh_axis_is_refused():
   rules = tiny.get_config().sharding.rules
   _refused(((rules[0]), ("embed", "fsdpp")) + rules[2:],
            r"config\.sharding\.rules\[1\]=\('embed', 'fsdpp'\): mesh axes 'fsdpp'")
-  _refused(rules + (("batch", ("data", "model")),), r"config\.sharding\.rules\[7\]=.*'model'")
-  _refused(rules + (("batch", ("data", "data")),), r"config\.sharding\.rules\[7\]=.*distinct")
+  _refused(rules + (("cache", ("data", "model")),), r"config\.sharding\.rules\[8\]=.*'model'")
+  _refused(rules + (("cache", ("data", "data")),), r"config\.sharding\.rules\[8\]=.*distinct")
 
 
 def test_every_logical_axis_needs_a_rule_or_none():
@@ -122,8 +123,8 @@ def test_every_logical_axis_needs_a_rule_or_none():
 
 def test_malformed_or_repeated_rules_are_refused():
   rules = tiny.get_config().sharding.rules
-  _refused(rules + (("embed", None),), r"config\.sharding\.rules\[7\]=.*'embed' already has a rule")
-  _refused(rules + (("batch",),), r"config\.sharding\.rules\[7\]=\('batch',\): must be a pair")
+  _refused(rules + (("embed", None),), r"config\.sharding\.rules\[8\]=.*'embed' already has a rule")
+  _refused(rules + (("cache",),), r"config\.sharding\.rules\[8\]=\('cache',\): must be a pair")
 
 
 def _todays_init_model(config):

@@ -32,8 +32,9 @@ def init_model(config, *, mesh: Mesh | None = None, rules: sharding.Rules | None
   mesh: None = arrays on the default device (eager init); else each weight is created sharded
   over `mesh` by `rules` (default: config.sharding.rules). A weight dimension that does not
   divide over its mesh axes is a ValueError naming the weight.
-  model_cfg is config.model's ModelConfig (its compute dtype is config.model.dtype); params is
-  the `nnx.Param` State.
+  model_cfg is config.model's ModelConfig; params is the `nnx.Param` State, in
+  `model.param_dtype` (master weights), and the graphdef computes in `model.dtype`, for a
+  checkpoint as for a random init (a checkpoint's own dtype is not used).
   """
   model_cfg = ModelConfig.from_config(config.model)
   if mesh is not None and rules is None:
@@ -41,7 +42,8 @@ def init_model(config, *, mesh: Mesh | None = None, rules: sharding.Rules | None
   if config.model.path is None:
     graphdef, params = init_params(model_cfg, config.seed, mesh=mesh, rules=rules)
   else:
-    model = from_hf(config.model.path, dtype=config.model.param_dtype, mesh=mesh, rules=rules)
+    model = from_hf(config.model.path, dtype=config.model.dtype,
+                    param_dtype=config.model.param_dtype, mesh=mesh, rules=rules)
     check_same_architecture(model_cfg, model.cfg, config.model.path)
     graphdef, params = nnx.split(model, nnx.Param)
   return model_cfg, graphdef, params
@@ -77,12 +79,22 @@ def check_same_architecture(expected: ModelConfig, loaded: ModelConfig, path: st
     raise ConfigError("checkpoint of another model:\n  " + "\n  ".join(diffs))
 
 
-def abstract_model(config) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+def abstract_model(config, dtype=None) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
   """(model_cfg, graphdef, params as `jax.ShapeDtypeStruct`s on the default device) of
-  `config.model`: the structure a checkpoint's weights are read into, nothing allocated."""
+  `config.model`: the structure a checkpoint's weights are read into, nothing allocated.
+  dtype: the leaves' dtype; None = `model.param_dtype` (pi_theta; the engines' snapshot
+  pi_old is saved in `model.dtype`)."""
   model_cfg = ModelConfig.from_config(config.model)
   graphdef, abstract = nnx.split(
       nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(params=config.seed))), nnx.Param)
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return model_cfg, graphdef, jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+      lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=device), abstract)
+
+
+def param_shardings(config, mesh: Mesh, rules: sharding.Rules | None = None) -> nnx.State:
+  """A NamedSharding for every weight of `config.model` over `mesh` (rules: default
+  config.sharding.rules), as a State shaped like the params; nothing allocated."""
+  model_cfg = ModelConfig.from_config(config.model)
+  abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(params=0)))
+  return sharding.param_shardings(abstract, mesh, config.sharding.rules if rules is None else rules)

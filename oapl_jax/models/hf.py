@@ -296,12 +296,13 @@ def _read_tensor(handles: dict, files: Mapping[str, str], name: str, hf_shape,
   return handles[files[name]].get_tensor(name)
 
 
-def from_hf(path: str | os.PathLike, *, dtype: Any = "float32", mesh: Mesh | None = None,
-            rules: sharding.Rules | None = None) -> Transformer:
+def from_hf(path: str | os.PathLike, *, dtype: Any = "float32", param_dtype: Any = None,
+            mesh: Mesh | None = None, rules: sharding.Rules | None = None) -> Transformer:
   """Loads a local Hugging Face checkpoint folder into a `Transformer`.
 
-  dtype: weight and compute dtype: "float32", "bfloat16", "float16", or the NumPy/JAX dtype
-  (jnp.bfloat16, np.float32, jnp.dtype("float16")).
+  dtype: compute dtype: "float32", "bfloat16", "float16", or the NumPy/JAX dtype
+  (jnp.bfloat16, np.float32, jnp.dtype("float16")). param_dtype: the dtype the weights are
+  stored in (mixed precision: float32 master weights, bfloat16 compute); None = `dtype`.
   mesh, rules: with a mesh, each weight becomes a global array sharded by its logical_axes
   through `rules` (`(logical axis, mesh axes)` pairs as in config.sharding.rules, or a
   mapping; axes without a rule replicated: `oapl_jax.sharding`); a dimension that does not
@@ -311,8 +312,11 @@ def from_hf(path: str | os.PathLike, *, dtype: Any = "float32", mesh: Mesh | Non
   """
   path = os.fspath(path)
   dtype = dtype_name(dtype)  # refused before any file is read
+  param_dtype = dtype if param_dtype is None else dtype_name(param_dtype, "param_dtype")
   hf_cfg = read_hf_config(path)
-  cfg = model_config_from_hf(hf_cfg, dtype=dtype, source=os.path.join(path, "config.json"))
+  cfg = dataclasses.replace(
+      model_config_from_hf(hf_cfg, dtype=dtype, source=os.path.join(path, "config.json")),
+      param_dtype=param_dtype)
   files = _weight_files(path)
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model, nnx.Param)
@@ -326,7 +330,7 @@ def from_hf(path: str | os.PathLike, *, dtype: Any = "float32", mesh: Mesh | Non
       expected.add(name)
       shape = tuple(var.get_value().shape)
       hf_arr = _read_tensor(handles, files, name, layout.hf_shape(shape), path)
-      host = np.ascontiguousarray(layout.to_ours(hf_arr, shape).astype(DTYPES[dtype]))
+      host = np.ascontiguousarray(layout.to_ours(hf_arr, shape).astype(DTYPES[param_dtype]))
       del hf_arr
       var.set_value(sharding.place(host, var.get_metadata().get("logical_axes"), mesh, rules, name))
   ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oapl_jax import config as config_lib
+from oapl_jax import sharding
 from oapl_jax.checkpoint import Checkpointer
 from oapl_jax.eval.evaluate import eval_key, evaluate
 from oapl_jax.metrics import say
@@ -73,6 +74,17 @@ def engine_devices(config) -> list:
   return devices
 
 
+def trainer_devices(config) -> list:
+  """The trainer's devices (its mesh: `sharding.make_mesh(config.mesh, ...)`): all devices in
+  sync mode; when sampling overlaps training (async), those the engines do not use (they take
+  the last `sampling.engines * sampling.tensor` devices), or device 0 if there are no others."""
+  devices = jax.devices()
+  if not SOURCES[config.rl.mode].overlaps_training:
+    return devices
+  engine_count = config.sampling.engines * config.sampling.tensor
+  return devices[:-engine_count] if len(devices) > engine_count else devices[:1]
+
+
 def draw_rollout(config, sampler: Sampler, weights, *, index: int, version: int,
                  snapshot_step: int) -> Drawn:
   """Rollout number `index`: `rl.groups_per_rollout` fresh training problems x G answers.
@@ -90,27 +102,33 @@ def draw_rollout(config, sampler: Sampler, weights, *, index: int, version: int,
                int(scored.rollout.lengths.sum()))
 
 
-def copy_tree(tree):
-  """A copy with its own buffers (the train step donates pi_theta's)."""
-  return jax.tree.map(jnp.copy, tree)
-
-
 def lag_histogram(lags: np.ndarray) -> dict[str, int]:
   values, counts = np.unique(lags, return_counts=True)
   return {str(int(v)): int(c) for v, c in zip(values, counts)}
+
+
+@jax.jit
+def _all_finite(leaves: list) -> jax.Array:
+  """Whether every float leaf is finite: one program (on a mesh: one set of all-reduces; many
+  small eager ones in flight at once can deadlock the CPU backend's collectives)."""
+  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
 
 
 def check_all_finite(trees: dict) -> None:
   """A checkpoint never holds non-finite weights: non-finite steps are skipped, so this is a bug."""
   for name, tree in trees.items():
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    if leaves and not bool(jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))):
+    if leaves and not bool(_all_finite(leaves)):
       raise RuntimeError(f"refusing to checkpoint non-finite {name} (a skipped step leaked an update)")
 
 
 class Run:
   """One training run: pi_theta and its optimizer state, the engines' snapshot pi_old, the
   buffer, the sample source and the counters; `step()` is one step of the lagged loop.
+
+  pi_theta (model.param_dtype), its AdamW state, pi_old (a model.dtype copy) and the GRPO
+  reference live sharded on the trainer's mesh (`self.mesh`, over `trainer_devices`; layouts
+  and the jitted step: `step.TrainStep`); the engines load pi_old from there.
 
   `oapl_jax.train.run` drives it; tests and notebooks use its pieces directly.
   """
@@ -125,20 +143,27 @@ class Run:
       raise config_lib.ConfigError(
           f"config.model.vocab_size={config.model.vocab_size}: must be >= the tokenizer's "
           f"{tokenizer.vocab_size}")
-    self.model_cfg, self.graphdef, params = init_model(config)
+    self.mesh = sharding.make_mesh(config.mesh, trainer_devices(config))  # the trainer's
+    self.model_cfg, self.graphdef, params = init_model(config, mesh=self.mesh)  # created sharded
     self.optimizer = make_optimizer(config.train, config.train.steps)
     sampling = SamplingParams.from_config(config.sampling)  # the engine's and the trainer's
     replicas = make_replicas(config, self.model_cfg, self.graphdef, sampling, engine_devices(config))
     self.sampler = Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
     self.source = SOURCES[config.rl.mode]()
-    self.train_step = make_train_step(config, self.graphdef, self.optimizer, sampling)
+    self.train_step = make_train_step(config, self.graphdef, self.optimizer, sampling, self.mesh)
     self.buffer = GroupBuffer(config.rl.group_size)
     self.counters = Counters()
-    self.params = params  # pi_theta
-    self.opt_state = self.optimizer.init(params)
-    self.snapshot = copy_tree(params)  # pi_old, the engines' weights
-    self.reference = copy_tree(params) if uses_reference(config) else None  # frozen: the RL start
+    self.start_from(params)
     self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+
+  def start_from(self, params) -> None:
+    """pi_theta <- `params` (placed in the trainer's shardings, in model.param_dtype), a fresh
+    optimizer state, pi_old <- a model.dtype copy, and the GRPO reference <- a copy."""
+    self.params = self.train_step.place_params(params)  # pi_theta: master weights
+    self.opt_state = self.train_step.init_opt_state(self.params)
+    self.snapshot = self.train_step.snapshot_of(self.params)  # pi_old, the engines' weights
+    self.reference = (self.train_step.place_params(self.params) if uses_reference(self.config)
+                      else None)  # frozen: the RL start
 
   # checkpoints
   def model_meta(self) -> dict:
@@ -205,7 +230,7 @@ class Run:
     rollout in flight, with their own stamps (oapl.md: stale samples are used), unless their
     realised lag exceeds `rl.max_lag`.
     """
-    self.snapshot = copy_tree(self.params)
+    self.snapshot = self.train_step.snapshot_of(self.params)
     self.counters.version += 1
     self.counters.snapshot_step = self.counters.step
     if self.source.empties_buffer_at_refresh:
@@ -270,19 +295,26 @@ class Run:
     """
     self.wait()
     problems = self.sampler.task.eval_problems()[:num_problems]
-    scored = self.sampler.sample(self.params if params is None else params, problems,
-                                 group_size=n, key=jax.random.key(seed))
+    weights = self.engine_copy(self.params if params is None else params)
+    scored = self.sampler.sample(weights, problems, group_size=n, key=jax.random.key(seed))
     texts = self.sampler.decode(scored.rollout)
     return [{"prompt": p.prompt, "answers": texts[j * n:(j + 1) * n],
              "rewards": [float(r) for r in scored.rewards[j * n:(j + 1) * n]]}
             for j, p in enumerate(problems)]
 
+  def engine_copy(self, params):
+    """`params` as the engines compute with them: cast to model.dtype (pi_theta's master
+    weights are model.param_dtype)."""
+    if all(x.dtype == self.train_step.dtype for x in jax.tree.leaves(params)):
+      return params
+    return self.train_step.snapshot_of(params)
+
   def evaluate(self, params, tag: str) -> dict:
     """pass@k of `params` on the held-out problems (the same draws at every call), printed."""
     self.wait()
     t0 = time.perf_counter()
-    out = evaluate(self.sampler, params, samples_per_problem=self.config.eval.samples_per_problem,
-                   key=eval_key(self.config.seed))
+    out = evaluate(self.sampler, self.engine_copy(params),
+                   samples_per_problem=self.config.eval.samples_per_problem, key=eval_key(self.config.seed))
     say(f"eval {tag}: " + ", ".join(f"{k}={v:.3f}" for k, v in out.items() if k.startswith("pass@"))
         + f" ({time.perf_counter() - t0:.1f}s)")
     return out

@@ -3,6 +3,18 @@
 The step scores a batch with the trainer's log-prob kernel (`logprobs.token_logprobs`, under
 the engine's sampling settings), computes the loss (`losses.LOSSES`), accumulates gradients
 over micro-batches of whole groups, and applies the update unless it is not finite.
+
+Layout on the trainer's mesh (`sharding.make_mesh`: axes data x fsdp x tensor):
+* pi_theta (master weights, `model.param_dtype`), its AdamW state (mu, nu like the params;
+  the step count replicated), the snapshot pi_old (a `model.dtype` copy: the engines'
+  weights) and the GRPO reference are sharded by the rules (`config.sharding.rules`);
+* a batch of B rows (whole groups of G) is laid out as `[accum, B / accum, ...]`: micro-batch j
+  is the j-th contiguous block of whole groups (as a plain reshape), and its rows are split
+  over the "batch" rule's mesh axes (data x fsdp), so every micro-batch spans every batch
+  shard. The rows of one micro-batch must divide over those shards (a ConfigError otherwise).
+The jitted step has in/out shardings for all of these, donates pi_theta and the optimizer
+state, and runs under `jax.set_mesh(mesh)`. On one device the mesh is trivial and the
+numbers are the unsharded ones.
 """
 
 from __future__ import annotations
@@ -11,9 +23,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from oapl_jax import sharding as sharding_lib
+from oapl_jax.config import ConfigError
+from oapl_jax.models import build
 from oapl_jax.rl import losses
 from oapl_jax.rl.buffer import Rows
 from oapl_jax.rl.logprobs import token_logprobs
@@ -58,8 +75,121 @@ def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(mask > 0, x, 0.0)) / jnp.maximum(mask.sum(), 1.0)
 
 
-def make_train_step(config, graphdef, optimizer, sampling: SamplingParams):
-  """Jitted (params, opt_state, snapshot, batch, reference) -> (params, opt_state, metrics).
+def check_batch_divides(config, mesh: Mesh, rows: int | None = None) -> None:
+  """Refuses (ConfigError) micro-batches whose rows do not divide over the batch shards.
+
+  rows: the rows of a whole batch (default: rl.groups_per_step x rl.group_size); a micro-batch
+  holds rows / train.grad_accum of them, split over the mesh axes of the "batch" rule.
+  """
+  rl, accum = config.rl, config.train.grad_accum
+  rows = rl.groups_per_step * rl.group_size if rows is None else rows
+  shards = sharding_lib.batch_shards(mesh, config.sharding.rules)
+  if rows % accum or (rows // accum) % shards:
+    axes = sharding_lib.batch_axes(config.sharding.rules)
+    sizes = ", ".join(f"mesh.{a}={mesh.shape[a]}" for a in sharding_lib.MESH_AXES)
+    raise ConfigError(
+        f"config.train.grad_accum={accum}: a micro-batch of {rows} rows (rl.groups_per_step="
+        f"{rl.groups_per_step} x rl.group_size={rl.group_size}) / {accum} does not divide over "
+        f"the {shards} batch shards (mesh axes {axes}: {sizes}); change train.grad_accum, "
+        "rl.groups_per_step or the mesh")
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_params,
+                        param_shardings, mesh: Mesh):
+  """Shardings of `optimizer.init(params)`: every leaf of the state that mirrors a weight (its
+  tree path ends with the weight's path and its shape is the weight's: AdamW's mu and nu) gets
+  the weight's sharding; anything else (step counts) is replicated. Nothing allocated."""
+  abstract_state = jax.eval_shape(optimizer.init, abstract_params)
+  by_path = {tuple(path): (tuple(x.shape), sh) for (path, x), (_, sh) in zip(
+      jax.tree_util.tree_flatten_with_path(abstract_params)[0],
+      jax.tree_util.tree_flatten_with_path(param_shardings)[0])}
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def leaf_sharding(path, x):
+    for start in range(len(path)):
+      found = by_path.get(tuple(path[start:]))
+      if found is not None and found[0] == tuple(x.shape):
+        return found[1]
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state)
+
+
+class TrainStep:
+  """The jitted train step on the trainer's mesh, and the layouts of the state it works on.
+
+      step = make_train_step(config, graphdef, optimizer, sampling, mesh)
+      opt_state = step.init_opt_state(params)          # sharded like the params
+      snapshot = step.snapshot_of(params)              # pi_old: a model.dtype copy
+      params, opt_state, metrics = step(params, opt_state, snapshot, batch, reference)
+
+  `batch` is a `Batch` of B rows (host NumPy or device arrays, `[B, ...]`); the call lays it
+  out as `[accum, B / accum, ...]` with the rows sharded (`place_batch`) and runs `jitted`
+  under `jax.set_mesh(mesh)`.
+  """
+
+  def __init__(self, config, mesh: Mesh, fn, optimizer):
+    self.config, self.mesh, self.optimizer = config, mesh, optimizer
+    self.accum = config.train.grad_accum
+    _, _, abstract = build.abstract_model(config)
+    self.param_shardings = build.param_shardings(config, mesh)
+    self.opt_shardings = opt_state_shardings(optimizer, abstract, self.param_shardings, mesh)
+    self.replicated = NamedSharding(mesh, PartitionSpec())
+    self.batch_sharding = NamedSharding(
+        mesh, PartitionSpec(None, sharding_lib.batch_axes(config.sharding.rules)))  # [accum, rows, ...]
+    reference = self.param_shardings if uses_reference(config) else None
+    batch = Batch(*(self.batch_sharding,) * 4)
+    self.jitted = jax.jit(
+        fn, donate_argnums=(0, 1),
+        in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings, batch,
+                      reference),
+        out_shardings=(self.param_shardings, self.opt_shardings, self.replicated))
+    self.dtype = jnp.dtype(config.model.dtype)
+    self._snapshot = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p),
+                             out_shardings=self.param_shardings)
+    self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)
+    self._relayout = jax.jit(lambda b: jax.tree.map(
+        lambda x: x.reshape(self.accum, x.shape[0] // self.accum, *x.shape[1:]), b),
+        out_shardings=self.batch_sharding)
+
+  def __call__(self, params, opt_state, snapshot, batch: "Batch", reference=None):
+    """(params, opt_state, metrics) after one step on `batch` (params, opt_state donated)."""
+    with jax.set_mesh(self.mesh):
+      return self.jitted(params, opt_state, snapshot, self.place_batch(batch), reference)
+
+  def place_batch(self, batch: "Batch") -> "Batch":
+    """`batch` `[B, ...]` as `[accum, B / accum, ...]` on the mesh, rows split over the batch
+    shards: host arrays by `jax.make_array_from_callback` (each device reads its own block),
+    device arrays by a jitted relayout."""
+    check_batch_divides(self.config, self.mesh, batch.tokens.shape[0])
+    if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(batch)):
+      def place(x):
+        x = x.reshape(self.accum, x.shape[0] // self.accum, *x.shape[1:])
+        return jax.make_array_from_callback(x.shape, self.batch_sharding, lambda index: x[index])
+      return jax.tree.map(place, batch)
+    with jax.set_mesh(self.mesh):
+      return self._relayout(batch)
+
+  def init_opt_state(self, params):
+    """The optimizer state of `params`, created sharded (mu, nu like the weights)."""
+    with jax.set_mesh(self.mesh):
+      return jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
+
+  def place_params(self, params):
+    """`params` (any layout: host, one device, another sharding) in the trainer's shardings."""
+    with jax.set_mesh(self.mesh):
+      return self._copy(params)
+
+  def snapshot_of(self, params):
+    """pi_old: a copy of `params` cast to `model.dtype` (the engines' weights), same shardings."""
+    with jax.set_mesh(self.mesh):
+      return self._snapshot(params)
+
+
+def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
+                    mesh: Mesh | None = None) -> TrainStep:
+  """The `TrainStep` (params, opt_state, snapshot, batch, reference) -> (params, opt_state,
+  metrics) on `mesh` (default: a one-device mesh on the first device).
 
   batch: a `Batch` of whole groups. sampling: the engine's settings (the log-prob contract:
   the trainer scores tokens under the distribution the engine sampled from).
@@ -72,12 +202,17 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams):
   (metric `step_skipped`). With finite gradients AdamW's update is finite too (lr, eps and the
   other settings are validated finite), so the update needs no check of its own.
   """
+  if mesh is None:
+    mesh = sharding_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  check_batch_divides(config, mesh)
   rl = config.rl
   loss_impl = functools.partial(losses.LOSSES[rl.loss], group_size=rl.group_size,
                                 **losses.kwargs_from_config(config))
   accum = config.train.grad_accum
   # GRPO's pi_prox is always the trainer's log-probs on the snapshot; OAPL's pi_old only if asked.
   needs_snapshot = rl.loss == "grpo" or rl.old_logprobs == "snapshot"
+  rows = NamedSharding(mesh, PartitionSpec(sharding_lib.batch_axes(config.sharding.rules)))
+  by_rows = lambda x: jax.lax.with_sharding_constraint(x, rows)  # noqa: E731  [b, ...] rows split
 
   def frozen_logprobs(params, tokens):
     return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), tokens, sampling,
@@ -105,18 +240,22 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams):
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def train_step(params, opt_state, snapshot, batch, reference=None):
-    num_tokens = batch.mask.sum() / accum  # per micro-batch share of the full batch's tokens
-    num_answers = (batch.mask.sum(axis=1) > 0).sum() / accum  # ... and of its counted answers
-    micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+  def train_step(params, opt_state, snapshot, micro, reference=None):
+    """micro: the batch as `[accum, B / accum, ...]` (`TrainStep.place_batch`)."""
+    num_tokens = micro.mask.sum() / accum  # per micro-batch share of the full batch's tokens
+    num_answers = (micro.mask.sum(axis=-1) > 0).sum() / accum  # ... and of its counted answers
 
     def body(grads, mb):
+      mb = jax.tree.map(by_rows, mb)  # [b, ...]: rows over the batch shards
       (loss, m), g = grad_fn(params, snapshot, reference, mb, num_tokens, num_answers)
-      return jax.tree.map(jnp.add, grads, g), (loss, m)
+      return (g if grads is None else jax.tree.map(jnp.add, grads, g)), (loss, m)
 
-    grads, (loss, m) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
-    grads = jax.tree.map(lambda g: g / accum, grads)
+    if accum == 1:  # no accumulator: one weight-sized float32 buffer less at the peak
+      grads, (loss, m) = body(None, jax.tree.map(lambda x: x[0], micro))
+      loss, m = jax.tree.map(lambda x: x[None], (loss, m))  # [1] like the scan's
+    else:
+      grads, (loss, m) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+      grads = jax.tree.map(lambda g: g / accum, grads)
     new_updates, new_opt_state = optimizer.update(grads, opt_state, params)
     grad_norm = optax.global_norm(grads)
     # A step whose loss or gradient is not finite is skipped: params and optimizer state stay
@@ -130,4 +269,4 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams):
                **{k: reduce.get(k, jnp.mean)(v) for k, v in m.items()}}
     return params, opt_state, metrics
 
-  return train_step
+  return TrainStep(config, mesh, train_step, optimizer)
