@@ -426,16 +426,18 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, rope_cs, attn_block: int):
+  def __call__(self, x, rope_cs, attn_block: int, rows=None):
     """Causal pass over x `[B, T, E]`; rope_cs: `rope_tables` of the positions; attention in
-    blocks of `attn_block` positions (`causal_attention`).
+    blocks of `attn_block` positions (`causal_attention`). rows: optional sharding of the
+    rows of `[B, T, E]` activations (see `Transformer.__call__`).
 
     Returns (x, (k, v)), k, v `[B, T, K, D]`.
     """
+    pin = (lambda a: a) if rows is None else (lambda a: jax.lax.with_sharding_constraint(a, rows))  # noqa: E731
     q, k, v = self.attn.project_qkv(self.input_norm(x), rope_cs)  # [B, T, N|K, D]
     q = q * q.shape[-1] ** -0.5  # in the compute dtype, as `decode` scales it
-    x = x + self.attn.output(causal_attention(q, k, v, attn_block))
-    x = x + self.mlp(self.post_attn_norm(x))
+    x = pin(x + pin(self.attn.output(causal_attention(q, k, v, attn_block))))
+    x = pin(x + pin(self.mlp(self.post_attn_norm(x))))
     return x, (k, v)
 
   def decode(self, x, positions, rope_cs, k_cache, v_cache, live_len, chunk: int, fused=None):
@@ -507,15 +509,15 @@ REMAT_POLICIES = {
 }
 
 
-def _run_block(layer: Block, x, rope_cs, attn_block: int, remat: str):
-  """`layer(x, rope_cs, attn_block)`, under `jax.checkpoint(policy=REMAT_POLICIES[remat])`
+def _run_block(layer: Block, x, rope_cs, attn_block: int, remat: str, rows=None):
+  """`layer(x, rope_cs, attn_block, rows)`, under `jax.checkpoint(policy=REMAT_POLICIES[remat])`
   unless remat is "none". Returns (x `[B, T, E]`, (k, v) `[B, T, K, D]`)."""
   if remat == "none":
-    return layer(x, rope_cs, attn_block)
+    return layer(x, rope_cs, attn_block, rows)
   graphdef, state = nnx.split(layer)
 
   def run(state, x, rope_cs):
-    return nnx.merge(graphdef, state)(x, rope_cs, attn_block)
+    return nnx.merge(graphdef, state)(x, rope_cs, attn_block, rows)
 
   return jax.checkpoint(run, policy=REMAT_POLICIES[remat])(state, x, rope_cs)
 
@@ -544,29 +546,33 @@ class Transformer(nnx.Module):
     return jnp.dot(x, w, preferred_element_type=jnp.float32)  # [B, T, V] float32
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
-               return_kv: bool = False, attn_block: int | None = None, remat: str = "none"):
+               return_kv: bool = False, attn_block: int | None = None, remat: str = "none",
+               rows=None):
     """Full causal forward pass.
 
     tokens: `[B, T]` int; positions: `[B, T]` (default `arange(T)`).
     attn_block: attention query/key block length (None: `DEFAULT_ATTN_BLOCK`; any value
     gives the same numbers up to float rounding); remat: what each block keeps for the
-    backward pass, one of `REMAT_POLICIES` (the same numbers for every policy).
+    backward pass, one of `REMAT_POLICIES` (the same numbers for every policy); rows: None, or
+    the sharding (a `NamedSharding` / `PartitionSpec` over the current mesh) that every
+    `[B, T, E]` activation between sublayers is pinned to: the trainer splits them by rows
+    over its batch shards, which GSPMD alone does not always keep (the same numbers).
     Returns logits `[B, T, V]` float32, and with `return_kv` also a list over layers of
     (k, v), each `[B, T, K, D]`.
     """
-    x, kvs = self._hidden(tokens, positions, attn_block, remat)
+    x, kvs = self._hidden(tokens, positions, attn_block, remat, rows)
     logits = self._logits(x)
     return (logits, kvs) if return_kv else logits
 
   def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None, *,
-                    attn_block: int | None = None, remat: str = "none") -> jax.Array:
+                    attn_block: int | None = None, remat: str = "none", rows=None) -> jax.Array:
     """Final hidden states `[B, T, E]` (after the final norm, compute dtype): the logits are
     `hidden_states(tokens) @ head_matrix()` in float32 (the tiled log-prob kernel's input).
-    attn_block, remat: as in `__call__`."""
-    return self.final_norm(self._hidden(tokens, positions, attn_block, remat)[0])
+    attn_block, remat, rows: as in `__call__`."""
+    return self.final_norm(self._hidden(tokens, positions, attn_block, remat, rows)[0])
 
   def _hidden(self, tokens: jax.Array, positions: jax.Array | None,
-              attn_block: int | None = None, remat: str = "none"):
+              attn_block: int | None = None, remat: str = "none", rows=None):
     """Causal pass up to (excluding) the final norm: x `[B, T, E]` and each layer's (k, v).
 
     Each block runs under `jax.checkpoint` with the `remat` policy (`REMAT_POLICIES`).
@@ -584,7 +590,7 @@ class Transformer(nnx.Module):
     x = self._embed(tokens)
     kvs = []
     for layer in self.layers:
-      x, kv = _run_block(layer, x, rope_cs, block, remat)
+      x, kv = _run_block(layer, x, rope_cs, block, remat, rows)
       kvs.append(kv)
     return x, kvs
 

@@ -142,7 +142,10 @@ def _tiles_bwd(sampling, residuals, cotangents):
     d = jnp.where(is_target, g_tile[..., None], 0.0) + (-g_tile / total_tile)[..., None] * e
     dlogits = (jnp.where(kept, d, 0.0) / sampling.temperature).astype(h_tile.dtype)  # [B, tile, V]
     dh = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32).astype(h_tile.dtype)
-    dw = dw + jnp.einsum("bte,btv->ev", h_tile, dlogits, preferred_element_type=jnp.float32)
+    # as one [E, B*tile] x [B*tile, V] matmul: XLA:CPU has no bf16 x bf16 -> f32 kernel for
+    # a dot contracting two dimensions
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731  [B*tile, E|V]
+    dw = dw + jnp.dot(flat(h_tile).T, flat(dlogits), preferred_element_type=jnp.float32)
     return dw, dh  # [E, V] float32, [B, tile, E]
 
   xs = (h, y, threshold, top, total, g)

@@ -213,14 +213,18 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
   needs_snapshot = rl.loss == "grpo" or rl.old_logprobs == "snapshot"
   rows = NamedSharding(mesh, PartitionSpec(sharding_lib.batch_axes(config.sharding.rules)))
   by_rows = lambda x: jax.lax.with_sharding_constraint(x, rows)  # noqa: E731  [b, ...] rows split
+  # The log-prob kernel's settings (memory: train.logprob_tile, train.attn_block); activations
+  # pinned to rows over the batch shards; train.remat where gradients are taken.
+  kernel = dict(tile=config.train.logprob_tile, attn_block=config.train.attn_block,
+                rows=None if mesh.size == 1 else rows)
 
   def frozen_logprobs(params, tokens):
     return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), tokens, sampling,
-                                                tile=config.train.logprob_tile)[0])
+                                                **kernel)[0])
 
   def micro_loss(params, snapshot, reference, mb, num_tokens, num_answers):
     logp, ent = token_logprobs(nnx.merge(graphdef, params), mb.tokens, sampling,
-                               tile=config.train.logprob_tile)  # [b, T-1]
+                               remat=config.train.remat, **kernel)  # [b, T-1]
     mask, sampler = mb.mask, mb.sampler_logprobs
     m = {}
     snap = None
