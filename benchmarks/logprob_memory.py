@@ -19,6 +19,12 @@ default backend (CPU here) in about a minute.
       [--dtype float32|bfloat16]
 
 Cases: temperature 0.6 with top-p 0.95 (the paper's code runs), and the same with top-k 20.
+
+Measured here (CPU backend, jax 0.10.2), both cases alike: float32, tile 512: 1.175 vs
+11.592 GiB (9.9x); tile 256: 0.741 GiB (15.6x); bfloat16 hidden states, tile 512: 1.754 vs
+12.187 GiB (6.9x; the bf16 head copy and its transpose stay live through the scans). Of the
+tiled figure, 0.58 GiB is the per-tile `[E, V]` float32 head gradient before it is added to
+the running sum (XLA on CPU does not fuse that add into the matmul).
 """
 
 from __future__ import annotations
