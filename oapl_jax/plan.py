@@ -243,49 +243,69 @@ SETTINGS = {
     "master weights": "mesh.fsdp (more devices: mesh.topology)",
     "optimizer state": "mesh.fsdp (more devices: mesh.topology)",
     "gradients": "mesh.fsdp (more devices: mesh.topology)",
-    "reference policy": "mesh.fsdp (more devices: mesh.topology)",
     "trainer snapshot": "mesh.fsdp (more devices: mesh.topology)",
-    "engine snapshot": "sampling.tensor",
-    "KV cache": "sampling.max_slots (or spread the cache: sampling.engines x sampling.tensor)",
-    "engine logits": "sampling.max_slots",
-    "engine prefill": "sampling.max_prefill_batch",
-    "train batch": "rl.groups_per_step",
+    "reference policy": "mesh.fsdp (more devices: mesh.topology)",
+    "train batch": "rl.groups_per_step (or more devices: mesh.topology)",
     "activations": "train.grad_accum, train.remat or train.attn_block",
     "log-prob kernel": "train.logprob_tile or train.grad_accum",
+    "engine snapshot": "sampling.tensor",
+    "KV cache": "sampling.max_slots (or spread the cache: sampling.engines x sampling.tensor)",
+    "engine logits": "sampling.max_slots (or sampling.engines)",
+    "engine prefill": "sampling.max_prefill_batch",
 }
-PHASES = ("state", "train", "sample")  # always live / during a train step / during sampling
 
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-  """One line of a plan: `nbytes` per device, live during `phase` (one of PHASES)."""
+  """One line of a plan: `nbytes` on each device of `where` ("trainer" or "engine"), live for
+  the whole run (`phase` "state") or only while that side works ("step": a train step, or
+  sampling)."""
 
   name: str
   nbytes: int
+  where: str
   phase: str
   note: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Bytes per device of a run: state (always live), plus the larger of the train step's and
-  the engines' transient memory (sync mode: they take turns; async: both at once)."""
+  """Bytes per device of a run, for its fullest device.
+
+  shared: the trainer and (some) engines use the same devices (sync mode, or async with too
+  few devices); such a device holds both sides' state, plus the larger of the two "step"
+  sets (sync: training and sampling take turns) or both (async: at once). Otherwise the
+  fullest device is the fuller of a trainer device and an engine device.
+  """
 
   topology: str
   devices: int
-  mesh: dict  # trainer mesh axis sizes
+  mesh: dict  # the trainer's mesh axis sizes
+  engines: int
+  engine_tensor: int
+  shared: bool
+  concurrent: bool
   items: tuple[Item, ...]
-  device_bytes: int | None  # None: unknown (CPU), no check
-  concurrent: bool  # async mode: train and sample transients add up
+  device_bytes: int | None  # None: unknown (CPU): no check
   notes: tuple[str, ...] = ()
 
-  def phase_bytes(self, phase: str) -> int:
-    return sum(i.nbytes for i in self.items if i.phase == phase)
+  def _bytes(self, items) -> int:
+    return sum(i.nbytes for i in items)
+
+  def _group(self, where: str, phase: str | None = None) -> list[Item]:
+    return [i for i in self.items if i.where == where and phase in (None, i.phase)]
+
+  def counted(self) -> list[Item]:
+    """The items the fullest device holds at its peak (see the class docstring)."""
+    if not self.shared:
+      return max(self._group("trainer"), self._group("engine"), key=self._bytes)
+    steps = [self._group("trainer", "step"), self._group("engine", "step")]
+    peak = steps[0] + steps[1] if self.concurrent else max(steps, key=self._bytes)
+    return self._group("trainer", "state") + self._group("engine", "state") + peak
 
   @property
   def total(self) -> int:
-    train, sample = self.phase_bytes("train"), self.phase_bytes("sample")
-    return self.phase_bytes("state") + (train + sample if self.concurrent else max(train, sample))
+    return self._bytes(self.counted())
 
   @property
   def headroom(self) -> int | None:
@@ -295,34 +315,38 @@ class Plan:
   def fits(self) -> bool:
     return self.headroom is None or self.headroom >= 0
 
-  def biggest(self) -> Item:
-    """The biggest item that counts in the total (of the larger transient phase in sync mode)."""
-    train, sample = self.phase_bytes("train"), self.phase_bytes("sample")
-    skip = () if self.concurrent else (("sample",) if train >= sample else ("train",))
-    return max((i for i in self.items if i.phase not in skip), key=lambda i: i.nbytes)
-
   def advice(self) -> str:
-    """One line: how far over the plan is and the setting to change."""
-    big = self.biggest()
+    """One line: how far over the plan is and the setting to change (the biggest item's)."""
+    big = max(self.counted(), key=lambda i: i.nbytes)
     return (f"the run needs {_gib(self.total)} per device but {self.topology} devices have "
             f"{_gib(self.device_bytes)} (short by {_gib(-self.headroom)}); the biggest item is the "
             f"{big.name} ({_gib(big.nbytes)} per device): change {SETTINGS[big.name]}")
 
   def format(self) -> str:
-    """The plan as a table: item, bytes per device, GiB, phase, note; then the totals."""
+    """The plan as a table (item, bytes per device, GiB, where/phase, note) and the totals."""
     axes = " x ".join(f"{a} {n}" for a, n in self.mesh.items())
-    lines = [f"memory plan per device: {self.topology}, {self.devices} devices; trainer mesh {axes}",
-             f"{'item':<18} {'bytes':>16} {'GiB':>9}  {'phase':<6}  note"]
+    layout = ("trainer and engines share devices" if self.shared else "engines on their own devices")
+    lines = [f"memory plan per device: {self.topology} ({self.devices} devices); trainer mesh {axes}; "
+             f"{self.engines} engine(s) x tensor {self.engine_tensor}; {layout}",
+             f"{'item':<17} {'bytes':>17} {'GiB':>8}  {'where':<13}  note"]
+    counted = {id(i) for i in self.counted()}
     for i in self.items:
-      lines.append(f"{i.name:<18} {i.nbytes:>16,} {i.nbytes / GiB:>9.2f}  {i.phase:<6}  {i.note}")
-    how = "state + train + sample" if self.concurrent else "state + max(train, sample)"
-    lines.append(f"{'total':<18} {self.total:>16,} {self.total / GiB:>9.2f}  {'':<6}  {how}")
-    if self.device_bytes is None:
-      lines.append("device memory: unknown (this backend reports no limit): no check")
+      mark = "" if id(i) in counted else " (not at the peak)"
+      lines.append(f"{i.name:<17} {i.nbytes:>17,} {i.nbytes / GiB:>8.2f}  "
+                   f"{i.where + '/' + i.phase:<13}  {i.note}{mark}")
+    if not self.shared:
+      how = "the fuller of a trainer and an engine device"
+    elif self.concurrent:
+      how = "states + trainer step + engine step (async: at once)"
     else:
-      lines.append(f"{'device memory':<18} {self.device_bytes:>16,} {self.device_bytes / GiB:>9.2f}")
-      lines.append(f"{'headroom':<18} {self.headroom:>16,} {self.headroom / GiB:>9.2f}  "
-                   f"{'':<6}  {'fits' if self.fits else 'DOES NOT FIT'}")
+      how = "states + the larger step (sync: training and sampling take turns)"
+    lines.append(f"{'total':<17} {self.total:>17,} {self.total / GiB:>8.2f}  {'':<13}  {how}")
+    if self.device_bytes is None:
+      lines.append("device memory: unknown (this backend reports no limit): not checked")
+    else:
+      lines.append(f"{'device memory':<17} {self.device_bytes:>17,} {self.device_bytes / GiB:>8.2f}")
+      lines.append(f"{'headroom':<17} {self.headroom:>17,} {self.headroom / GiB:>8.2f}  {'':<13}  "
+                   f"{'fits' if self.fits else 'DOES NOT FIT'}")
     lines += [f"note: {n}" for n in self.notes]
     return "\n".join(lines)
 
@@ -336,70 +360,97 @@ def seq_len(config) -> int:
   return config.sampling.max_prompt_len + config.sampling.max_new_tokens
 
 
+def batch_shards(config, mesh: dict) -> int:
+  """How many shards a micro-batch's rows are split into: the product of the "batch" rule's
+  mesh axes (default ("data", "fsdp"))."""
+  axes = sharding.rules_dict(config.sharding.rules).get("batch")
+  return math.prod(mesh[n] for n in ((axes,) if isinstance(axes, str) else tuple(axes or ())))
+
+
+def check_batch_divides(config, mesh: dict) -> None:
+  """Refuses (ConfigError naming train.grad_accum) micro-batches whose rows do not divide over
+  the batch shards: the trainer refuses them too."""
+  rows, shards = micro_batch_rows(config), batch_shards(config, mesh)
+  if rows % shards:
+    rl = config.rl
+    raise ConfigError(
+        f"config.train.grad_accum={config.train.grad_accum}: a micro-batch of {rows} rows "
+        f"(rl.groups_per_step={rl.groups_per_step} x rl.group_size={rl.group_size} / grad_accum) "
+        f"does not divide over the {shards} batch shards (mesh {mesh}); change train.grad_accum, "
+        "rl.groups_per_step or the mesh")
+
+
+def _layout(config, devices: int) -> tuple[int, bool]:
+  """(trainer devices, shared) as the run places them (rl/loop.py): sync, the trainer on all
+  devices and the engines on the first ones; async, the engines on the last
+  engines x tensor devices and the trainer on the others (on device 0 if there are none)."""
+  s = config.sampling
+  engine_devices = s.engines * s.tensor
+  if engine_devices > devices:
+    raise ConfigError(f"config.sampling.engines={s.engines}: engines x sampling.tensor = "
+                      f"{engine_devices} devices but there are {devices}")
+  if config.rl.mode == "sync":
+    return devices, True
+  return (devices - engine_devices, False) if devices > engine_devices else (1, True)
+
+
 def make_plan(config) -> Plan:
   """The memory plan of a validated `config` on its topology (`config.mesh.topology`, else
   this process's devices), from abstract shapes only: no weight is read or allocated."""
   topology, devices, device_bytes = topology_of(config)
-  mesh = resolve_mesh(config.mesh, devices)
   m, s, tr = config.model, config.sampling, config.train
-  if s.engines * s.tensor > devices:
-    raise ConfigError(f"config.sampling.engines={s.engines}: engines x sampling.tensor="
-                      f"{s.engines * s.tensor} devices but {topology} has {devices}")
+  trainer_devices, shared = _layout(config, devices)
+  mesh = resolve_mesh(config.mesh, trainer_devices)
+  check_batch_divides(config, mesh)
   params = abstract_params(config)
   specs = param_specs(params, config.sharding.rules)
   engine_specs = param_specs(params, engine_rules(config.sharding.rules))
-  engine_mesh = {"tensor": s.tensor}
   count = sum(math.prod(shape) for shape, _ in specs.values())
   pd, cd = np.dtype(m.param_dtype), np.dtype(m.dtype)
   master = weights_bytes(specs, pd, mesh)
-  accum = tr.grad_accum
   x = train_dims(config, mesh)
-  rows = micro_batch_rows(config)
+  rows, slots = micro_batch_rows(config), s.max_slots // s.engines
   items = [
-      Item("master weights", master, "state", f"{count / 1e9:.2f} B params in {pd.name}, trainer layout"),
-      Item("optimizer state", optimizer_bytes(config, params, specs, mesh), "state",
+      Item("master weights", master, "trainer", "state",
+           f"{count / 1e9:.2f} B params in {pd.name}, trainer layout"),
+      Item("optimizer state", optimizer_bytes(config, params, specs, mesh), "trainer", "state",
            "jax.eval_shape(optimizer.init): AdamW mu + nu like the weights"),
-      Item("engine snapshot", weights_bytes(engine_specs, cd, engine_mesh), "state",
-           f"pi_old in {cd.name} on an engine: sampling.tensor={s.tensor} split, no fsdp"),
-      Item("KV cache", kv_cache_bytes(config), "state",
-           f"{s.max_slots // s.engines} slots x {seq_len(config)} positions x {m.num_layers} "
-           f"layers, K={m.num_kv_heads} over tensor {s.tensor}, {cd.name}"),
+      Item("trainer snapshot", weights_bytes(specs, cd, mesh), "trainer", "state",
+           f"pi_old in {cd.name}, trainer layout (refresh source, checkpoints)"),
   ]
-  needs_snapshot = config.rl.loss == "grpo" or config.rl.old_logprobs == "snapshot"
-  if needs_snapshot:
-    items.append(Item("trainer snapshot", weights_bytes(specs, cd, mesh), "state",
-                      "pi_old scored by the trainer (GRPO / old_logprobs=snapshot)"))
   if config.rl.loss == "grpo" and config.rl.grpo.kl_coef > 0:
-    items.append(Item("reference policy", master, "state", "frozen RL start for GRPO's KL"))
+    items.append(Item("reference policy", master, "trainer", "state", "frozen RL start (GRPO's KL)"))
   items += [
-      Item("gradients", master * (2 if accum > 1 else 1), "train",
-           f"{pd.name} like the weights" + (": running sum + one micro-batch's" if accum > 1 else "")),
-      Item("train batch", _ceil(rows * accum, mesh["data"] * mesh["fsdp"]) * seq_len(config) * 12,
-           "train", "tokens, mask, sampler log-probs of the step's rows on this device"),
-      Item("activations", activation_bytes(x, tr.remat, tr.attn_block), "train",
-           f"{x.b} rows x {x.t} tokens per device per micro-batch ({rows} rows / data x fsdp), "
-           f"remat={tr.remat}, attn_block={tr.attn_block}"),
-      Item("log-prob kernel", logprob_bytes(x, tr.logprob_tile), "train",
+      Item("gradients", master * (2 if tr.grad_accum > 1 else 1), "trainer", "step",
+           f"{pd.name} like the weights" + (": running sum + a micro-batch's" if tr.grad_accum > 1 else "")),
+      Item("train batch", _ceil(rows * tr.grad_accum, batch_shards(config, mesh)) * seq_len(config) * 12,
+           "trainer", "step", "the step's tokens, mask and sampler log-probs (int32, f32, f32)"),
+      Item("activations", activation_bytes(x, tr.remat, tr.attn_block), "trainer", "step",
+           f"{x.b} row(s) x {x.t} tokens per device per micro-batch, remat={tr.remat}, "
+           f"attn_block={tr.attn_block}"),
+      Item("log-prob kernel", logprob_bytes(x, tr.logprob_tile), "trainer", "step",
            f"hidden states + {LOGPROB_TILE_COPIES} f32 [{min(tr.logprob_tile, x.b * x.t)}, {x.v}] tiles"),
-      Item("engine logits", (s.max_slots // s.engines) * m.vocab_size * 4, "sample",
+      Item("engine snapshot", weights_bytes(engine_specs, cd, {"tensor": s.tensor}), "engine", "state",
+           f"pi_old in {cd.name}, engine layout (split over sampling.tensor={s.tensor} only)"),
+      Item("KV cache", kv_cache_bytes(config), "engine", "state",
+           f"{slots} slots x {seq_len(config)} positions x {m.num_layers} layers, "
+           f"{m.num_kv_heads} KV heads over tensor {s.tensor}, {cd.name}"),
+      Item("engine logits", slots * m.vocab_size * 4, "engine", "step",
            "next-token logits [slots, V] f32, replicated on an engine"),
-      Item("engine prefill", _prefill_bytes(config), "sample",
-           f"forward of {s.max_prefill_batch} prompts x {s.max_prompt_len} tokens, one layer's set"),
+      Item("engine prefill", _prefill_bytes(config), "engine", "step",
+           f"{s.max_prefill_batch} prompts x {s.max_prompt_len} tokens, one layer at a time"),
   ]
   notes = []
-  if rows % (mesh["data"] * mesh["fsdp"]):
-    notes.append(f"a micro-batch's {rows} rows do not divide over data x fsdp = "
-                 f"{mesh['data'] * mesh['fsdp']} devices: counted as {x.b} row(s) per device; "
-                 "lower train.grad_accum or use mesh.tensor")
   if device_bytes is None:
-    notes.append("no device memory limit known here (CPU): give config.mesh.topology to check one")
-  return Plan(topology, devices, mesh, tuple(items), device_bytes, config.rl.mode == "async", tuple(notes))
+    notes.append("no device memory limit is known here: give config.mesh.topology to check one")
+  return Plan(topology, devices, mesh, s.engines, s.tensor, shared, config.rl.mode == "async",
+              tuple(items), device_bytes, tuple(notes))
 
 
 def _prefill_bytes(config) -> int:
   """An engine's prefill working set: one layer's full set (`layer_bytes(., "none")`) of
-  max_prefill_batch x max_prompt_len tokens, its attention blocks and the [P, T, E] f32
-  residual; forward only, so no layer is kept (its K, V go to the KV cache, counted there)."""
+  max_prefill_batch x max_prompt_len tokens, blockwise attention's f32 blocks and the [P, T, E]
+  f32 residual; forward only, so no layer is kept (its keys and values go to the KV cache)."""
   s, m = config.sampling, config.model
   x = Dims(b=s.max_prefill_batch, t=s.max_prompt_len, e=m.hidden_size,
            n=_ceil(m.num_heads, s.tensor), k=_ceil(m.num_kv_heads, s.tensor), d=m.head_dim,
