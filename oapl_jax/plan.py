@@ -9,6 +9,7 @@ TensorCore each, so `v5e-64` is 64 devices. GPU entries are one host's GPUs (`h1
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -105,8 +106,13 @@ def engine_rules(rules) -> dict:
 
 def abstract_params(config) -> nnx.State:
   """The `nnx.Param` State of config.model's Transformer, values `jax.ShapeDtypeStruct`s in
-  model.param_dtype, logical axes in each Param's metadata (`nnx.eval_shape`: nothing allocated)."""
-  cfg = ModelConfig.from_config(config.model)
+  model.param_dtype, logical axes in each Param's metadata (`nnx.eval_shape`: nothing allocated).
+  Not to be modified: it is cached per architecture (tracing a 48-layer init takes seconds)."""
+  return _abstract_params(ModelConfig.from_config(config.model))
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_params(cfg: ModelConfig) -> nnx.State:
   return nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))), nnx.Param)
 
 
@@ -394,6 +400,17 @@ def _layout(config, devices: int) -> tuple[int, bool]:
   return (devices - engine_devices, False) if devices > engine_devices else (1, True)
 
 
+def train_temp_bytes(config, mesh: dict) -> dict[str, int]:
+  """Per device, what a train step allocates beyond its arguments (the compiled step's temp
+  memory): "gradients" (model.param_dtype like the weights; with train.grad_accum > 1 the
+  running sum and one micro-batch's), "activations" and "log-prob kernel" of one micro-batch."""
+  specs = param_specs(abstract_params(config), config.sharding.rules)
+  grads = weights_bytes(specs, config.model.param_dtype, mesh) * (2 if config.train.grad_accum > 1 else 1)
+  x = train_dims(config, mesh)
+  return {"gradients": grads, "activations": activation_bytes(x, config.train.remat, config.train.attn_block),
+          "log-prob kernel": logprob_bytes(x, config.train.logprob_tile)}
+
+
 def make_plan(config) -> Plan:
   """The memory plan of a validated `config` on its topology (`config.mesh.topology`, else
   this process's devices), from abstract shapes only: no weight is read or allocated."""
@@ -420,15 +437,16 @@ def make_plan(config) -> Plan:
   ]
   if config.rl.loss == "grpo" and config.rl.grpo.kl_coef > 0:
     items.append(Item("reference policy", master, "trainer", "state", "frozen RL start (GRPO's KL)"))
+  temp = train_temp_bytes(config, mesh)
   items += [
-      Item("gradients", master * (2 if tr.grad_accum > 1 else 1), "trainer", "step",
+      Item("gradients", temp["gradients"], "trainer", "step",
            f"{pd.name} like the weights" + (": running sum + a micro-batch's" if tr.grad_accum > 1 else "")),
       Item("train batch", _ceil(rows * tr.grad_accum, batch_shards(config, mesh)) * seq_len(config) * 12,
            "trainer", "step", "the step's tokens, mask and sampler log-probs (int32, f32, f32)"),
-      Item("activations", activation_bytes(x, tr.remat, tr.attn_block), "trainer", "step",
+      Item("activations", temp["activations"], "trainer", "step",
            f"{x.b} row(s) x {x.t} tokens per device per micro-batch, remat={tr.remat}, "
            f"attn_block={tr.attn_block}"),
-      Item("log-prob kernel", logprob_bytes(x, tr.logprob_tile), "trainer", "step",
+      Item("log-prob kernel", temp["log-prob kernel"], "trainer", "step",
            f"hidden states + {LOGPROB_TILE_COPIES} f32 [{min(tr.logprob_tile, x.b * x.t)}, {x.v}] tiles"),
       Item("engine snapshot", weights_bytes(engine_specs, cd, {"tensor": s.tensor}), "engine", "state",
            f"pi_old in {cd.name}, engine layout (split over sampling.tensor={s.tensor} only)"),
