@@ -1,5 +1,34 @@
 """Memory planner: bytes per device of a run's state and activations, against a topology.
 
+    plan = make_plan(config)   # from abstract shapes only: nothing read, nothing allocated
+    print(plan.format())       # item, bytes per device, where / phase, note; total, headroom
+    check(config)              # PlanError (one line naming the setting) if it does not fit
+
+`python -m oapl_jax.main --config=... --dry_run` prints the plan and exits; `train.run`
+calls `check` before it allocates anything. docs/memory.md states the model and its
+calibration.
+
+Where the numbers come from:
+* weights: `nnx.eval_shape` of the Transformer gives every weight's shape and logical axes;
+  `config.sharding.rules` (through `oapl_jax.sharding.logical_to_spec`) give its
+  PartitionSpec; a device holds the block of each dimension divided by its mesh axes' sizes.
+  The trainer's copies (float32 master weights, gradients, pi_old in model.dtype) use the
+  trainer's mesh; the engines' copy uses the rules with every mesh axis but "tensor" dropped,
+  on an engine's `sampling.tensor` devices.
+* optimizer state: `jax.eval_shape(optimizer.init)` of the abstract weights; each leaf that
+  mirrors a weight (AdamW's mu, nu) is laid out as that weight.
+* KV cache and engine logits: closed forms of the engine's buffers (`kv_cache_bytes`).
+* activations and the log-prob kernel: an analytic model of one micro-batch's forward and
+  backward under train.remat, train.attn_block and train.logprob_tile (`activation_bytes`,
+  `logprob_bytes`), checked against the compiled step's memory_analysis() (tests/test_plan.py).
+
+Devices: `config.mesh.topology` names one of TOPOLOGIES (its device count resolves the -1 mesh
+axis), else this process's devices, whose memory is `memory_stats()["bytes_limit"]` where the
+backend reports one (not on CPU: the plan is then printed but not checked). Items are on the
+trainer's devices or on an engine's, live for the whole run ("state") or while that side works
+("step"); `Plan` adds them up for the fullest device as the run places trainer and engines
+(rl/loop.py: sync mode shares the devices and takes turns; async splits them).
+
 TOPOLOGIES names the device topologies `config.mesh.topology` may give. A TPU slice is named
 by its TensorCores (Cloud TPU's convention): v4 and v5p chips hold two TensorCores that JAX
 shows as one device ("megacore"), so `v5p-64` is 32 devices; v5e and v6e chips have one

@@ -8,6 +8,8 @@ with `-s` to see them).
 """
 
 import contextlib
+import inspect
+import json
 import os
 import subprocess
 import sys
@@ -217,16 +219,17 @@ def _tiny_step_config(vocab, hidden, mlp, layers, rows, tokens, accum, remat):
   return c
 
 
-def compiled_temp_bytes(c) -> int:
-  """Temp bytes of the real train step (`make_train_step`) compiled for config `c` on one
-  device, from abstract arguments (nothing allocated)."""
+def compiled_temp_bytes(c, mesh=None) -> int:
+  """Temp bytes per device of the real train step (`make_train_step`) compiled for config `c`
+  (on one device, or on `mesh`), from abstract arguments (nothing allocated)."""
   from oapl_jax.rl.step import Batch, make_optimizer, make_train_step  # noqa: PLC0415
   from oapl_jax.sampling.processing import SamplingParams  # noqa: PLC0415
   cfg = ModelConfig.from_config(c.model)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
   optimizer = make_optimizer(c.train, c.train.steps)
-  step = make_train_step(c, graphdef, optimizer, SamplingParams.from_config(c.sampling))
+  step = make_train_step(c, graphdef, optimizer, SamplingParams.from_config(c.sampling),
+                         *([] if mesh is None else [mesh]))
   # The step is a jitted function of a [B, ...] batch, or (trainer on a mesh) a TrainStep whose
   # `jitted` takes the batch as [accum, B / accum, ...] under its mesh.
   jitted = getattr(step, "jitted", step)
@@ -237,7 +240,7 @@ def compiled_temp_bytes(c) -> int:
                 sampler_logprobs=sds(lead + (t - 1,), jnp.float32), rewards=sds(lead, jnp.float32))
   mesh = getattr(step, "mesh", None)
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    lowered = jitted.lower(params, jax.eval_shape(optimizer.init, params), params, batch)
+    lowered = jitted.lower(params, jax.eval_shape(optimizer.init, params), params, batch, None)
   return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
@@ -275,3 +278,36 @@ def test_activation_model_matches_the_compiled_step_with_remat(remat):
     pytest.skip(f"make_train_step does not apply train.remat={remat!r} yet (same temp bytes as "
                 "'none'): nothing to calibrate")
   assert BAND[0] <= temp / pred <= BAND[1], f"compiled {temp} vs predicted {pred}"
+
+
+def sharded_calibration(shape: str) -> tuple[int, int]:
+  """(compiled temp bytes per device, predicted) of SHAPES[shape] with 32 rows in one
+  micro-batch on an fsdp mesh over all devices (run in a child process with 8 CPU devices)."""
+  from oapl_jax import sharding  # noqa: PLC0415
+  c = _tiny_step_config(*SHAPES[shape], "none")
+  c.rl.groups_per_step, c.train.grad_accum = 8, 1  # 32 rows: 4 per device
+  mesh = sharding.make_mesh(c.mesh, jax.devices())
+  pred = plan_lib.train_temp_bytes(c, {"data": 1, "fsdp": len(jax.devices()), "tensor": 1})
+  return compiled_temp_bytes(c, mesh), sum(pred.values())
+
+
+def test_activation_model_matches_the_sharded_step_on_8_devices():
+  """Per device on an fsdp-8 mesh the activations are those of a micro-batch's rows / 8: the
+  plan assumes GSPMD keeps the blocks' activations split by rows."""
+  from oapl_jax.rl.step import make_train_step  # noqa: PLC0415
+  if "mesh" not in inspect.signature(make_train_step).parameters:
+    pytest.skip("make_train_step takes no mesh yet (the trainer on a mesh, issue 13 item 1)")
+  code = "import json, sys; sys.path.insert(0, 'tests'); import test_plan as T; " \
+         "print('RESULT', json.dumps(T.sharded_calibration('mlp')))"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  temp, pred = json.loads(out.stdout.split("RESULT", 1)[1])
+  print(f"\ncalibration mlp on fsdp 8: compiled temp {temp / 1e6:.2f} MB per device, predicted "
+        f"{pred / 1e6:.2f} MB, ratio {temp / pred:.2f}")
+  assert BAND[0] <= temp / pred <= BAND[1], (
+      f"compiled {temp} bytes per device vs predicted {pred}: are the blocks' activations split "
+      "by rows (with_sharding_constraint over the batch axes)? Without it GSPMD may keep "
+      "[B, T, F] MLP activations of the whole micro-batch on every device")
