@@ -203,16 +203,17 @@ def test_train_run_refuses_a_run_that_does_not_fit_before_touching_the_workdir(t
 # temp bytes, on tiny models with the attention block and the log-prob tile at least as long as
 # a micro-batch (so the blockwise / tiled code and the plain code hold the same blocks).
 BAND = (0.5, 2.0)
-SHAPES = {  # name: (vocab, hidden, mlp, layers, rows, tokens, accum)
-    "mlp": (256, 64, 512, 3, 16, 128, 1),
-    "vocab": (4096, 64, 256, 2, 16, 128, 2),
+SHAPES = {  # name: (vocab, hidden, mlp, layers, rows, tokens, accum, compute dtype)
+    "mlp": (256, 64, 512, 3, 16, 128, 1, "float32"),
+    "mlp_bf16": (256, 64, 512, 3, 16, 128, 1, "bfloat16"),  # float32 master weights
+    "vocab": (4096, 64, 256, 2, 16, 128, 2, "float32"),
 }
 
 
-def _tiny_step_config(vocab, hidden, mlp, layers, rows, tokens, accum, remat):
+def _tiny_step_config(vocab, hidden, mlp, layers, rows, tokens, accum, dtype, remat):
   c = tiny.get_config("smoke")
   c.model.update(vocab_size=vocab, hidden_size=hidden, mlp_dim=mlp, num_layers=layers,
-                 num_heads=4, num_kv_heads=2, head_dim=hidden // 4)
+                 num_heads=4, num_kv_heads=2, head_dim=hidden // 4, dtype=dtype)
   c.rl.group_size, c.rl.groups_per_step, c.train.grad_accum = 4, rows // 4, accum
   c.sampling.max_prompt_len, c.sampling.max_new_tokens = 8, tokens - 8
   c.train.remat, c.train.attn_block, c.train.logprob_tile = remat, tokens, rows * tokens
