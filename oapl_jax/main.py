@@ -62,6 +62,10 @@ def main(argv):
 def dry_run(config) -> None:
   """Prints the plan; a plan that does not fit raises PlanError (one line, exit 2)."""
   from oapl_jax import plan as plan_lib  # noqa: PLC0415 (no TensorFlow, no weights)
+  if config.mesh.topology is None:  # this machine's devices, as many as the run would ask for
+    from oapl_jax.rl.loop import devices_wanted  # noqa: PLC0415
+    from oapl_jax.sampling.parallel import request_host_devices  # noqa: PLC0415
+    request_host_devices(devices_wanted(config))
   plan = plan_lib.make_plan(config)
   print(plan.format(), flush=True)
   if not plan.fits:

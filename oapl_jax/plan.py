@@ -322,7 +322,6 @@ class Plan:
   concurrent: bool
   items: tuple[Item, ...]
   device_bytes: int | None  # None: unknown (CPU): no check
-  notes: tuple[str, ...] = ()
 
   def _bytes(self, items) -> int:
     return sum(i.nbytes for i in items)
@@ -377,12 +376,12 @@ class Plan:
       how = "states + the larger step (sync: training and sampling take turns)"
     lines.append(f"{'total':<17} {self.total:>17,} {self.total / GiB:>8.2f}  {'':<13}  {how}")
     if self.device_bytes is None:
-      lines.append("device memory: unknown (this backend reports no limit): not checked")
+      lines.append("device memory: unknown (this backend reports no limit): not checked; "
+                   "give config.mesh.topology to check against one")
     else:
       lines.append(f"{'device memory':<17} {self.device_bytes:>17,} {self.device_bytes / GiB:>8.2f}")
       lines.append(f"{'headroom':<17} {self.headroom:>17,} {self.headroom / GiB:>8.2f}  {'':<13}  "
                    f"{'fits' if self.fits else 'DOES NOT FIT'}")
-    lines += [f"note: {n}" for n in self.notes]
     return "\n".join(lines)
 
 
@@ -458,7 +457,8 @@ def make_plan(config) -> Plan:
   rows, slots = micro_batch_rows(config), s.max_slots // s.engines
   items = [
       Item("master weights", master, "trainer", "state",
-           f"{count / 1e9:.2f} B params in {pd.name}, trainer layout"),
+           (f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count:,}") + f" params in {pd.name}, "
+           "trainer layout"),
       Item("optimizer state", optimizer_bytes(config, params, specs, mesh), "trainer", "state",
            "jax.eval_shape(optimizer.init): AdamW mu + nu like the weights"),
       Item("trainer snapshot", weights_bytes(specs, cd, mesh), "trainer", "state",
@@ -487,11 +487,8 @@ def make_plan(config) -> Plan:
       Item("engine prefill", _prefill_bytes(config), "engine", "step",
            f"{s.max_prefill_batch} prompts x {s.max_prompt_len} tokens, one layer at a time"),
   ]
-  notes = []
-  if device_bytes is None:
-    notes.append("no device memory limit is known here: give config.mesh.topology to check one")
   return Plan(topology, devices, mesh, s.engines, s.tensor, shared, config.rl.mode == "async",
-              tuple(items), device_bytes, tuple(notes))
+              tuple(items), device_bytes)
 
 
 def _prefill_bytes(config) -> int:
