@@ -281,7 +281,7 @@ SETTINGS = {
     "trainer snapshot": "mesh.fsdp (more devices: mesh.topology)",
     "reference policy": "mesh.fsdp (more devices: mesh.topology)",
     "train batch": "rl.groups_per_step (or more devices: mesh.topology)",
-    "activations": "train.grad_accum, train.remat or train.attn_block",
+    "activations": "train.grad_accum, train.remat or train.attn_block",  # see activation_settings
     "log-prob kernel": "train.logprob_tile or train.grad_accum",
     "engine snapshot": "sampling.tensor",
     "KV cache": "sampling.max_slots (or spread the cache: sampling.engines x sampling.tensor)",
@@ -301,6 +301,7 @@ class Item:
   where: str
   phase: str
   note: str
+  change: str = ""  # the settings to change if it is the biggest item (default: SETTINGS[name])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,7 +355,7 @@ class Plan:
     big = max(self.counted(), key=lambda i: i.nbytes)
     return (f"the run needs {_gib(self.total)} per device but {self.topology} devices have "
             f"{_gib(self.device_bytes)} (short by {_gib(-self.headroom)}); the biggest item is the "
-            f"{big.name} ({_gib(big.nbytes)} per device): change {SETTINGS[big.name]}")
+            f"{big.name} ({_gib(big.nbytes)} per device): change {big.change or SETTINGS[big.name]}")
 
   def format(self) -> str:
     """The plan as a table (item, bytes per device, GiB, where/phase, note) and the totals."""
@@ -439,6 +440,19 @@ def train_temp_bytes(config, mesh: dict) -> dict[str, int]:
           "log-prob kernel": logprob_bytes(x, config.train.logprob_tile)}
 
 
+def activation_settings(config, x: Dims) -> str:
+  """What would shrink the activations, most effective first: full remat, fewer rows per
+  device per micro-batch (more train.grad_accum), a tensor split of heads and MLP width, and
+  shorter rows."""
+  tr = config.train
+  out = [] if tr.remat == "full" else [f"train.remat='full' (now {tr.remat!r})"]
+  if x.b > 1:
+    out.append(f"train.grad_accum (now {tr.grad_accum}: {x.b} rows per device per micro-batch)")
+  out += [f"mesh.tensor (now {config.mesh.tensor}: splits heads and MLP width)",
+          f"sampling.max_new_tokens (rows of {seq_len(config)} tokens)"]
+  return ", ".join(out[:-1]) + " or " + out[-1]
+
+
 def make_plan(config) -> Plan:
   """The memory plan of a validated `config` on its topology (`config.mesh.topology`, else
   this process's devices), from abstract shapes only: no weight is read or allocated."""
@@ -474,7 +488,7 @@ def make_plan(config) -> Plan:
            "trainer", "step", "the step's tokens, mask and sampler log-probs (int32, f32, f32)"),
       Item("activations", temp["activations"], "trainer", "step",
            f"{x.b} row(s) x {x.t} tokens per device per micro-batch, remat={tr.remat}, "
-           f"attn_block={tr.attn_block}"),
+           f"attn_block={tr.attn_block}", activation_settings(config, x)),
       Item("log-prob kernel", temp["log-prob kernel"], "trainer", "step",
            f"hidden states + {LOGPROB_TILE_COPIES} f32 [{min(tr.logprob_tile, x.b * x.t)}, {x.v}] tiles"),
       Item("engine snapshot", weights_bytes(engine_specs, cd, {"tensor": s.tensor}), "engine", "state",
