@@ -216,7 +216,7 @@ def micro_batch_rows(config) -> int:
 def train_dims(config, mesh_shape: dict) -> Dims:
   """The `Dims` of config's train micro-batch on one device of a trainer mesh `mesh_shape`."""
   m, tp = config.model, mesh_shape["tensor"]
-  return Dims(b=_ceil(micro_batch_rows(config), mesh_shape["data"] * mesh_shape["fsdp"]),
+  return Dims(b=_ceil(micro_batch_rows(config), batch_shards(config, mesh_shape)),
               t=seq_len(config) - 1, e=m.hidden_size, n=_ceil(m.num_heads, tp),
               k=_ceil(m.num_kv_heads, tp), d=m.head_dim, f=_ceil(m.mlp_dim, tp),
               v=_ceil(m.vocab_size, tp), layers=m.num_layers, c=np.dtype(m.dtype).itemsize)
@@ -227,8 +227,8 @@ def layer_bytes(x: Dims, policy: str) -> int:
 
   "none": everything its backward reads: 4 [b, T, E] (block input, two norms' outputs, the
   mid-block residual), q and attention output 4 [b, T, N, D] (projection, QK-norm, RoPE,
-  output), k and v 4 [b, T, K, D], gate, up, silu(gate) and the product 4 [b, T, F], all in the compute
-  dtype, and per token f32 norm statistics and attention log-sum-exps (2 + N).
+  output), k and v 4 [b, T, K, D], gate, up, silu(gate) and their product 4 [b, T, F], all in
+  the compute dtype, and per token f32 norm statistics and attention log-sum-exps (2 + N).
   "dots": the projections' outputs (q, k, v, o, gate, up, down) and the block input.
   "full": the block input [b, T, E] only (the block is recomputed in the backward pass).
   """
