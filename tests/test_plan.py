@@ -324,6 +324,7 @@ def sharded_calibration(shape: str) -> tuple[int, int]:
   return compiled_temp_bytes(c, mesh), sum(pred.values())
 
 
+@pytest.mark.slow  # a child process compiling on 8 devices: ~45 s here
 def test_activation_model_matches_the_sharded_step_on_8_devices():
   """Per device on an fsdp-8 mesh the activations are those of a micro-batch's rows / 8: the
   plan assumes GSPMD keeps the blocks' activations split by rows."""
