@@ -8,7 +8,8 @@ with one line on stderr and exit code 2; `--verbose` prints the traceback instea
 exits: 0 if it fits the devices' memory, 2 with one line naming the setting to change if not.
 It reads no weights or data files and needs no --workdir:
 
-  python -m oapl_jax.main --config=configs/math.py --config.mesh.topology=v5p-64 --dry_run
+  python -m oapl_jax.main --config=configs/math.py --config.mesh.topology=v5p-64 \
+      --config.sampling.engines=8 --config.sampling.tensor=4 --dry_run
 """
 
 import json
