@@ -337,19 +337,20 @@ def shrink_for_cpu(c: ml_collections.ConfigDict, model_path: str) -> None:
   c.checkpoint.every = 2
 
 
-def validate(c) -> None:
+def validate(c, *, dry_run: bool = False) -> None:
   """Raises `ConfigError` naming the first invalid setting of `c`: every numeric setting is
-  checked for type, finiteness and range before any work starts."""
+  checked for type, finiteness and range before any work starts. dry_run: skip the checks
+  that files exist (task sources, model.path): a memory plan reads no file."""
   from oapl_jax.rl import losses  # noqa: PLC0415 (JAX: see the imports)
   _int(c, "seed", 0)
   _check(c.task.name in TASKS, "task.name", c.task.name, f"must be one of {tuple(TASKS)}")
   for field in ("train_path", "eval_path"):
-    if field in c.task:
+    if field in c.task and not dry_run:
       source = c.task[field] or ""
       _check(source.startswith("tfds:") or os.path.isfile(source), f"task.{field}", c.task[field],
              "no such file (give a .jsonl/.json/.parquet file or tfds:NAME[/CONFIG])")
   _validate_task(c)
-  if c.model.path is not None:
+  if c.model.path is not None and not dry_run:
     _check(os.path.isfile(os.path.join(c.model.path, "config.json")), "model.path", c.model.path,
            "not a Hugging Face checkpoint folder (no config.json); for the :tiny configs make one "
            "with `python launch/make_tiny_hf.py`")

@@ -3,6 +3,13 @@
 Any setting can be overridden: `--config.rl.lag=10 --config.seed=3`. A refused setting (or any
 other error a user can cause, `oapl_jax.errors.UserError`) stops the command before any work
 with one line on stderr and exit code 2; `--verbose` prints the traceback instead.
+
+`--dry_run` prints the run's memory plan per device (oapl_jax/plan.py, docs/memory.md) and
+exits: 0 if it fits the devices' memory, 2 with one line naming the setting to change if not.
+It reads no weights or data files and needs no --workdir:
+
+  python -m oapl_jax.main --config=configs/math.py --config.mesh.topology=v5p-64 \
+      --config.sampling.engines=8 --config.sampling.tensor=4 --dry_run
 """
 
 import json
@@ -18,8 +25,13 @@ from oapl_jax import config as config_lib  # noqa: E402
 from oapl_jax import errors  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and summary.json go.")
-flags.mark_flags_as_required(["config", "workdir"])
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and summary.json go "
+                                "(required unless --dry_run).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the memory plan per device (config.mesh."
+                             "topology, else this machine's devices) and exit: 0 if it fits.")
+flags.mark_flags_as_required(["config"])
+flags.register_validator("workdir", lambda v: v is not None or _DRY_RUN.value,
+                         "--workdir is required (except with --dry_run)")
 
 
 def main(argv):
@@ -28,7 +40,9 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; keep the console readable
     logging.set_verbosity(logging.WARNING)
   config = config_lib.from_flag(_CONFIG)
-  config_lib.validate(config)  # before anything starts JAX or touches the workdir
+  config_lib.validate(config, dry_run=_DRY_RUN.value)  # before anything starts JAX or touches the workdir
+  if _DRY_RUN.value:
+    return dry_run(config)
   # Imported once the config is valid: `train` pulls in TensorFlow (clu, jetstream), whose
   # import prints log lines on stderr that would bury a one-line refusal.
   from oapl_jax import train  # noqa: PLC0415
@@ -44,6 +58,19 @@ def main(argv):
                     "samples_generated": summary["samples_generated"],
                     "trainer_steps": summary["trainer_steps"],
                     "summary": os.path.join(_WORKDIR.value, "summary.json")}, indent=2))
+
+
+def dry_run(config) -> None:
+  """Prints the plan; a plan that does not fit raises PlanError (one line, exit 2)."""
+  from oapl_jax import plan as plan_lib  # noqa: PLC0415 (no TensorFlow, no weights)
+  if config.mesh.topology is None:  # this machine's devices, as many as the run would ask for
+    from oapl_jax.rl.loop import devices_wanted  # noqa: PLC0415
+    from oapl_jax.sampling.parallel import request_host_devices  # noqa: PLC0415
+    request_host_devices(devices_wanted(config))
+  plan = plan_lib.make_plan(config)
+  print(plan.format(), flush=True)
+  if not plan.fits:
+    raise plan_lib.PlanError(plan.advice())
 
 
 if __name__ == "__main__":

@@ -1,5 +1,34 @@
 """Memory planner: bytes per device of a run's state and activations, against a topology.
 
+    plan = make_plan(config)   # from abstract shapes only: nothing read, nothing allocated
+    print(plan.format())       # item, bytes per device, where / phase, note; total, headroom
+    check(config)              # PlanError (one line naming the setting) if it does not fit
+
+`python -m oapl_jax.main --config=... --dry_run` prints the plan and exits; `train.run`
+calls `check` before it allocates anything. docs/memory.md states the model and its
+calibration.
+
+Where the numbers come from:
+* weights: `nnx.eval_shape` of the Transformer gives every weight's shape and logical axes;
+  `config.sharding.rules` (through `oapl_jax.sharding.logical_to_spec`) give its
+  PartitionSpec; a device holds the block of each dimension divided by its mesh axes' sizes.
+  The trainer's copies (float32 master weights, gradients, pi_old in model.dtype) use the
+  trainer's mesh; the engines' copy uses the rules with every mesh axis but "tensor" dropped,
+  on an engine's `sampling.tensor` devices.
+* optimizer state: `jax.eval_shape(optimizer.init)` of the abstract weights; each leaf that
+  mirrors a weight (AdamW's mu, nu) is laid out as that weight.
+* KV cache and engine logits: closed forms of the engine's buffers (`kv_cache_bytes`).
+* activations and the log-prob kernel: an analytic model of one micro-batch's forward and
+  backward under train.remat, train.attn_block and train.logprob_tile (`activation_bytes`,
+  `logprob_bytes`), checked against the compiled step's memory_analysis() (tests/test_plan.py).
+
+Devices: `config.mesh.topology` names one of TOPOLOGIES (its device count resolves the -1 mesh
+axis), else this process's devices, whose memory is `memory_stats()["bytes_limit"]` where the
+backend reports one (not on CPU: the plan is then printed but not checked). Items are on the
+trainer's devices or on an engine's, live for the whole run ("state") or while that side works
+("step"); `Plan` adds them up for the fullest device as the run places trainer and engines
+(rl/loop.py: sync mode shares the devices and takes turns; async splits them).
+
 TOPOLOGIES names the device topologies `config.mesh.topology` may give. A TPU slice is named
 by its TensorCores (Cloud TPU's convention): v4 and v5p chips hold two TensorCores that JAX
 shows as one device ("megacore"), so `v5p-64` is 32 devices; v5e and v6e chips have one
@@ -9,6 +38,19 @@ TensorCore each, so `v5e-64` is 64 devices. GPU entries are one host's GPUs (`h1
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from oapl_jax import sharding
+from oapl_jax.config import ConfigError
+from oapl_jax.errors import UserError
+from oapl_jax.models.transformer import ModelConfig, Transformer
+from oapl_jax.sharding import MESH_AXES
 
 GiB = 1024**3
 
@@ -35,3 +77,460 @@ for _cores in (8, 16, 32, 64, 128, 256, 512, 1024):
 for _gpu, _gib in (("a100", 80), ("h100", 80), ("h200", 141)):
   for _n in (1, 2, 4, 8):
     TOPOLOGIES[f"{_gpu}x{_n}"] = Topology(f"{_gpu}x{_n}", _n, int(_gib * 1e9))
+
+
+class PlanError(UserError):
+  """The run's plan does not fit its devices' memory (the message names the setting to change)."""
+
+
+def topology_of(config) -> tuple[str, int, int | None]:
+  """(name, devices, bytes per device or None) of `config.mesh.topology`, else of this process's
+  devices (`memory_stats()["bytes_limit"]`; None where the backend gives no limit, e.g. CPU)."""
+  name = config.mesh.topology
+  if name is not None:
+    if name not in TOPOLOGIES:
+      raise ConfigError(f"config.mesh.topology={name!r}: unknown topology; known: {sorted(TOPOLOGIES)}")
+    t = TOPOLOGIES[name]
+    return t.name, t.devices, t.device_bytes
+  devices = jax.devices()
+  return f"local {devices[0].platform} x {len(devices)}", len(devices), device_memory()
+
+
+def resolve_mesh(mesh_cfg, devices: int) -> dict[str, int]:
+  """{"data", "fsdp", "tensor"} sizes of `config.mesh` on `devices` devices (-1 = the rest);
+  a product that is not the device count is a ConfigError naming the axis."""
+  sizes = {a: mesh_cfg[a] for a in MESH_AXES}
+  fixed = math.prod(v for v in sizes.values() if v != -1)
+  minus = [a for a, v in sizes.items() if v == -1]
+  if minus:
+    if devices % fixed:
+      raise ConfigError(f"config.mesh.{minus[0]}=-1: the other axes' product {fixed} does not "
+                        f"divide the {devices} devices")
+    sizes[minus[0]] = devices // fixed
+  elif fixed != devices:
+    raise ConfigError(f"config.mesh: data x fsdp x tensor = {fixed} but there are {devices} "
+                      "devices; set one axis to -1 (all remaining devices)")
+  return sizes
+
+
+def shard_bytes(shape: tuple[int, ...], dtype, spec: PartitionSpec, mesh_shape: dict) -> int:
+  """Bytes of the largest block of an array `shape` laid out by `spec` over a mesh of
+  `mesh_shape` axis sizes (a dimension that does not divide is counted rounded up)."""
+  dims = list(shape)
+  for i, entry in enumerate(spec):
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    dims[i] = -(-dims[i] // math.prod(mesh_shape.get(n, 1) for n in names))
+  return math.prod(dims) * np.dtype(dtype).itemsize
+
+
+def engine_rules(rules) -> dict:
+  """The engines' rules: `rules` with every mesh axis but "tensor" dropped (an engine is a
+  `("tensor",)` sub-mesh; decode weights are not fsdp-sharded)."""
+  out = {}
+  for logical, axes in sharding.rules_dict(rules).items():
+    names = tuple(n for n in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if n == "tensor")
+    out[logical] = names[0] if names else None
+  return out
+
+
+def abstract_params(config) -> nnx.State:
+  """The `nnx.Param` State of config.model's Transformer, values `jax.ShapeDtypeStruct`s in
+  model.param_dtype, logical axes in each Param's metadata (`nnx.eval_shape`: nothing allocated).
+  Not to be modified: it is cached per architecture (tracing a 48-layer init takes seconds)."""
+  return _abstract_params(ModelConfig.from_config(config.model))
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_params(cfg: ModelConfig) -> nnx.State:
+  return nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))), nnx.Param)
+
+
+def param_specs(params: nnx.State, rules) -> dict[tuple[str, ...], tuple[tuple[int, ...], PartitionSpec]]:
+  """{weight path as strings: (shape, PartitionSpec through `rules`)}."""
+  return {tuple(str(k) for k in path): (tuple(var.get_value().shape), sharding.logical_to_spec(
+      var.get_metadata().get("logical_axes") or (), rules)) for path, var in nnx.to_flat_state(params)}
+
+
+def weights_bytes(specs: dict, dtype, mesh_shape: dict) -> int:
+  """Bytes per device of one copy of the weights in `dtype`, laid out by `specs`."""
+  return sum(shard_bytes(shape, dtype, spec, mesh_shape) for shape, spec in specs.values())
+
+
+def _keys(key_path) -> tuple[str, ...]:
+  """A jax key path as strings: DictKey('embed') -> 'embed', GetAttrKey('mu') -> 'mu'."""
+  out = []
+  for k in key_path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        out.append(str(getattr(k, attr)))
+        break
+  return tuple(out)
+
+
+def optimizer_bytes(config, params: nnx.State, specs: dict, mesh_shape: dict) -> int:
+  """Bytes per device of the optimizer's state (`jax.eval_shape(optimizer.init)`): a leaf whose
+  key path ends in a weight's path (AdamW's mu, nu) is laid out as that weight; the others
+  (step counts) are replicated."""
+  from oapl_jax.rl.step import make_optimizer  # noqa: PLC0415 (optax: only for a plan)
+  opt_state = jax.eval_shape(make_optimizer(config.train, config.train.steps).init, params)
+  total = 0
+  for key_path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    keys = _keys(key_path)
+    found = [specs[keys[i:j]] for i in range(len(keys)) for j in (len(keys), len(keys) - 1)
+             if keys[i:j] in specs and specs[keys[i:j]][0] == tuple(leaf.shape)]
+    total += shard_bytes(leaf.shape, leaf.dtype, found[0][1] if found else PartitionSpec(), mesh_shape)
+  return total
+
+
+# --- activations: an analytic model (docs/memory.md states it and its calibration) -----------
+
+LOGPROB_TILE_COPIES = 6  # f32 [tile, V] blocks alive at once in the log-prob kernel (logits,
+# processed logits, keys, log-softmax, its gradient, the top-p bisection's masks).
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+  """One device's share of a train micro-batch: b rows of T tokens; widths after tensor splits."""
+
+  b: int  # rows per device per micro-batch
+  t: int  # tokens per row (the model's input: seq_len - 1)
+  e: int  # hidden size E (replicated over tensor)
+  n: int  # query heads per device
+  k: int  # key/value heads per device
+  d: int  # head width D
+  f: int  # MLP width per device
+  v: int  # vocabulary per device
+  layers: int
+  c: int  # compute dtype bytes (model.dtype)
+
+
+def _ceil(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def micro_batch_rows(config) -> int:
+  """Rows of one micro-batch: rl.groups_per_step x rl.group_size / train.grad_accum."""
+  return config.rl.groups_per_step * config.rl.group_size // config.train.grad_accum
+
+
+def train_dims(config, mesh_shape: dict) -> Dims:
+  """The `Dims` of config's train micro-batch on one device of a trainer mesh `mesh_shape`."""
+  m, tp = config.model, mesh_shape["tensor"]
+  return Dims(b=_ceil(micro_batch_rows(config), batch_shards(config, mesh_shape)),
+              t=seq_len(config) - 1, e=m.hidden_size, n=_ceil(m.num_heads, tp),
+              k=_ceil(m.num_kv_heads, tp), d=m.head_dim, f=_ceil(m.mlp_dim, tp),
+              v=_ceil(m.vocab_size, tp), layers=m.num_layers, c=np.dtype(m.dtype).itemsize)
+
+
+def layer_bytes(x: Dims, policy: str) -> int:
+  """Bytes one transformer block keeps for its backward pass under remat `policy`.
+
+  "none": everything its backward reads: 4 [b, T, E] (block input, two norms' outputs, the
+  mid-block residual), q and attention output 4 [b, T, N, D] (projection, QK-norm, RoPE,
+  output), k and v 4 [b, T, K, D], gate, up, silu(gate) and their product 4 [b, T, F], all in
+  the compute dtype, and per token f32 norm statistics and attention log-sum-exps (2 + N).
+  "dots": the projections' outputs (q, k, v, o, gate, up, down) and the block input.
+  "full": the block input [b, T, E] only (the block is recomputed in the backward pass).
+  """
+  bt = x.b * x.t
+  if policy == "full":
+    return bt * x.c * x.e
+  if policy == "dots":
+    return bt * x.c * (3 * x.e + (x.n + 2 * x.k) * x.d + 2 * x.f)
+  return bt * (x.c * (4 * x.e + 4 * x.n * x.d + 4 * x.k * x.d + 4 * x.f) + 4 * (2 + x.n))
+
+
+def activation_bytes(x: Dims, policy: str, attn_block: int) -> int:
+  """Peak activation bytes of one micro-batch's forward + backward through the blocks: every
+  block's saved set (`layer_bytes(policy)`), plus, for the block being differentiated, its
+  full set recomputed (not with "none": already kept) and their gradients, blockwise
+  attention's f32 scores, probabilities and gradient of one [b, N, a, a] block pair
+  (a = min(attn_block, T)), and the residual stream's gradient [b, T, E] f32."""
+  a = min(attn_block, x.t)
+  full_layer = layer_bytes(x, "none")
+  working = full_layer * (1 if policy == "none" else 2)
+  attention = 3 * x.b * x.n * a * a * 4
+  return x.layers * layer_bytes(x, policy) + working + attention + x.b * x.t * x.e * 4
+
+
+def logprob_bytes(x: Dims, tile: int) -> int:
+  """Peak bytes of the tiled log-prob kernel: the final hidden states [b, T, E] (compute dtype)
+  and their gradient (f32), LOGPROB_TILE_COPIES f32 [tile, V] blocks (tile = min(tile, b*T)),
+  and ~8 f32 [b, T] per-token arrays (log-probs, entropy, mask, targets, loss terms)."""
+  tokens = x.b * x.t
+  return tokens * x.e * (x.c + 4) + LOGPROB_TILE_COPIES * min(tile, tokens) * x.v * 4 + 8 * tokens * 4
+
+
+def kv_cache_bytes(config) -> int:
+  """Bytes per device of one engine's KV cache: per layer keys [S, K, D, M] + values
+  [S, K, M, D] in model.dtype, K split over sampling.tensor; S = max_slots / engines,
+  M = seq_len (the largest capacity the cache grows to)."""
+  m, s = config.model, config.sampling
+  slots = s.max_slots // s.engines
+  return (2 * m.num_layers * slots * _ceil(m.num_kv_heads, s.tensor) * m.head_dim * seq_len(config)
+          * np.dtype(m.dtype).itemsize)
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+# What to change when an item is the biggest one of a plan that does not fit.
+SETTINGS = {
+    "master weights": "mesh.fsdp (more devices: mesh.topology)",
+    "optimizer state": "mesh.fsdp (more devices: mesh.topology)",
+    "gradients": "mesh.fsdp (more devices: mesh.topology)",
+    "trainer snapshot": "mesh.fsdp (more devices: mesh.topology)",
+    "reference policy": "mesh.fsdp (more devices: mesh.topology)",
+    "train batch": "rl.groups_per_step (or more devices: mesh.topology)",
+    "activations": "train.grad_accum, train.remat or train.attn_block",  # see activation_settings
+    "log-prob kernel": "train.logprob_tile or train.grad_accum",
+    "engine snapshot": "sampling.tensor",
+    "KV cache": "sampling.max_slots (or spread the cache: sampling.engines x sampling.tensor)",
+    "engine logits": "sampling.max_slots (or sampling.engines)",
+    "engine prefill": "sampling.max_prefill_batch",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  """One line of a plan: `nbytes` on each device of `where` ("trainer" or "engine"), live for
+  the whole run (`phase` "state") or only while that side works ("step": a train step, or
+  sampling)."""
+
+  name: str
+  nbytes: int
+  where: str
+  phase: str
+  note: str
+  change: str = ""  # the settings to change if it is the biggest item (default: SETTINGS[name])
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Bytes per device of a run, for its fullest device.
+
+  shared: the trainer and (some) engines use the same devices (sync mode, or async with too
+  few devices); such a device holds both sides' state, plus the larger of the two "step"
+  sets (sync: training and sampling take turns) or both (async: at once). Otherwise the
+  fullest device is the fuller of a trainer device and an engine device.
+  """
+
+  topology: str
+  devices: int
+  mesh: dict  # the trainer's mesh axis sizes
+  engines: int
+  engine_tensor: int
+  shared: bool
+  concurrent: bool
+  items: tuple[Item, ...]
+  device_bytes: int | None  # None: unknown (CPU): no check
+
+  def _bytes(self, items) -> int:
+    return sum(i.nbytes for i in items)
+
+  def _group(self, where: str, phase: str | None = None) -> list[Item]:
+    return [i for i in self.items if i.where == where and phase in (None, i.phase)]
+
+  def counted(self) -> list[Item]:
+    """The items the fullest device holds at its peak (see the class docstring)."""
+    if not self.shared:
+      return max(self._group("trainer"), self._group("engine"), key=self._bytes)
+    steps = [self._group("trainer", "step"), self._group("engine", "step")]
+    peak = steps[0] + steps[1] if self.concurrent else max(steps, key=self._bytes)
+    return self._group("trainer", "state") + self._group("engine", "state") + peak
+
+  @property
+  def total(self) -> int:
+    return self._bytes(self.counted())
+
+  @property
+  def headroom(self) -> int | None:
+    return None if self.device_bytes is None else self.device_bytes - self.total
+
+  @property
+  def fits(self) -> bool:
+    return self.headroom is None or self.headroom >= 0
+
+  def advice(self) -> str:
+    """One line: how far over the plan is and the setting to change (the biggest item's)."""
+    big = max(self.counted(), key=lambda i: i.nbytes)
+    return (f"the run needs {_gib(self.total)} per device but {self.topology} devices have "
+            f"{_gib(self.device_bytes)} (short by {_gib(-self.headroom)}); the biggest item is the "
+            f"{big.name} ({_gib(big.nbytes)} per device): change {big.change or SETTINGS[big.name]}")
+
+  def format(self) -> str:
+    """The plan as a table (item, bytes per device, GiB, where/phase, note) and the totals."""
+    axes = " x ".join(f"{a} {n}" for a, n in self.mesh.items())
+    layout = ("trainer and engines share devices" if self.shared else "engines on their own devices")
+    lines = [f"memory plan per device: {self.topology} ({self.devices} devices); trainer mesh {axes}; "
+             f"{self.engines} engine(s) x tensor {self.engine_tensor}; {layout}",
+             f"{'item':<17} {'bytes':>17} {'GiB':>8}  {'where':<13}  note"]
+    counted = {id(i) for i in self.counted()}
+    for i in self.items:
+      mark = "" if id(i) in counted else " (not at the peak)"
+      lines.append(f"{i.name:<17} {i.nbytes:>17,} {i.nbytes / GiB:>8.2f}  "
+                   f"{i.where + '/' + i.phase:<13}  {i.note}{mark}")
+    if not self.shared:
+      how = "the fuller of a trainer and an engine device"
+    elif self.concurrent:
+      how = "states + trainer step + engine step (async: at once)"
+    else:
+      how = "states + the larger step (sync: training and sampling take turns)"
+    lines.append(f"{'total':<17} {self.total:>17,} {self.total / GiB:>8.2f}  {'':<13}  {how}")
+    if self.device_bytes is None:
+      lines.append("device memory: unknown (this backend reports no limit): not checked; "
+                   "give config.mesh.topology to check against one")
+    else:
+      lines.append(f"{'device memory':<17} {self.device_bytes:>17,} {self.device_bytes / GiB:>8.2f}")
+      lines.append(f"{'headroom':<17} {self.headroom:>17,} {self.headroom / GiB:>8.2f}  {'':<13}  "
+                   f"{'fits' if self.fits else 'DOES NOT FIT'}")
+    return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+  return f"{n / GiB:.2f} GiB"
+
+
+def seq_len(config) -> int:
+  """Tokens per row: oapl_jax.sampling.sampler.seq_len (not imported: it loads TensorFlow)."""
+  return config.sampling.max_prompt_len + config.sampling.max_new_tokens
+
+
+def batch_shards(config, mesh: dict) -> int:
+  """How many shards a micro-batch's rows are split into: the product of the "batch" rule's
+  mesh axes (default ("data", "fsdp"))."""
+  axes = sharding.rules_dict(config.sharding.rules).get("batch")
+  return math.prod(mesh[n] for n in ((axes,) if isinstance(axes, str) else tuple(axes or ())))
+
+
+def check_batch_divides(config, mesh: dict) -> None:
+  """Refuses (ConfigError naming train.grad_accum) micro-batches whose rows do not divide over
+  the batch shards: the trainer refuses them too."""
+  rows, shards = micro_batch_rows(config), batch_shards(config, mesh)
+  if rows % shards:
+    rl = config.rl
+    raise ConfigError(
+        f"config.train.grad_accum={config.train.grad_accum}: a micro-batch of {rows} rows "
+        f"(rl.groups_per_step={rl.groups_per_step} x rl.group_size={rl.group_size} / grad_accum) "
+        f"does not divide over the {shards} batch shards (mesh {mesh}); change train.grad_accum, "
+        "rl.groups_per_step or the mesh")
+
+
+def _layout(config, devices: int) -> tuple[int, bool]:
+  """(trainer devices, shared) as the run places them (rl/loop.py): sync, the trainer on all
+  devices and the engines on the first ones; async, the engines on the last
+  engines x tensor devices and the trainer on the others (on device 0 if there are none)."""
+  s = config.sampling
+  engine_devices = s.engines * s.tensor
+  if engine_devices > devices:
+    raise ConfigError(f"config.sampling.engines={s.engines}: engines x sampling.tensor = "
+                      f"{engine_devices} devices but there are {devices}")
+  if config.rl.mode == "sync":
+    return devices, True
+  return (devices - engine_devices, False) if devices > engine_devices else (1, True)
+
+
+def train_temp_bytes(config, mesh: dict) -> dict[str, int]:
+  """Per device, what a train step allocates beyond its arguments (the compiled step's temp
+  memory): "gradients" (model.param_dtype like the weights; with train.grad_accum > 1 the
+  running sum and one micro-batch's), "activations" and "log-prob kernel" of one micro-batch."""
+  specs = param_specs(abstract_params(config), config.sharding.rules)
+  grads = weights_bytes(specs, config.model.param_dtype, mesh) * (2 if config.train.grad_accum > 1 else 1)
+  x = train_dims(config, mesh)
+  return {"gradients": grads, "activations": activation_bytes(x, config.train.remat, config.train.attn_block),
+          "log-prob kernel": logprob_bytes(x, config.train.logprob_tile)}
+
+
+def activation_settings(config, x: Dims) -> str:
+  """What would shrink the activations, most effective first: full remat, fewer rows per
+  device per micro-batch (more train.grad_accum), a tensor split of heads and MLP width, and
+  shorter rows."""
+  tr = config.train
+  out = [] if tr.remat == "full" else [f"train.remat='full' (now {tr.remat!r})"]
+  if x.b > 1:
+    out.append(f"train.grad_accum (now {tr.grad_accum}: {x.b} rows per device per micro-batch)")
+  out += [f"mesh.tensor (now {config.mesh.tensor}: splits heads and MLP width)",
+          f"sampling.max_new_tokens (rows of {seq_len(config)} tokens)"]
+  return ", ".join(out[:-1]) + " or " + out[-1]
+
+
+def make_plan(config) -> Plan:
+  """The memory plan of a validated `config` on its topology (`config.mesh.topology`, else
+  this process's devices), from abstract shapes only: no weight is read or allocated."""
+  topology, devices, device_bytes = topology_of(config)
+  m, s, tr = config.model, config.sampling, config.train
+  trainer_devices, shared = _layout(config, devices)
+  mesh = resolve_mesh(config.mesh, trainer_devices)
+  check_batch_divides(config, mesh)
+  params = abstract_params(config)
+  specs = param_specs(params, config.sharding.rules)
+  engine_specs = param_specs(params, engine_rules(config.sharding.rules))
+  count = sum(math.prod(shape) for shape, _ in specs.values())
+  pd, cd = np.dtype(m.param_dtype), np.dtype(m.dtype)
+  master = weights_bytes(specs, pd, mesh)
+  x = train_dims(config, mesh)
+  rows, slots = micro_batch_rows(config), s.max_slots // s.engines
+  items = [
+      Item("master weights", master, "trainer", "state",
+           (f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count:,}") + f" params in {pd.name}, "
+           "trainer layout"),
+      Item("optimizer state", optimizer_bytes(config, params, specs, mesh), "trainer", "state",
+           "jax.eval_shape(optimizer.init): AdamW mu + nu like the weights"),
+      Item("trainer snapshot", weights_bytes(specs, cd, mesh), "trainer", "state",
+           f"pi_old in {cd.name}, trainer layout (refresh source, checkpoints)"),
+  ]
+  if config.rl.loss == "grpo" and config.rl.grpo.kl_coef > 0:
+    items.append(Item("reference policy", master, "trainer", "state", "frozen RL start (GRPO's KL)"))
+  temp = train_temp_bytes(config, mesh)
+  items += [
+      Item("gradients", temp["gradients"], "trainer", "step",
+           f"{pd.name} like the weights" + (": running sum + a micro-batch's" if tr.grad_accum > 1 else "")),
+      Item("train batch", _ceil(rows * tr.grad_accum, batch_shards(config, mesh)) * seq_len(config) * 12,
+           "trainer", "step", "the step's tokens, mask and sampler log-probs (int32, f32, f32)"),
+      Item("activations", temp["activations"], "trainer", "step",
+           f"{x.b} row(s) x {x.t} tokens per device per micro-batch, remat={tr.remat}, "
+           f"attn_block={tr.attn_block}", activation_settings(config, x)),
+      Item("log-prob kernel", temp["log-prob kernel"], "trainer", "step",
+           f"hidden states + {LOGPROB_TILE_COPIES} f32 [{min(tr.logprob_tile, x.b * x.t)}, {x.v}] tiles"),
+      Item("engine snapshot", weights_bytes(engine_specs, cd, {"tensor": s.tensor}), "engine", "state",
+           f"pi_old in {cd.name}, engine layout (split over sampling.tensor={s.tensor} only)"),
+      Item("KV cache", kv_cache_bytes(config), "engine", "state",
+           f"{slots} slots x {seq_len(config)} positions x {m.num_layers} layers, "
+           f"{m.num_kv_heads} KV heads over tensor {s.tensor}, {cd.name}"),
+      Item("engine logits", slots * m.vocab_size * 4, "engine", "step",
+           "next-token logits [slots, V] f32, replicated on an engine"),
+      Item("engine prefill", _prefill_bytes(config), "engine", "step",
+           f"{s.max_prefill_batch} prompts x {s.max_prompt_len} tokens, one layer at a time"),
+  ]
+  return Plan(topology, devices, mesh, s.engines, s.tensor, shared, config.rl.mode == "async",
+              tuple(items), device_bytes)
+
+
+def _prefill_bytes(config) -> int:
+  """An engine's prefill working set: one layer's full set (`layer_bytes(., "none")`) of
+  max_prefill_batch x max_prompt_len tokens, blockwise attention's f32 blocks and the [P, T, E]
+  f32 residual; forward only, so no layer is kept (its keys and values go to the KV cache)."""
+  s, m = config.sampling, config.model
+  x = Dims(b=s.max_prefill_batch, t=s.max_prompt_len, e=m.hidden_size,
+           n=_ceil(m.num_heads, s.tensor), k=_ceil(m.num_kv_heads, s.tensor), d=m.head_dim,
+           f=_ceil(m.mlp_dim, s.tensor), v=_ceil(m.vocab_size, s.tensor), layers=m.num_layers,
+           c=np.dtype(m.dtype).itemsize)
+  a = min(config.train.attn_block, x.t)
+  return layer_bytes(x, "none") + 3 * x.b * x.n * a * a * 4 + x.b * x.t * x.e * 4
+
+
+def device_memory() -> int | None:
+  """Bytes per local device (`memory_stats()["bytes_limit"]`), None where the backend gives
+  no limit (CPU). Starts JAX's backends."""
+  return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
+def check(config) -> Plan | None:
+  """The plan of a validated `config`, checked: a plan that does not fit a known device memory
+  is a PlanError whose one-line message names the setting to change. None (nothing checked)
+  where the memory is unknown: no `mesh.topology` and a backend without a limit (CPU)."""
+  if config.mesh.topology is None and device_memory() is None:
+    return None
+  plan = make_plan(config)
+  if not plan.fits:
+    raise PlanError(plan.advice())
+  return plan

@@ -15,10 +15,12 @@ import signal
 from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
 
 from oapl_jax import config as config_lib
+from oapl_jax import plan as plan_lib
 from oapl_jax import warmup
 from oapl_jax.errors import UserError
 from oapl_jax.metrics import MetricsLog, say, write_json
-from oapl_jax.rl.loop import Run
+from oapl_jax.rl.loop import Run, devices_wanted
+from oapl_jax.sampling.parallel import request_host_devices
 from oapl_jax.sampling.sampler import seq_len
 from oapl_jax.workdir import Interrupted, StopSignals, WorkdirLock
 
@@ -37,8 +39,12 @@ def run(config, workdir: str) -> dict:
   Resumes from the last checkpoint in workdir; holds the workdir's lock for the whole run
   (a second run there is refused); on SIGTERM / SIGINT during RL it finishes the step, saves
   a checkpoint and raises `Interrupted` (the command line exits 128 + the signal number).
+  A run whose memory plan (oapl_jax/plan.py) does not fit the devices is refused first
+  (`plan.PlanError`, naming the setting to change), where the device memory is known.
   """
   config_lib.validate(config)  # a bad setting is refused before the workdir is touched
+  request_host_devices(devices_wanted(config))  # on CPU, before the plan starts JAX
+  plan_lib.check(config)  # before anything is allocated
   with WorkdirLock(workdir), StopSignals() as stop:
     return _run(config, workdir, stop)
 
