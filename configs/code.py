@@ -50,12 +50,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampling.top_p = 0.95
   c.sampling.max_prompt_len = 4096
   c.sampling.max_new_tokens = 32000
-  c.sampling.max_slots = 256
+  c.sampling.max_slots = 256  # In total: 16 per engine.
+  c.sampling.engines = 16  # 16 replicas x 4 devices: the KV cache (1.7 TiB) spread to ~26 GiB per v5p chip.
+  c.sampling.tensor = 4
   c.rl.lag = 400
   c.rl.groups_per_step = 256
   c.rl.groups_per_rollout = 256
   c.train.steps = 800
-  c.train.grad_accum = 64
+  c.train.grad_accum = 32  # 64-row micro-batches: one row per device of a v5p-128 (fsdp 64).
   c.eval.samples_per_problem = 16
 
   if tiny:

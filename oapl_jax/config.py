@@ -327,6 +327,7 @@ def shrink_for_cpu(c: ml_collections.ConfigDict, model_path: str) -> None:
   c.model.param_dtype = c.model.dtype = "float32"
   c.sampling.max_new_tokens = 16
   c.sampling.max_slots = 32
+  c.sampling.engines = c.sampling.tensor = 1
   c.rl.lag = 2
   c.rl.groups_per_step = 2
   c.rl.groups_per_rollout = 2

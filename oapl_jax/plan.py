@@ -97,20 +97,9 @@ def topology_of(config) -> tuple[str, int, int | None]:
 
 
 def resolve_mesh(mesh_cfg, devices: int) -> dict[str, int]:
-  """{"data", "fsdp", "tensor"} sizes of `config.mesh` on `devices` devices (-1 = the rest);
-  a product that is not the device count is a ConfigError naming the axis."""
-  sizes = {a: mesh_cfg[a] for a in MESH_AXES}
-  fixed = math.prod(v for v in sizes.values() if v != -1)
-  minus = [a for a, v in sizes.items() if v == -1]
-  if minus:
-    if devices % fixed:
-      raise ConfigError(f"config.mesh.{minus[0]}=-1: the other axes' product {fixed} does not "
-                        f"divide the {devices} devices")
-    sizes[minus[0]] = devices // fixed
-  elif fixed != devices:
-    raise ConfigError(f"config.mesh: data x fsdp x tensor = {fixed} but there are {devices} "
-                      "devices; set one axis to -1 (all remaining devices)")
-  return sizes
+  """{"data", "fsdp", "tensor"} sizes of `config.mesh` on `devices` devices (-1 = the rest),
+  as the trainer resolves them (`sharding.mesh_shape`)."""
+  return dict(zip(MESH_AXES, sharding.mesh_shape(mesh_cfg, devices)))
 
 
 def shard_bytes(shape: tuple[int, ...], dtype, spec: PartitionSpec, mesh_shape: dict) -> int:
@@ -216,7 +205,7 @@ def micro_batch_rows(config) -> int:
 def train_dims(config, mesh_shape: dict) -> Dims:
   """The `Dims` of config's train micro-batch on one device of a trainer mesh `mesh_shape`."""
   m, tp = config.model, mesh_shape["tensor"]
-  return Dims(b=_ceil(micro_batch_rows(config), batch_shards(config, mesh_shape)),
+  return Dims(b=_ceil(micro_batch_rows(config), sharding.batch_shards(mesh_shape, config.sharding.rules)),
               t=seq_len(config) - 1, e=m.hidden_size, n=_ceil(m.num_heads, tp),
               k=_ceil(m.num_kv_heads, tp), d=m.head_dim, f=_ceil(m.mlp_dim, tp),
               v=_ceil(m.vocab_size, tp), layers=m.num_layers, c=np.dtype(m.dtype).itemsize)
@@ -395,26 +384,6 @@ def seq_len(config) -> int:
   return config.sampling.max_prompt_len + config.sampling.max_new_tokens
 
 
-def batch_shards(config, mesh: dict) -> int:
-  """How many shards a micro-batch's rows are split into: the product of the "batch" rule's
-  mesh axes (default ("data", "fsdp"))."""
-  axes = sharding.rules_dict(config.sharding.rules).get("batch")
-  return math.prod(mesh[n] for n in ((axes,) if isinstance(axes, str) else tuple(axes or ())))
-
-
-def check_batch_divides(config, mesh: dict) -> None:
-  """Refuses (ConfigError naming train.grad_accum) micro-batches whose rows do not divide over
-  the batch shards: the trainer refuses them too."""
-  rows, shards = micro_batch_rows(config), batch_shards(config, mesh)
-  if rows % shards:
-    rl = config.rl
-    raise ConfigError(
-        f"config.train.grad_accum={config.train.grad_accum}: a micro-batch of {rows} rows "
-        f"(rl.groups_per_step={rl.groups_per_step} x rl.group_size={rl.group_size} / grad_accum) "
-        f"does not divide over the {shards} batch shards (mesh {mesh}); change train.grad_accum, "
-        "rl.groups_per_step or the mesh")
-
-
 def _layout(config, devices: int) -> tuple[int, bool]:
   """(trainer devices, shared) as the run places them (rl/loop.py): sync, the trainer on all
   devices and the engines on the first ones; async, the engines on the last
@@ -460,7 +429,8 @@ def make_plan(config) -> Plan:
   m, s, tr = config.model, config.sampling, config.train
   trainer_devices, shared = _layout(config, devices)
   mesh = resolve_mesh(config.mesh, trainer_devices)
-  check_batch_divides(config, mesh)
+  from oapl_jax.rl.step import check_batch_divides  # noqa: PLC0415 (see abstract opt state)
+  check_batch_divides(config, mesh)  # the trainer refuses these micro-batches too
   params = abstract_params(config)
   specs = param_specs(params, config.sharding.rules)
   engine_specs = param_specs(params, engine_rules(config.sharding.rules))
@@ -484,7 +454,7 @@ def make_plan(config) -> Plan:
   items += [
       Item("gradients", temp["gradients"], "trainer", "step",
            f"{pd.name} like the weights" + (": running sum + a micro-batch's" if tr.grad_accum > 1 else "")),
-      Item("train batch", _ceil(rows * tr.grad_accum, batch_shards(config, mesh)) * seq_len(config) * 12,
+      Item("train batch", _ceil(rows * tr.grad_accum, sharding.batch_shards(mesh, config.sharding.rules)) * seq_len(config) * 12,
            "trainer", "step", "the step's tokens, mask and sampler log-probs (int32, f32, f32)"),
       Item("activations", temp["activations"], "trainer", "step",
            f"{x.b} row(s) x {x.t} tokens per device per micro-batch, remat={tr.remat}, "

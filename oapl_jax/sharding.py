@@ -68,9 +68,11 @@ def batch_axes(rules: Rules | None) -> MeshAxes:
   return rules_dict(rules).get("batch")
 
 
-def batch_shards(mesh: Mesh, rules: Rules | None) -> int:
-  """How many shards the rows of a batch are split into on `mesh` (product of `batch_axes`)."""
-  return int(np.prod([mesh.shape[n] for n in _spec_names(batch_axes(rules))]))
+def batch_shards(mesh: Mesh | Mapping[str, int], rules: Rules | None) -> int:
+  """How many shards the rows of a batch are split into on `mesh` (a Mesh, or its axis sizes
+  `{"data": 2, ...}`): the product of `batch_axes`."""
+  sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
+  return int(np.prod([sizes[n] for n in _spec_names(batch_axes(rules))]))
 
 
 def _mesh_axes(value: Any) -> MeshAxes:

@@ -20,6 +20,7 @@ numbers are the unsharded ones.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +76,9 @@ def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(mask > 0, x, 0.0)) / jnp.maximum(mask.sum(), 1.0)
 
 
-def check_batch_divides(config, mesh: Mesh, rows: int | None = None) -> None:
+def check_batch_divides(config, mesh: Mesh | Mapping[str, int], rows: int | None = None) -> None:
   """Refuses (ConfigError) micro-batches whose rows do not divide over the batch shards.
+  mesh: the trainer's Mesh, or its axis sizes (the memory planner's topology).
 
   rows: the rows of a whole batch (default: rl.groups_per_step x rl.group_size); a micro-batch
   holds rows / train.grad_accum of them, split over the mesh axes of the "batch" rule.
@@ -86,7 +88,8 @@ def check_batch_divides(config, mesh: Mesh, rows: int | None = None) -> None:
   shards = sharding_lib.batch_shards(mesh, config.sharding.rules)
   if rows % accum or (rows // accum) % shards:
     axes = sharding_lib.batch_axes(config.sharding.rules)
-    sizes = ", ".join(f"mesh.{a}={mesh.shape[a]}" for a in sharding_lib.MESH_AXES)
+    shape = mesh.shape if isinstance(mesh, Mesh) else mesh
+    sizes = ", ".join(f"mesh.{a}={shape[a]}" for a in sharding_lib.MESH_AXES)
     raise ConfigError(
         f"config.train.grad_accum={accum}: a micro-batch of {rows} rows (rl.groups_per_step="
         f"{rl.groups_per_step} x rl.group_size={rl.group_size}) / {accum} does not divide over "
