@@ -53,6 +53,8 @@ from oapl_jax.sampling.processing import SamplingParams, process_logits, sample
 
 FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2  # EOS token, length budget, stop sequence
 _NO_TOKEN = -2  # fills `recent` before an answer has W tokens (matches no stop sequence)
+_STATE_KEYS = ("next_logits", "positions", "lengths", "limits", "live", "finish", "versions",
+               "recent", "slot_ids", "eos", "stops", "key", "step")  # the decode state but the cache
 
 
 @struct.dataclass
@@ -176,19 +178,26 @@ class Engine(engine_api.Engine):
     self._tokenizer = tokenizer
     self._mesh = mesh or engine_mesh([jax.config.jax_default_device or jax.devices()[0]])
     self.layout = EngineLayout(model_cfg, self._mesh.size, rules)
+    # Placement (layout.py): the KV cache split over KV heads, everything else replicated over
+    # the mesh; every jitted call returns exactly these shardings (so none compiles twice).
+    rep = self._replicated = NamedSharding(self._mesh, PartitionSpec())
     k_spec, v_spec = self.layout.cache_specs()
-    self._cache_sharding = {"k": NamedSharding(self._mesh, k_spec), "v": NamedSharding(self._mesh, v_spec)}
-    self._replicated = NamedSharding(self._mesh, PartitionSpec())
-    cache_shardings = {name: [s] * model_cfg.num_layers for name, s in self._cache_sharding.items()}
+    layers = model_cfg.num_layers
+    cache = {"k": [NamedSharding(self._mesh, k_spec)] * layers,
+             "v": [NamedSharding(self._mesh, v_spec)] * layers}
+    state = self._state_sharding = {"cache": cache, **dict.fromkeys(_STATE_KEYS, rep)}
+    kv = NamedSharding(self._mesh, PartitionSpec(None, None, k_spec[1], None))  # [B, T, K, D]
+    prefix = {"kvs": [(kv, kv)] * layers, "logits": rep, "lengths": rep, "version": rep}
     self._zero_cache = jax.jit(lambda capacity: init_cache(model_cfg, max_slots, capacity),
-                               static_argnums=0, out_shardings=cache_shardings)
-    self._prefill = jax.jit(self._prefill_impl)
+                               static_argnums=0, out_shardings=cache)
+    self._prefill = jax.jit(self._prefill_impl, out_shardings=prefix)
     self._embedding = jax.jit(lambda head: head.T)  # [E, V] -> [V, E] (tied models' prefill)
-    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
-    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
-    self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,))
-    self._resize = jax.jit(self._resize_impl, static_argnums=(1,))
-    self._narrow = jax.jit(self._narrow_impl)
+    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state)
+    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, rep))
+    self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,),
+                                   out_shardings=(state, rep))
+    self._resize = jax.jit(self._resize_impl, static_argnums=(1,), out_shardings=state)
+    self._narrow = jax.jit(self._narrow_impl, out_shardings=state)
 
   # --- JetStream API -------------------------------------------------------------------
 
@@ -358,18 +367,14 @@ class Engine(engine_api.Engine):
   # --- jitted implementations ----------------------------------------------------------
 
   def _placed(self, state: dict) -> dict:
-    """`state` constrained to its shardings: the KV cache split over KV heads, the rest
-    (next_logits included) replicated over the engine's mesh."""
-    cache = {name: [jax.lax.with_sharding_constraint(x, self._cache_sharding[name]) for x in layers]
-             for name, layers in state["cache"].items()}
-    rest = {k: v for k, v in state.items() if k != "cache"}
-    return {"cache": cache, **jax.lax.with_sharding_constraint(rest, self._replicated)}
+    """`state` constrained to its shardings (inside the decode loop: the carry stays placed)."""
+    return jax.lax.with_sharding_constraint(state, self._state_sharding)
 
   def _narrow_impl(self, state, keep):
     per_slot = ("next_logits", "positions", "lengths", "limits", "live", "finish", "versions",
                 "recent", "slot_ids")
     cache = {name: [x[keep] for x in layers] for name, layers in state["cache"].items()}
-    return self._placed({**state, "cache": cache, **{name: state[name][keep] for name in per_slot}})
+    return {**state, "cache": cache, **{name: state[name][keep] for name in per_slot}}
 
   def _resize_impl(self, state, capacity):
     def fit(x, axis):  # pad or cut `axis` to `capacity`
@@ -381,7 +386,7 @@ class Engine(engine_api.Engine):
 
     cache = {"k": [fit(k, 3) for k in state["cache"]["k"]],
              "v": [fit(v, 2) for v in state["cache"]["v"]]}
-    return self._placed({**state, "cache": cache})
+    return {**state, "cache": cache}
 
   def _model(self, weights: EngineParams):
     """The model over the engine's `params` (the fused weights' Params are None: decode only)."""
@@ -390,17 +395,13 @@ class Engine(engine_api.Engine):
   def _prefill_impl(self, weights, embed, tokens, lengths):
     plain = self.layout.plain_params(weights.params, weights.decode, embed)  # fused weights' slices
     logits, kvs = nnx.merge(self._graphdef, plain).prefill(tokens, lengths)  # [B, V], L x [B, T, K, D]
-    k_spec = self._cache_sharding["k"].spec
-    kv_sharding = NamedSharding(self._mesh, PartitionSpec(None, None, k_spec[1], None))  # over K
-    kvs = jax.lax.with_sharding_constraint(kvs, [(kv_sharding, kv_sharding)] * len(kvs))
-    logits = jax.lax.with_sharding_constraint(logits, self._replicated)
     return {"kvs": kvs, "logits": logits, "lengths": lengths, "version": weights.version}
 
   def _insert_impl(self, prefix, state, slots, rows, max_new):
     kvs = [(k[rows], v[rows]) for k, v in prefix["kvs"]]  # [N, T, K, D]
     length = prefix["lengths"][rows]  # [N]
     put = lambda a, value: a.at[slots].set(value, mode="drop")  # slots >= S: dropped  # noqa: E731
-    return self._placed({
+    return {
         **state,
         "cache": write_prefix(state["cache"], kvs, slots),
         "next_logits": put(state["next_logits"], prefix["logits"][rows]),
@@ -411,7 +412,7 @@ class Engine(engine_api.Engine):
         "finish": put(state["finish"], -1),
         "versions": put(state["versions"], prefix["version"]),
         "recent": put(state["recent"], _NO_TOKEN),
-    })
+    }
 
   def _loop_constants(self, weights, state) -> dict:
     """What every decode step of a call reuses: the RoPE table of the cache positions
