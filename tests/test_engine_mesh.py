@@ -30,6 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Common to the child scripts: two small models (tied + QK-norm; untied + qkv bias), engines.
 SETUP = textwrap.dedent("""
+    import re
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -101,6 +102,14 @@ TENSOR = SETUP + textwrap.dedent("""
       assert k.sharding.spec == v.sharding.spec == P(None, "tensor", None, None)
       assert {s.data.shape[1] for s in k.addressable_shards} == {1}  # one KV head per device
       assert s2["next_logits"].sharding.is_fully_replicated
+      # A decode call moves activations only (weights and cache stay split): every collective's
+      # result is at most [S, V] (the logits' all-gather) or [S, E] (all-reduces) elements.
+      hlo = two._generate_steps.lower(w2, s2, np.int32(1)).compile().as_text()
+      moved = re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all|collective-permute)", hlo)
+      assert {op for _, op in moved} == {"all-gather", "all-reduce"}, moved
+      assert max(np.prod([int(n) for n in shape.split(",")]) for shape, _ in moved) <= 4 * 64, moved
+      if not cfg.tie_embeddings:
+        continue
       # Whole rollouts: the same answers; the log-probs are the trainer's on the same tokens.
       r1 = rollout(one, w1, PROMPTS, key=key, **KW)
       r2 = rollout(two, w2, PROMPTS, key=key, **KW)
@@ -128,8 +137,10 @@ REFRESH = SETUP + textwrap.dedent("""
     make = lambda mesh: engine(cfg, graphdef, mesh)
     replicas = Replicas(make, 2, devices[:4], tensor=2)
     assert [list(m.devices.flat) for m in replicas.meshes] == [devices[0:2], devices[2:4]]
-    reference = replicas.load_params(params, version=3)  # from one device
-    jax.block_until_ready(reference)
+    with jax.transfer_guard_host_to_device("disallow_explicit"), \
+         jax.transfer_guard_device_to_host("disallow_explicit"):
+      reference = replicas.load_params(params, version=3)  # from one device: shards cut there
+      jax.block_until_ready(reference)
     with jax.transfer_guard("disallow"):
       weights = replicas.load_params(sharded, version=3)
       jax.block_until_ready(weights)
