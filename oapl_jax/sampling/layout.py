@@ -38,6 +38,7 @@ device too (a constant of a tiny jitted function).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -261,8 +262,15 @@ def _assemble(staged: jax.Array, dst: NamedSharding) -> jax.Array:
       buffers.append(jax.device_put(exact[0].data, device))
     else:  # a whole copy (staging tensor axis of size 1): cut this device's block on its device
       whole = next(s for s in shards if all(a == (0, n, 1) for a, n in zip(_index_key(s.index, shape), shape)))
-      buffers.append(jax.device_put(whole.data[tuple(index)], device))
+      buffers.append(jax.device_put(_block(whole.data, want), device))
   return jax.make_array_from_single_device_arrays(shape, dst, buffers)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _block(x: jax.Array, bounds: tuple) -> jax.Array:
+  """x's block `bounds` ((start, stop, step) per dimension), cut on x's device (static bounds:
+  no index leaves the host)."""
+  return jax.lax.slice(x, [b[0] for b in bounds], [b[1] for b in bounds], [b[2] for b in bounds])
 
 
 def _stamp(version: int, sharding: NamedSharding) -> jax.Array:
