@@ -273,9 +273,11 @@ def _block(x: jax.Array, bounds: tuple) -> jax.Array:
   return jax.lax.slice(x, [b[0] for b in bounds], [b[1] for b in bounds], [b[2] for b in bounds])
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _stamp(version: int, sharding: NamedSharding) -> jax.Array:
-  """int32 `[]` array `version` made on device (a constant: no host-to-device transfer)."""
-  return jax.jit(lambda: jnp.full((), version, jnp.int32), out_shardings=sharding)()
+  """int32 `[]` array `version` made on device: a constant of the compiled function, so no
+  host-to-device transfer (one small compile per new version, i.e. per refresh)."""
+  return jax.lax.with_sharding_constraint(jnp.full((), version, jnp.int32), sharding)
 
 
 def load_weights(params: nnx.State, version: int, layout: EngineLayout,
