@@ -32,6 +32,13 @@ to the longest live answer (`attn_chunk`), and `rollout` keeps the cache itself 
 smallest capacity bucket (`cache_bucket * 2**j`, capped at `max_len`) that the live answers
 need (`resize`), so a step never touches positions no answer has reached. On CPU the second
 matters most: a chunk sliced out of a larger buffer is a copy. One compile per bucket.
+
+Devices: an engine lives on a mesh `("tensor",)` of T devices (`layout.py`): weights split over
+heads / MLP / vocabulary (one copy, compute dtype, `EngineParams`), the KV cache over KV heads,
+everything else in the state replicated; each jitted call returns exactly these shardings.
+Decode runs `decode.decode` (`Transformer.decode` over the fused layout), prefill the model's
+own `prefill` on the plain weights sliced out of the fused ones. With T = 1 the numbers are the
+single-device engine's, bit for bit.
 """
 
 from __future__ import annotations

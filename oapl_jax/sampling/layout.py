@@ -289,7 +289,7 @@ def load_weights(params: nnx.State, version: int, layout: EngineLayout,
   rest_s, decode_s = layout.shardings(params, stage)
   replicated = NamedSharding(stage, PartitionSpec())
   staged_rest, staged_decode = layout.jitted_relayout(stage, (rest_s, decode_s))(params)
-  staged = EngineParams(staged_rest, _stamp(version, replicated), staged_decode)
+  staged = EngineParams(staged_rest, _stamp(int(version), replicated), staged_decode)
   out = []
   for mesh in meshes:
     dst = EngineParams(_on_mesh(rest_s, mesh), NamedSharding(mesh, PartitionSpec()),
