@@ -177,7 +177,8 @@ REFRESH = SETUP + textwrap.dedent("""
 """)
 
 # The run's placement: max_slots a total over the engines; sync engines on the first devices,
-# async ones on the last (the trainer keeps the rest); the devices a run asks for.
+# async ones on the last (the trainer keeps the rest); the devices a run asks for. Then the
+# loop with tensor-2 engines.
 PLACEMENT = SETUP + textwrap.dedent("""
     from configs import tiny
     from oapl_jax.models.build import init_model
@@ -199,6 +200,18 @@ PLACEMENT = SETUP + textwrap.dedent("""
     assert engine_devices(c) == devices[6:]  # trainer on devices 0-5
     c.sampling.engines, c.sampling.max_slots = 8, 64  # too many to keep a trainer device: shared
     assert engine_devices(c) == devices
+    # The loop with 2 engines x tensor 2: the engines' log-probs are the trainer's, refreshes on.
+    import tempfile
+    from oapl_jax import train
+    c = tiny.get_config("smoke")
+    c.sampling.engines, c.sampling.tensor, c.sampling.max_slots = 2, 2, 64
+    run = train.Run(c, tempfile.mkdtemp())
+    metrics = [run.step() for _ in range(4)]  # a refresh after step 3 (rl.lag = 3)
+    assert run.counters.version == 1
+    gaps = [m["engine_mismatch_abs"] for m in metrics if "engine_mismatch_abs" in m]
+    assert gaps and max(gaps) < 1e-5, gaps
+    on = lambda w: {d for x in jax.tree.leaves(w) for d in x.devices()}
+    assert [on(w) for w in run.engine_weights()] == [set(devices[0:2]), set(devices[2:4])]
     print("OK")
 """)
 
