@@ -99,9 +99,9 @@ def fixed_engines(graphdef, params, num: int, max_len: int, sampling):
   """`num` replicas of the fixed workload's engine (32 / num slots each), weights loaded."""
   from oapl_jax.sampling import Engine
   from oapl_jax.sampling.parallel import Replicas
-  replicas = Replicas(lambda: Engine(graphdef, model_config(), sampling, max_slots=SLOTS // num,
-                                     max_prefill_length=PROMPT_LEN, max_len=max_len,
-                                     **_engine_settings(max_prefill_batch=BATCH // num)), num)
+  replicas = Replicas(lambda mesh: Engine(graphdef, model_config(), sampling, max_slots=SLOTS // num,
+                                          max_prefill_length=PROMPT_LEN, max_len=max_len, mesh=mesh,
+                                          **_engine_settings(max_prefill_batch=BATCH // num)), num)
   return replicas, replicas.load_params(params, version=0)
 
 
@@ -174,8 +174,8 @@ def bench_ours(graphdef, params, reps: int, engines: int, hf=None) -> dict:
 
 
 def bench_swap(replicas, params) -> dict:
-  """The lag sync as the trainer does it (`Replicas.load_params`: the snapshot copied to every
-  engine's device, decode weights made), and the first rollout with it."""
+  """The lag sync as the trainer does it (`Replicas.load_params`: the snapshot re-laid out into
+  every engine's layout on its devices, on device), and the first rollout with it."""
   import jax
   import numpy as np
 

@@ -38,8 +38,8 @@ SAMPLER = textwrap.dedent("""
     model.embed[...] = model.embed[...] * 15.0
     graphdef, params = nnx.split(model, nnx.Param)
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
-    make = lambda: Engine(graphdef, cfg, sampling, max_slots=4, max_prefill_length=8, max_len=20,
-                          **defaults)
+    make = lambda mesh: Engine(graphdef, cfg, sampling, max_slots=4, max_prefill_length=8,
+                               max_len=20, mesh=mesh, **defaults)
     replicas = Replicas(make, 2)
     assert replicas.devices == jax.devices()
     weights = replicas.load_params(params, version=3)
@@ -86,6 +86,7 @@ LOOP = textwrap.dedent("""
     out = sys.argv[1]
     c = tiny.get_config("smoke")
     c.sampling.engines, c.rl.lag, c.rl.groups_per_step, c.rl.groups_per_rollout = 2, 4, 2, 5
+    c.sampling.max_slots *= 2  # a total over the engines: each keeps the smoke run's slots
     straight = train.Run(c, out + "/straight")
     metrics = [straight.step() for _ in range(6)]
     assert all(m["engine_mismatch_abs"] < 1e-5 for m in metrics if "engine_mismatch_abs" in m)
@@ -136,9 +137,9 @@ def test_loop_with_two_engines_is_reproducible_and_resumes(tmp_path):
 
 def test_one_replica_is_a_plain_rollout(small_model):
   cfg, graphdef, params = small_model
-  make = lambda: Engine(graphdef, cfg, SamplingParams(temperature=0.8), max_slots=4,  # noqa: E731
-                        max_prefill_length=8, max_len=20,
-                        **engine_settings(config_lib.defaults("tiny_addition").sampling))
+  make = lambda mesh: Engine(graphdef, cfg, SamplingParams(temperature=0.8), max_slots=4,  # noqa: E731
+                             max_prefill_length=8, max_len=20, mesh=mesh,
+                             **engine_settings(config_lib.defaults("tiny_addition").sampling))
   replicas = Replicas(make, 1)
   prompts, key = [[3, 4, 5], [6, 7]], jax.random.key(1)
   kw = dict(group_size=2, max_new_tokens=8, eos_id=1, pad_id=0)

@@ -61,16 +61,21 @@ class Counters:
 
 
 def devices_wanted(config) -> int:
-  """Local devices a run uses: one per engine, plus the trainer's own when sampling overlaps."""
-  return config.sampling.engines + SOURCES[config.rl.mode].overlaps_training
+  """Local devices a run asks for: `sampling.tensor` per engine, plus one for the trainer when
+  sampling overlaps training."""
+  s = config.sampling
+  return s.engines * s.tensor + SOURCES[config.rl.mode].overlaps_training
 
 
 def engine_devices(config) -> list:
-  """The engines' devices: the first local ones, or, when sampling overlaps training, the ones
-  after the trainer's device 0 (shared with it if there are too few)."""
+  """The engines' devices, replica after replica (`sampling.tensor` consecutive devices each):
+  the first `engines x tensor` local devices, shared with the trainer; or, when sampling overlaps
+  training, the last ones, the trainer keeping the rest (with one device left: today's device 0
+  trainer, engines on 1..N). With too few devices for that, the engines share the trainer's."""
   devices = jax.local_devices()
-  if SOURCES[config.rl.mode].overlaps_training and len(devices) > config.sampling.engines:
-    devices = devices[1:]
+  n = config.sampling.engines * config.sampling.tensor
+  if SOURCES[config.rl.mode].overlaps_training and len(devices) > n:
+    return devices[-n:]
   return devices
 
 

@@ -32,6 +32,13 @@ to the longest live answer (`attn_chunk`), and `rollout` keeps the cache itself 
 smallest capacity bucket (`cache_bucket * 2**j`, capped at `max_len`) that the live answers
 need (`resize`), so a step never touches positions no answer has reached. On CPU the second
 matters most: a chunk sliced out of a larger buffer is a copy. One compile per bucket.
+
+Devices: an engine lives on a mesh `("tensor",)` of T devices (`layout.py`): weights split over
+heads / MLP / vocabulary (one copy, compute dtype, `EngineParams`), the KV cache over KV heads,
+everything else in the state replicated; each jitted call returns exactly these shardings.
+Decode runs `decode.decode` (`Transformer.decode` over the fused layout), prefill the model's
+own `prefill` on the plain weights sliced out of the fused ones. With T = 1 the numbers are the
+single-device engine's, bit for bit.
 """
 
 from __future__ import annotations
@@ -43,27 +50,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from oapl_jax.models.transformer import ModelConfig, init_cache, write_prefix
+from oapl_jax.sampling import decode as decode_lib
+from oapl_jax.sampling.layout import EngineLayout, EngineParams, engine_mesh, load_weights
 from oapl_jax.sampling.processing import SamplingParams, process_logits, sample
 
 FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2  # EOS token, length budget, stop sequence
 _NO_TOKEN = -2  # fills `recent` before an answer has W tokens (matches no stop sequence)
-
-
-@struct.dataclass
-class EngineParams:
-  """Weights as the engine holds them: the model's `nnx.Param` state, its policy version, and
-  the fused matrices decode steps use (`Transformer.decode_weights`, made once per snapshot).
-
-  `version` is an int32 array leaf, so a new snapshot with a new version reuses every
-  compiled function.
-  """
-
-  params: Any
-  version: jax.Array
-  decode: Any
+_STATE_KEYS = ("next_logits", "positions", "lengths", "limits", "live", "finish", "versions",
+               "recent", "slot_ids", "eos", "stops", "key", "step")  # the decode state but the cache
 
 
 @struct.dataclass
@@ -159,7 +157,10 @@ class Engine(engine_api.Engine):
     min_decode_width: `rollout` narrows the decode state (halving its width) during the final
       drain, but not below this many slots; >= max_slots turns narrowing off.
     max_prefill_batch: prompts `prefill_batch` takes at once (batches padded to powers of 2).
-    mesh: device mesh (default: the first local device on one "data" axis).
+    mesh: the engine's devices, a mesh with one axis "tensor" (`layout.engine_mesh`; default:
+      the default device). Weights, KV cache and decode state live there (`layout.py`).
+    rules: the config's `sharding.rules` (fsdp/data axes dropped for the engine); None = every
+      weight and the KV cache replicated over the mesh.
     tokenizer: one of our tokenizers, needed only under JetStream's orchestrator
       (`build_tokenizer`); the engine itself works on token ids.
   """
@@ -167,7 +168,7 @@ class Engine(engine_api.Engine):
   def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingParams, *,
                max_slots: int, max_prefill_length: int, max_len: int, steps_per_call: int,
                attn_chunk: int, cache_bucket: int, max_prefill_batch: int, min_decode_width: int,
-               mesh: jax.sharding.Mesh | None = None, tokenizer=None):
+               mesh: jax.sharding.Mesh | None = None, rules=None, tokenizer=None):
     if max_prefill_length >= max_len:
       raise ValueError(f"max_prefill_length={max_prefill_length} must be < max_len={max_len}")
     self._graphdef = graphdef
@@ -182,29 +183,42 @@ class Engine(engine_api.Engine):
     self.max_prefill_batch = max_prefill_batch
     self.min_decode_width = min_decode_width
     self._tokenizer = tokenizer
-    self._mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    self._prefill = jax.jit(self._prefill_impl)
-    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
-    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
-    self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,))
-    self._resize = jax.jit(self._resize_impl, static_argnums=(1,))
-    self._narrow = jax.jit(self._narrow_impl)
-    self._decode_weights = jax.jit(lambda params: nnx.merge(graphdef, params).decode_weights())
+    self._mesh = mesh or engine_mesh([jax.config.jax_default_device or jax.devices()[0]])
+    self.layout = EngineLayout(model_cfg, self._mesh.size, rules)
+    # Placement (layout.py): the KV cache split over KV heads, everything else replicated over
+    # the mesh; every jitted call returns exactly these shardings (so none compiles twice).
+    rep = self._replicated = NamedSharding(self._mesh, PartitionSpec())
+    k_spec, v_spec = self.layout.cache_specs()
+    layers = model_cfg.num_layers
+    cache = {"k": [NamedSharding(self._mesh, k_spec)] * layers,
+             "v": [NamedSharding(self._mesh, v_spec)] * layers}
+    state = self._state_sharding = {"cache": cache, **dict.fromkeys(_STATE_KEYS, rep)}
+    kv = NamedSharding(self._mesh, PartitionSpec(None, None, k_spec[1], None))  # [B, T, K, D]
+    prefix = {"kvs": [(kv, kv)] * layers, "logits": rep, "lengths": rep, "version": rep}
+    self._zero_cache = jax.jit(lambda capacity: init_cache(model_cfg, max_slots, capacity),
+                               static_argnums=0, out_shardings=cache)
+    self._prefill = jax.jit(self._prefill_impl, out_shardings=prefix)
+    self._embedding = jax.jit(lambda head: head.T)  # [E, V] -> [V, E] (tied models' prefill)
+    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state)
+    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, rep))
+    self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,),
+                                   out_shardings=(state, rep))
+    self._resize = jax.jit(self._resize_impl, static_argnums=(1,), out_shardings=state)
+    self._narrow = jax.jit(self._narrow_impl, out_shardings=state)
 
   # --- JetStream API -------------------------------------------------------------------
 
   def load_params(self, params=None, *, version: int = 0, **unused) -> EngineParams:
-    """`params` (an `nnx.State` of the model's `nnx.Param`s) on device, stamped `version`.
+    """`params` (an `nnx.State` of the model's `nnx.Param`s, on any devices and sharding) in
+    the engine's layout on its mesh, stamped `version` (`layout.load_weights`: on device).
 
-    This is the snapshot swap of the lagged loop: nothing recompiles. The decode copies of
-    the weights (fused projections, about the size of the weights) are made here.
+    This is the snapshot swap of the lagged loop: nothing recompiles.
     """
     if params is None:
       raise ValueError("Engine.load_params needs params=<nnx.State of the model's Params>")
     if isinstance(params, EngineParams):
-      params = params.params
-    params = jax.device_put(params)
-    return EngineParams(params, jnp.asarray(version, jnp.int32), self._decode_weights(params))
+      return params
+    return load_weights(params, version, self.layout, [self._mesh])[0]
 
   def weights(self, params) -> EngineParams:
     """`params` as `EngineParams`; a bare `nnx.State` gets version -1 (unknown)."""
@@ -229,28 +243,29 @@ class Engine(engine_api.Engine):
     stops = np.full((len(stop_sequences), width), -1, np.int32)  # -1 = any token
     for i, q in enumerate(stop_sequences):
       stops[i, width - len(q):] = q
-    return {
-        "cache": init_cache(cfg, s, capacity or self.max_len),
-        "next_logits": jnp.zeros((s, cfg.vocab_size), jnp.float32),
-        "positions": jnp.zeros((s,), jnp.int32),
-        "lengths": jnp.zeros((s,), jnp.int32),
-        "limits": jnp.zeros((s,), jnp.int32),
-        "live": jnp.zeros((s,), bool),
-        "finish": jnp.full((s,), -1, jnp.int32),
-        "versions": jnp.full((s,), -1, jnp.int32),
-        "recent": jnp.full((s, width), _NO_TOKEN, jnp.int32),
-        "slot_ids": jnp.arange(s, dtype=jnp.int32),
-        "eos": jnp.asarray(eos_id, jnp.int32),
-        "stops": jnp.asarray(stops),
+    small = {
+        "next_logits": np.zeros((s, cfg.vocab_size), np.float32),
+        "positions": np.zeros((s,), np.int32),
+        "lengths": np.zeros((s,), np.int32),
+        "limits": np.zeros((s,), np.int32),
+        "live": np.zeros((s,), bool),
+        "finish": np.full((s,), -1, np.int32),
+        "versions": np.full((s,), -1, np.int32),
+        "recent": np.full((s, width), _NO_TOKEN, np.int32),
+        "slot_ids": np.arange(s, dtype=np.int32),
+        "eos": np.asarray(eos_id, np.int32),
+        "stops": stops,
         "key": jax.random.key(0) if key is None else jnp.copy(key),  # the state is donated, the caller's key is not
-        "step": jnp.zeros((), jnp.int32),
+        "step": np.zeros((), np.int32),
     }
+    return {"cache": self._zero_cache(capacity or self.max_len),
+            **jax.device_put(small, self._replicated)}
 
   def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int) -> dict:
     """KV cache of one prompt. padded_tokens: `[T]` int (right-padded), true_length: int."""
     if existing_prefix is not None:
       raise NotImplementedError("prefill on top of an existing prefix is not supported")
-    tokens = jnp.asarray(padded_tokens, jnp.int32)[None]  # [1, T]
+    tokens = np.asarray(padded_tokens, np.int32)[None]  # [1, T]
     return self.prefill_batch(params, tokens, np.array([true_length], np.int32))
 
   def insert(self, prefix: dict, decode_state: dict, slot: int) -> dict:
@@ -304,8 +319,9 @@ class Engine(engine_api.Engine):
     if tokens.shape[1] > self._max_prefill_length:
       raise ValueError(f"prompt of {tokens.shape[1]} tokens > max_prefill_length="
                        f"{self._max_prefill_length}")
-    return self._prefill(self.weights(params), jnp.asarray(tokens, jnp.int32),
-                         jnp.asarray(lengths, jnp.int32))
+    weights = self.weights(params)
+    embed = self._embedding(weights.decode["head"]) if self.model_cfg.tie_embeddings else None
+    return self._prefill(weights, embed, np.asarray(tokens, np.int32), np.asarray(lengths, np.int32))
 
   def insert_many(self, prefix: dict, decode_state: dict, slots, rows, max_new) -> dict:
     """Starts answers: slot `slots[n]` gets prompt `rows[n]` of `prefix`, `[N]` ints each.
@@ -313,7 +329,7 @@ class Engine(engine_api.Engine):
     A slot index >= max_slots is skipped (padding). max_new `[N]`: answer budgets (capped by
     the cache). A prompt inserted into G slots is prefilled once (groups share a prefix).
     """
-    as_i32 = lambda x: jnp.asarray(x, jnp.int32)
+    as_i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
     return self._insert(prefix, decode_state, as_i32(slots), as_i32(rows), as_i32(max_new))
 
   def generate_steps(self, params, decode_state: dict, stop_after_finished: int):
@@ -323,7 +339,7 @@ class Engine(engine_api.Engine):
     during this call (so that the caller can refill their slots).
     """
     return self._generate_steps(self.weights(params), decode_state,
-                                jnp.asarray(stop_after_finished, jnp.int32))
+                                np.asarray(stop_after_finished, np.int32))
 
   def capacity_for(self, positions: int) -> int:
     """Smallest cache capacity bucket holding `positions` positions (at most max_len)."""
@@ -353,9 +369,13 @@ class Engine(engine_api.Engine):
     W < the current width. Each kept slot carries on exactly as it would have (its random
     numbers follow its original slot index). One compile per
     (old width, new width, capacity)."""
-    return self._narrow(decode_state, jnp.asarray(keep, jnp.int32))
+    return self._narrow(decode_state, np.asarray(keep, np.int32))
 
   # --- jitted implementations ----------------------------------------------------------
+
+  def _placed(self, state: dict) -> dict:
+    """`state` constrained to its shardings (inside the decode loop: the carry stays placed)."""
+    return jax.lax.with_sharding_constraint(state, self._state_sharding)
 
   def _narrow_impl(self, state, keep):
     per_slot = ("next_logits", "positions", "lengths", "limits", "live", "finish", "versions",
@@ -376,16 +396,18 @@ class Engine(engine_api.Engine):
     return {**state, "cache": cache}
 
   def _model(self, weights: EngineParams):
+    """The model over the engine's `params` (the fused weights' Params are None: decode only)."""
     return nnx.merge(self._graphdef, weights.params)
 
-  def _prefill_impl(self, weights, tokens, lengths):
-    logits, kvs = self._model(weights).prefill(tokens, lengths)  # [B, V], L x [B, T, K, D]
+  def _prefill_impl(self, weights, embed, tokens, lengths):
+    plain = self.layout.plain_params(weights.params, weights.decode, embed)  # fused weights' slices
+    logits, kvs = nnx.merge(self._graphdef, plain).prefill(tokens, lengths)  # [B, V], L x [B, T, K, D]
     return {"kvs": kvs, "logits": logits, "lengths": lengths, "version": weights.version}
 
   def _insert_impl(self, prefix, state, slots, rows, max_new):
     kvs = [(k[rows], v[rows]) for k, v in prefix["kvs"]]  # [N, T, K, D]
     length = prefix["lengths"][rows]  # [N]
-    put = lambda a, value: a.at[slots].set(value, mode="drop")  # slots >= S: dropped
+    put = lambda a, value: a.at[slots].set(value, mode="drop")  # slots >= S: dropped  # noqa: E731
     return {
         **state,
         "cache": write_prefix(state["cache"], kvs, slots),
@@ -401,9 +423,8 @@ class Engine(engine_api.Engine):
 
   def _loop_constants(self, weights, state) -> dict:
     """What every decode step of a call reuses: the RoPE table of the cache positions
-    (computed once per call) and the fused weight matrices (once per snapshot)."""
-    return {"rope_table": self._model(weights).rope_table(self.capacity(state)),
-            "weights": weights.decode}
+    (computed once per call; the fused weights are made once per snapshot, `layout.py`)."""
+    return {"rope_table": self._model(weights).rope_table(self.capacity(state))}
 
   def _step(self, weights, state, consts):
     """One decode step. Returns (state, tokens `[S]`, log-probs `[S]`, valid `[S]`).
@@ -417,9 +438,9 @@ class Engine(engine_api.Engine):
     capacity = self.capacity(state)
     positions = jnp.minimum(state["positions"], capacity - 1)  # retired slots: harmless
     live_len = jnp.max(jnp.where(live, positions + 1, 1))
-    logits, cache = self._model(weights).decode(tokens, positions, state["cache"],
-                                                live_len=live_len, chunk=self.attn_chunk,
-                                                **consts)
+    logits, cache = decode_lib.decode(self._model(weights), weights.decode, tokens, positions,
+                                      state["cache"], live_len=live_len, chunk=self.attn_chunk,
+                                      **consts)
     lengths = state["lengths"] + live
     shifted = jnp.concatenate([state["recent"][:, 1:], tokens[:, None]], axis=1)  # [S, W]
     recent = jnp.where(live[:, None], shifted, state["recent"])
@@ -427,13 +448,13 @@ class Engine(engine_api.Engine):
     hit_stop = _ends_with_any(recent, state["stops"])
     done = live & (hit_eos | hit_stop | (lengths >= state["limits"]))
     reason = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, FINISH_LENGTH))
-    new_state = {
+    new_state = self._placed({
         **state, "cache": cache, "next_logits": logits, "positions": state["positions"] + live,
         "lengths": lengths, "live": live & ~done, "recent": recent,
         "finish": jnp.where(done, reason, state["finish"]),
         "versions": jnp.where(live, jnp.minimum(state["versions"], weights.version), state["versions"]),
         "step": state["step"] + 1,
-    }
+    })
     return new_state, tokens, logp, live
 
   def _generate_impl(self, weights, state):

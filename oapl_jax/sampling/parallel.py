@@ -1,15 +1,21 @@
-"""Engine replicas: one engine per device, sampling as one (`sampling.engines` in the config).
+"""Engine replicas: the engines' data axis, sampling as one (`sampling.engines` in the config).
 
 The trainer samples through `Replicas`. With one replica it is `rollout` on one engine. With
 N, the prompts are split round-robin over N engines, each with its own weights on its own
-device and driven by its own host thread; the rows come back in prompt order. This is
+devices and driven by its own host thread; the rows come back in prompt order. This is
 JetStream's own model of scale-out (its orchestrator takes a list of generate engines).
+
+Each replica holds T = `sampling.tensor` devices, a mesh `("tensor",)` (`layout.engine_mesh`):
+replica i takes devices `[i*T, (i+1)*T)` of the list it is given (`rl.loop.engine_devices`
+picks them). The decode slots `sampling.max_slots` are a total, split evenly over the replicas
+(`sampler.make_engine`). `load_params` re-lays pi_theta out for all replicas at once, on device
+(`layout.load_weights`).
 
 Why on a CPU host: one XLA process uses its cores poorly for decode-sized work (a process
 pinned to one core samples about as fast as one using two), while separate host devices each
 run on their own core. `request_host_devices(n)` asks JAX for n CPU devices; it must run
 before JAX starts its backends (`oapl_jax.main` calls it before anything else touches JAX).
-On TPU / GPU the replicas sit on the first N local accelerator devices.
+On TPU / GPU the replicas sit on the local accelerator devices they are given.
 
 Replica i samples with `fold_in(key, i)` (one replica: `key` itself, so a one-replica run is
 exactly a plain `rollout`): answers are deterministic given the key and the number of
@@ -24,7 +30,9 @@ import threading
 import jax
 import numpy as np
 
+from oapl_jax.config import ConfigError
 from oapl_jax.sampling.engine import Engine, EngineParams
+from oapl_jax.sampling.layout import engine_mesh, load_weights
 from oapl_jax.sampling.rollout import Rollout, rollout
 
 
@@ -42,21 +50,25 @@ def request_host_devices(n: int) -> None:
 
 
 class Replicas:
-  """`num` engines built by `make_engine()`, one on each of the first `num` local devices."""
+  """`num` engines built by `make_engine(mesh)`, replica i on the mesh of devices
+  `[i * tensor, (i + 1) * tensor)` of `devices` (default: the local devices)."""
 
-  def __init__(self, make_engine, num: int = 1, devices=None):
+  def __init__(self, make_engine, num: int = 1, devices=None, tensor: int = 1):
     devices = list(devices or jax.local_devices())
-    if num > len(devices):
-      raise ValueError(
-          f"sampling.engines={num} needs {num} devices, JAX has {len(devices)} ({devices}). On "
-          f"CPU, start the process with XLA_FLAGS=--xla_force_host_platform_device_count={num}, "
-          f"or call oapl_jax.sampling.parallel.request_host_devices({num}) before any JAX "
+    need = num * tensor
+    if need > len(devices):
+      setting = f"sampling.engines={num}" + (f" x sampling.tensor={tensor}" if tensor > 1 else "")
+      raise ConfigError(
+          f"{setting} needs {need} devices, JAX has {len(devices)} ({devices}). On "
+          f"CPU, start the process with XLA_FLAGS=--xla_force_host_platform_device_count={need}, "
+          f"or call oapl_jax.sampling.parallel.request_host_devices({need}) before any JAX "
           f"operation (python -m oapl_jax.main does this).")
-    self.devices = devices[:num]
+    self.devices = devices[:need]
+    self.meshes = [engine_mesh(self.devices[i * tensor:(i + 1) * tensor]) for i in range(num)]
     self.engines: list[Engine] = []
-    for device in self.devices:
-      with jax.default_device(device):
-        self.engines.append(make_engine())
+    for mesh in self.meshes:
+      with jax.default_device(mesh.devices.flat[0]):
+        self.engines.append(make_engine(mesh))
 
   def __len__(self) -> int:
     return len(self.engines)
@@ -67,12 +79,9 @@ class Replicas:
     return self.engines[0]
 
   def load_params(self, params, version: int = -1) -> list[EngineParams]:
-    """`params` (an `nnx.State`, on any device or host) placed on every replica's device."""
-    weights = []
-    for device, engine in zip(self.devices, self.engines):
-      with jax.default_device(device):
-        weights.append(engine.load_params(jax.device_put(params, device), version=version))
-    return weights
+    """`params` (pi_theta's `nnx.State`, in any dtype and sharding) in every replica's layout on
+    its devices, stamped `version`: one re-layout on device for all (`layout.load_weights`)."""
+    return load_weights(params, version, self.engine.layout, self.meshes)
 
   def rollout(self, weights, prompts: list[list[int]], *, group_size: int, key: jax.Array,
               **kwargs) -> Rollout:
@@ -92,7 +101,7 @@ class Replicas:
 
     def work(i):
       try:
-        with jax.default_device(self.devices[i]):
+        with jax.default_device(self.meshes[i].devices.flat[0]):
           results[i] = rollout(self.engines[i], weights[i], prompts[i::n], group_size=group_size,
                                key=keys[i],
                                answer_limits=None if limits is None else list(limits)[i::n], **kwargs)

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from oapl_jax.sampling.engine import Engine, EngineParams
+from oapl_jax.sampling.layout import check_tensor
 from oapl_jax.sampling.parallel import Replicas
 from oapl_jax.sampling.processing import SamplingParams
 from oapl_jax.sampling.rollout import Rollout
@@ -24,20 +25,24 @@ def seq_len(config) -> int:
   return config.sampling.max_prompt_len + config.sampling.max_new_tokens
 
 
-def make_engine(config, model_cfg, graphdef, sampling: SamplingParams) -> Engine:
-  """One engine with the config's sampling settings."""
+def make_engine(config, model_cfg, graphdef, sampling: SamplingParams, mesh=None) -> Engine:
+  """One engine replica with the config's sampling settings, on `mesh` (`sampling.tensor`
+  devices): `sampling.max_slots / sampling.engines` slots, weights laid out by `sharding.rules`."""
   s = config.sampling
-  return Engine(graphdef, model_cfg, sampling, max_slots=s.max_slots,
+  return Engine(graphdef, model_cfg, sampling, max_slots=s.max_slots // s.engines,
                 max_prefill_length=s.max_prompt_len, max_len=seq_len(config),
                 steps_per_call=s.steps_per_call, attn_chunk=s.attn_chunk,
                 cache_bucket=s.cache_bucket, max_prefill_batch=s.max_prefill_batch,
-                min_decode_width=s.min_decode_width)
+                min_decode_width=s.min_decode_width, mesh=mesh, rules=config.sharding.rules)
 
 
 def make_replicas(config, model_cfg, graphdef, sampling: SamplingParams, devices=None) -> Replicas:
-  """`sampling.engines` engines, one on each of the first of `devices` (default: local ones)."""
-  return Replicas(lambda: make_engine(config, model_cfg, graphdef, sampling), config.sampling.engines,
-                  devices)
+  """`sampling.engines` engine replicas of `sampling.tensor` devices each, on the first of
+  `devices` (default: the local ones; `rl.loop.engine_devices` picks a run's)."""
+  s = config.sampling
+  check_tensor(model_cfg, s.tensor)  # before any engine is built
+  return Replicas(lambda mesh: make_engine(config, model_cfg, graphdef, sampling, mesh), s.engines,
+                  devices, s.tensor)
 
 
 def decode_answers(tokenizer, ro: Rollout) -> list[str]:
@@ -79,7 +84,8 @@ class Sampler:
     self._loaded = (None, None, None)  # (params, version, their copies on the engines)
 
   def load(self, params, version: int) -> list[EngineParams]:
-    """`params` on every engine's device, stamped with `version`; placed once per (params, version)."""
+    """pi_theta `params` (an `nnx.State`, any dtype and sharding) in every engine's layout on its
+    devices, stamped with `version` (on device: `layout.load_weights`); once per (params, version)."""
     loaded_params, loaded_version, weights = self._loaded
     if loaded_params is not params or loaded_version != version:
       weights = self.replicas.load_params(params, version=version)

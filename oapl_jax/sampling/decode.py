@@ -1,0 +1,99 @@
+"""The engine's decode step: `Transformer.decode`, op for op, over the engine's weight layout.
+
+`Transformer.decode(..., weights=decode_weights())` multiplies by fused `[E, (N + 2K) * D]` /
+`[E, 2F]` matrices whose columns are all query heads, then all key heads, then all value heads.
+Split over T devices, such a matrix would give device 0 the query heads and device 1 the keys.
+The engine's fused matrices (`layout.py`) are `[E, T, X]` instead: slice t holds tensor shard
+t's query, key and value heads (gate and up columns), so the "tensor" mesh axis splits them by
+whole heads and each device computes its own heads' attention; the o_proj and down_proj
+matmuls then sum over devices (Megatron), and XLA inserts the all-reduces from the weights'
+shardings. With T = 1 every op is the one `Transformer.decode` runs (the reshapes to and from
+`[.., 1, X]` are free), so one device samples exactly what it did before.
+
+The embedding of a tied model is read from the head `[E, V]` (the engine holds one copy).
+Everything else is the model's own code: RMSNorms, RoPE, `decode_attend`, `Attention.output`,
+the final norm and LM head (`Transformer._logits`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from oapl_jax.models.transformer import Transformer, apply_rope, decode_attend
+
+
+def _embed(model: Transformer, head: jax.Array, tokens: jax.Array) -> jax.Array:
+  """tokens `[B]` -> `[B, 1, E]` in the compute dtype (tied: columns of the head `[E, V]`)."""
+  if not model.cfg.tie_embeddings:
+    return model._embed(tokens[:, None])
+  return jnp.take(head, tokens, axis=1).T[:, None].astype(model.cfg.dtype)  # [B, 1, E]
+
+
+def _project_qkv(attn, x: jax.Array, rope_cs, qkv: jax.Array):
+  """`Attention.project_qkv` with fused `qkv` `[E, T, (N + 2K) / T * D]`.
+
+  x `[B, 1, E]` -> q `[B, 1, N, D]`, k, v `[B, 1, K, D]` (RoPE applied).
+  """
+  cfg, dt = attn.cfg, x.dtype
+  b, t, e = x.shape
+  shards = qkv.shape[1]
+  n, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  nq, nk = n // shards * d, kv // shards * d
+  y = (x @ qkv.reshape(e, -1).astype(dt)).reshape(b, t, shards, -1)  # [B, 1, T, (N+2K)/T*D]
+  q = y[..., :nq].reshape(b, t, n, d)
+  k = y[..., nq:nq + nk].reshape(b, t, kv, d)
+  v = y[..., nq + nk:].reshape(b, t, kv, d)
+  if cfg.qkv_bias:
+    q, k, v = q + attn.q_bias[...].astype(dt), k + attn.k_bias[...].astype(dt), v + attn.v_bias[...].astype(dt)
+  if cfg.qk_norm:
+    q, k = attn.q_norm(q), attn.k_norm(k)
+  return apply_rope(q, *rope_cs), apply_rope(k, *rope_cs), v
+
+
+def _mlp(mlp, x: jax.Array, gate_up: jax.Array) -> jax.Array:
+  """`MLP.__call__` with fused `gate_up` `[E, T, 2F / T]`. x `[B, 1, E]` -> `[B, 1, E]`."""
+  dt = x.dtype
+  b, t, e = x.shape
+  shards = gate_up.shape[1]
+  gu = (x @ gate_up.reshape(e, -1).astype(dt)).reshape(b, t, shards, -1)  # [B, 1, T, 2F/T]
+  f = gu.shape[-1] // 2
+  h = (jax.nn.silu(gu[..., :f]) * gu[..., f:]).reshape(b, t, -1)  # [B, 1, F]
+  return h @ mlp.down_proj[...].astype(dt)
+
+
+def _block(layer, x, positions, rope_cs, k_cache, v_cache, live_len, chunk: int, fused: dict):
+  """`Block.decode` over fused weights {"qkv", "gate_up"}. x `[B, 1, E]`, positions `[B]`,
+  caches `[B, K, D, S]`, `[B, K, S, D]`. Returns (x, k_cache, v_cache)."""
+  b = x.shape[0]
+  q, k, v = _project_qkv(layer.attn, layer.input_norm(x), rope_cs, fused["qkv"])  # [B, 1, N|K, D]
+  rows = jnp.arange(b)
+  k_cache = k_cache.at[rows, :, :, positions].set(k[:, 0].astype(k_cache.dtype))  # [b, :, :, pos_b]
+  v_cache = v_cache.at[rows, :, positions].set(v[:, 0].astype(v_cache.dtype))  # [b, :, pos_b, :]
+  n, d = q.shape[2], q.shape[3]
+  kv_heads = k.shape[2]
+  q = q[:, 0].reshape(b, kv_heads, n // kv_heads, d) * d**-0.5  # [B, K, G, D]
+  out = decode_attend(q, k_cache, v_cache, positions, live_len, chunk)  # [B, K, G, D]
+  x = x + layer.attn.output(out.reshape(b, 1, n, d).astype(x.dtype))
+  x = x + _mlp(layer.mlp, layer.post_attn_norm(x), fused["gate_up"])
+  return x, k_cache, v_cache
+
+
+def decode(model: Transformer, weights: dict, tokens: jax.Array, positions: jax.Array,
+           cache: dict, *, live_len: jax.Array, chunk: int, rope_table) -> tuple[jax.Array, dict]:
+  """One decode step of every row (`Transformer.decode`'s contract).
+
+  model: the engine's model (`EngineParams.params` merged: the fused weights' Params are None);
+  weights: `EngineParams.decode`; tokens `[B]` int at `positions` `[B]`; cache {"k": L x
+  `[B, K, D, S]`, "v": L x `[B, K, S, D]`}; live_len int `[]` (> max(positions)); chunk: the
+  attention's cache chunk; rope_table: `model.rope_table(S)`.
+  Returns (logits `[B, V]` float32, updated cache).
+  """
+  rope_cs = tuple(t[positions][:, None, None, :] for t in rope_table)  # [B, 1, 1, D/2]
+  x = _embed(model, weights["head"], tokens)  # [B, 1, E]
+  new_k, new_v = [], []
+  for layer, k_cache, v_cache, w in zip(model.layers, cache["k"], cache["v"], weights["layers"]):
+    x, k_cache, v_cache = _block(layer, x, positions, rope_cs, k_cache, v_cache, live_len, chunk, w)
+    new_k.append(k_cache)
+    new_v.append(v_cache)
+  return model._logits(x, weights["head"])[:, 0], {"k": new_k, "v": new_v}

@@ -1,0 +1,299 @@
+"""The engine's copy of the weights: one copy, in the compute dtype, laid out for decode on a
+`tensor` sub-mesh; and the refresh that makes it from the trainer's pi_theta, on device.
+
+Layout (`EngineParams`, T = `sampling.tensor` devices per engine replica):
+  decode  {"layers": L x {"qkv": `[E, T, (N + 2K) / T * D]`, "gate_up": `[E, T, 2F / T]`},
+           "head": `[E, V]`}: the matrices a decode step multiplies by, fused (one matmul for
+           q, k, v; one for gate, up). Slice t of axis 1 holds tensor shard t's query heads, then
+           its key heads, then its value heads (`[E, T, 2F / T]`: its gate columns, then its up
+           columns), so splitting axis 1 over the "tensor" mesh axis gives each device whole
+           heads (Megatron). With T = 1 these are exactly `Transformer.decode_weights()`'s
+           matrices (reshaped `[E, 1, X]`), so one device computes what it did before.
+  params  the model's `nnx.State`, with the weights held in `decode` set to None: q/k/v_proj,
+          gate/up_proj and, if tied, the embedding (the head is its transpose). So no weight is
+          held twice: about the model's size in compute dtype (`engine_bytes`). Prefill rebuilds
+          the plain weights as slices of the fused ones (`plain_params`, transient, inside jit;
+          a tied embedding: the head transposed, transient, once per prefill call).
+Weights are cast to `model.dtype` (the compute dtype), except the RMSNorm scales (the only 1-D
+weights; the model reads them in float32): each weight then holds exactly the values a
+`model.dtype` forward pass of pi_theta multiplies by.
+
+Shardings: the config's `sharding.rules` with the "data" and "fsdp" mesh axes dropped
+(`engine_rules`: decode weights are not fsdp-sharded; Tunix `get_default_sharding(
+is_sampling=True)`, MaxText `inference.yml`), on a mesh `("tensor",)` of one replica's T devices.
+The KV cache is split over KV heads only (the "kv_heads" rule; MaxText `cache_heads`).
+
+The refresh (`load_weights`), at each lag refresh, for all replicas at once:
+  1. one jitted re-layout on the devices pi_theta lies on (any trainer sharding): cast, fuse,
+     and reshard to a staging sharding, a mesh `("replica", "tensor")` over those devices whose
+     rows are the replicas' own devices where they are among them: an all-gather over fsdp, on
+     device (not `jax.device_put` across layouts, which goes through the host: docs/scale-out.md);
+  2. each replica's arrays are assembled from the staging shards with the same index
+     (`jax.make_array_from_single_device_arrays`): the replica's own buffers when it lives on
+     the trainer's devices (sync mode: no copy at all), else a device-to-device copy of each
+     shard (async mode: engines on their own devices).
+No host transfer: tested under `jax.transfer_guard("disallow")`. The version stamp is made on
+device too (a constant of a tiny jitted function).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from oapl_jax import sharding as sharding_lib
+from oapl_jax.config import ConfigError
+from oapl_jax.models.transformer import ModelConfig
+
+FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # held in `decode`, not `params`
+ENGINE_MESH_AXES = ("tensor",)  # an engine replica's mesh; replicas are the data axis
+
+
+@struct.dataclass
+class EngineParams:
+  """Weights as an engine holds them (module docstring): `params` (the model's `nnx.State`
+  without the fused weights), `version` (int32 `[]`: the policy version stamped on answers; an
+  array leaf, so a new snapshot reuses every compiled function) and `decode` (fused matrices).
+  """
+
+  params: Any
+  version: jax.Array
+  decode: Any
+
+
+def engine_rules(rules) -> dict:
+  """`rules` (config.sharding.rules) with the mesh axes other than "tensor" dropped: the
+  engine's weights are split over heads / MLP / vocabulary only, and replicated over the rest."""
+  out = {}
+  for logical, axes in sharding_lib.rules_dict(rules).items():
+    kept = tuple(a for a in sharding_lib._spec_names(axes) if a in ENGINE_MESH_AXES)
+    out[logical] = kept[0] if len(kept) == 1 else (kept or None)
+  return out
+
+
+def engine_mesh(devices) -> Mesh:
+  """One engine replica's mesh: its devices on the "tensor" axis."""
+  return Mesh(np.array(list(devices)), ENGINE_MESH_AXES)
+
+
+def check_tensor(cfg: ModelConfig, tensor: int) -> None:
+  """Refuses a tensor count that does not split the heads and the MLP width (each device
+  decodes whole KV heads with their query heads, and whole MLP columns), naming
+  `sampling.tensor`."""
+  for name in ("num_kv_heads", "num_heads", "mlp_dim"):
+    if getattr(cfg, name) % tensor:
+      raise ConfigError(f"sampling.tensor={tensor}: must divide model.{name}={getattr(cfg, name)} "
+                        "(an engine's devices split the attention heads and the MLP)")
+
+
+def _is_norm(value) -> bool:
+  """RMSNorm scales: the model's only 1-D weights, read in float32 (kept in their dtype)."""
+  return value.ndim == 1
+
+
+class EngineLayout:
+  """The engine layout of one model on T = `tensor` devices (module docstring): the re-layout
+  from the trainer's `nnx.State` (`relayout`), back to plain weights (`plain_params`), and
+  the shardings of both and of the KV cache on a replica's mesh.
+
+  rules: the config's `sharding.rules` (fsdp/data dropped here); None = all replicated.
+  """
+
+  def __init__(self, cfg: ModelConfig, tensor: int = 1, rules=None):
+    check_tensor(cfg, tensor)
+    self.cfg, self.tensor, self.rules = cfg, tensor, engine_rules(rules)
+    self._jitted = {}  # staging mesh -> jitted relayout
+
+  def _fused_path(self, path: tuple) -> bool:
+    return path[-1] in FUSED or (self.cfg.tie_embeddings and path == ("embed",))
+
+  def _spec(self, *logical) -> PartitionSpec:
+    return sharding_lib.logical_to_spec(logical, self.rules)
+
+  # --- the re-layout (traced inside jit) --------------------------------------------------
+
+  def _cast(self, x: jax.Array) -> jax.Array:
+    return x if _is_norm(x) else x.astype(self.cfg.dtype)
+
+  def relayout(self, params: nnx.State) -> tuple[nnx.State, dict]:
+    """pi_theta's `nnx.State` (any dtype) -> (`EngineParams.params`, `EngineParams.decode`)."""
+    cfg, t = self.cfg, self.tensor
+    flat = list(nnx.to_flat_state(params))
+    value = {tuple(p): self._cast(v.get_value()) for p, v in flat}
+    e = cfg.hidden_size
+    split = lambda w: w.reshape(e, t, -1)  # [E, ...] -> [E, T, .../T]: tensor shard t's columns  # noqa: E731
+    layers = []
+    for i in range(cfg.num_layers):
+      attn = [value[("layers", i, "attn", n)] for n in ("q_proj", "k_proj", "v_proj")]
+      mlp = [value[("layers", i, "mlp", n)] for n in ("gate_proj", "up_proj")]
+      layers.append({"qkv": jnp.concatenate([split(w) for w in attn], axis=2),  # [E, T, (N+2K)/T*D]
+                     "gate_up": jnp.concatenate([split(w) for w in mlp], axis=2)})  # [E, T, 2F/T]
+    head = value[("embed",)].T if cfg.tie_embeddings else value[("lm_head",)]  # [E, V]
+    rest = nnx.from_flat_state([(p, v.replace(None if self._fused_path(tuple(p)) else value[tuple(p)]))
+                                for p, v in flat])
+    return rest, {"layers": layers, "head": head}
+
+  def plain_params(self, params: nnx.State, decode: dict, embed: jax.Array | None = None) -> nnx.State:
+    """The full `nnx.State` again (inside jit: the fused weights' slices, transient).
+
+    embed: a tied model's embedding `[V, E]`, the head transposed. Made by a jitted function of
+    its own and passed in (`Engine.prefill_batch`), it is a row-major array as the trainer's
+    embedding is, so prefill's LM head is the same matmul bit for bit (a transpose inside this
+    jit lets XLA fold it into the matmul, which changes the summation order: 6e-7 at batch 1).
+    """
+    cfg, t = self.cfg, self.tensor
+    e, n, k, d, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    nq, nk = n // t * d, k // t * d
+    plain = {}
+    for i, layer in enumerate(decode["layers"]):
+      qkv, gu = layer["qkv"], layer["gate_up"]  # [E, T, (N+2K)/T*D], [E, T, 2F/T]
+      plain[("layers", i, "attn", "q_proj")] = qkv[..., :nq].reshape(e, n, d)
+      plain[("layers", i, "attn", "k_proj")] = qkv[..., nq:nq + nk].reshape(e, k, d)
+      plain[("layers", i, "attn", "v_proj")] = qkv[..., nq + nk:].reshape(e, k, d)
+      plain[("layers", i, "mlp", "gate_proj")] = gu[..., :f // t].reshape(e, f)
+      plain[("layers", i, "mlp", "up_proj")] = gu[..., f // t:].reshape(e, f)
+    if cfg.tie_embeddings:
+      plain[("embed",)] = embed  # [V, E]
+    return nnx.from_flat_state([(p, v.replace(plain[tuple(p)]) if tuple(p) in plain else v)
+                                for p, v in nnx.to_flat_state(params)])
+
+  # --- shardings ------------------------------------------------------------------------
+
+  def shardings(self, params: nnx.State, mesh: Mesh) -> tuple[nnx.State, dict]:
+    """NamedShardings on `mesh` of `relayout(params)`'s two parts (params: pi_theta's State,
+    concrete or abstract). A dimension that does not split is a ConfigError naming the weight."""
+    def named(name, shape, axes):
+      try:
+        return sharding_lib.named_sharding(name, shape, axes, mesh, self.rules)
+      except ValueError as err:
+        raise ConfigError(f"sampling.tensor={self.tensor}: {err}") from None
+
+    rest = []
+    for path, var in nnx.to_flat_state(params):
+      path = tuple(path)
+      s = None if self._fused_path(path) else named(
+          "/".join(map(str, path)), tuple(var.get_value().shape), var.get_metadata().get("logical_axes"))
+      rest.append((path, var.replace(s)))
+    cfg, t = self.cfg, self.tensor
+    e, n, k, d, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    layers = [{"qkv": named(f"layers/{i}/qkv", (e, t, (n + 2 * k) // t * d), ("embed", "kv_heads", None)),
+               "gate_up": named(f"layers/{i}/gate_up", (e, t, 2 * f // t), ("embed", "mlp", None))}
+              for i in range(cfg.num_layers)]
+    head = named("head", (e, cfg.vocab_size), ("embed", "vocab"))
+    return nnx.from_flat_state(rest), {"layers": layers, "head": head}
+
+  def jitted_relayout(self, stage: Mesh, out_shardings):
+    """`relayout` jitted onto the staging mesh `stage` (one compile per trainer sharding)."""
+    if stage not in self._jitted:
+      self._jitted[stage] = jax.jit(self.relayout, out_shardings=out_shardings)
+    return self._jitted[stage]
+
+  def cache_specs(self) -> tuple[PartitionSpec, PartitionSpec]:
+    """PartitionSpecs of one layer's keys `[S, K, D, M]` and values `[S, K, M, D]`: K only."""
+    kv = self._spec("kv_heads")[0]
+    return PartitionSpec(None, kv, None, None), PartitionSpec(None, kv, None, None)
+
+
+def engine_bytes(weights: EngineParams) -> int:
+  """Bytes of an `EngineParams`' arrays (all shards: the global arrays' sizes)."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
+
+
+# --- the refresh ----------------------------------------------------------------------------
+
+
+def _source_devices(params) -> list:
+  """The devices pi_theta's arrays lie on (sorted by id)."""
+  devices = set()
+  for x in jax.tree.leaves(params):
+    devices |= set(x.sharding.device_set) if isinstance(x, jax.Array) else set()
+  return sorted(devices or {jax.devices()[0]}, key=lambda d: d.id)
+
+
+def staging_mesh(source: list, meshes: list[Mesh], tensor: int) -> Mesh:
+  """A mesh `("replica", "tensor")` over the `source` devices (where pi_theta lies) whose first
+  rows are the replicas' own device groups that lie among them, so those replicas' shards are
+  made in place. Source devices that do not split into groups of `tensor` give a staging mesh
+  of whole copies (tensor axis of size 1; each replica's shards are then cut from them)."""
+  if len(source) % tensor:
+    return Mesh(np.array(source).reshape(-1, 1), ("replica", "tensor"))
+  rows, used = [], set()
+  for mesh in meshes:
+    group = list(mesh.devices.flat)
+    if set(group) <= set(source) - used:
+      rows.append(group)
+      used |= set(group)
+  rest = [d for d in source if d not in used]
+  rows += [rest[i:i + tensor] for i in range(0, len(rest), tensor)]
+  return Mesh(np.array(rows), ("replica", "tensor"))
+
+
+def _on_mesh(shardings, mesh: Mesh):
+  """The same PartitionSpecs on another mesh (whose axes include their names)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s.spec), shardings,
+                      is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def _index_key(index: tuple, shape: tuple) -> tuple:
+  return tuple(s.indices(n) for s, n in zip(index, shape))
+
+
+def _assemble(staged: jax.Array, dst: NamedSharding) -> jax.Array:
+  """`staged` as an array with sharding `dst`, built from its shards with no host transfer:
+  a device's own shard when it holds the right one, else a device-to-device copy of (a cut of)
+  a shard holding that index."""
+  shape = staged.shape
+  shards = staged.addressable_shards
+  buffers = []
+  for device, index in dst.addressable_devices_indices_map(shape).items():
+    want = _index_key(index, shape)
+    exact = [s for s in shards if _index_key(s.index, shape) == want]
+    mine = [s for s in exact if s.device == device]
+    if mine:
+      buffers.append(mine[0].data)
+    elif exact:
+      buffers.append(jax.device_put(exact[0].data, device))
+    else:  # a whole copy (staging tensor axis of size 1): cut this device's block on its device
+      whole = next(s for s in shards if all(a == (0, n, 1) for a, n in zip(_index_key(s.index, shape), shape)))
+      buffers.append(jax.device_put(_block(whole.data, want), device))
+  return jax.make_array_from_single_device_arrays(shape, dst, buffers)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _block(x: jax.Array, bounds: tuple) -> jax.Array:
+  """x's block `bounds` ((start, stop, step) per dimension), cut on x's device (static bounds:
+  no index leaves the host)."""
+  return jax.lax.slice(x, [b[0] for b in bounds], [b[1] for b in bounds], [b[2] for b in bounds])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _stamp(version: int, sharding: NamedSharding) -> jax.Array:
+  """int32 `[]` array `version` made on device: a constant of the compiled function, so no
+  host-to-device transfer (one small compile per new version, i.e. per refresh)."""
+  return jax.lax.with_sharding_constraint(jnp.full((), version, jnp.int32), sharding)
+
+
+def load_weights(params: nnx.State, version: int, layout: EngineLayout,
+                 meshes: list[Mesh]) -> list[EngineParams]:
+  """pi_theta (`params`, an `nnx.State` in any dtype and trainer sharding) as `EngineParams`
+  on each replica mesh in `meshes`, stamped `version`: the refresh (module docstring)."""
+  source = _source_devices(params)
+  stage = staging_mesh(source, meshes, layout.tensor)
+  rest_s, decode_s = layout.shardings(params, stage)
+  replicated = NamedSharding(stage, PartitionSpec())
+  staged_rest, staged_decode = layout.jitted_relayout(stage, (rest_s, decode_s))(params)
+  staged = EngineParams(staged_rest, _stamp(int(version), replicated), staged_decode)
+  out = []
+  for mesh in meshes:
+    dst = EngineParams(_on_mesh(rest_s, mesh), NamedSharding(mesh, PartitionSpec()),
+                       _on_mesh(decode_s, mesh))
+    out.append(jax.tree.map(_assemble, staged, dst))
+  return out
+
