@@ -242,6 +242,14 @@ def test_placement_and_slots_over_engines():
 # --- one device -------------------------------------------------------------------------------
 
 
+def _fused_before(cfg: ModelConfig, params):
+  """Shapes of the fused matrices the engine held besides the plain weights before (q|k|v,
+  gate|up and the head, in the snapshot's dtype): the engine layout's fused part on one
+  device with no cast (the same matrices, reshaped `[E, 1, X]`)."""
+  uncast = ModelConfig(**{**cfg.__dict__, "dtype": cfg.param_dtype})
+  return jax.eval_shape(EngineLayout(uncast).relayout, params)[1]
+
+
 def _model_bytes(params, dtype) -> int:
   """Bytes of the model's weights in the compute dtype (RMSNorm scales kept as they are)."""
   return sum(x.size * (x.dtype.itemsize if x.ndim == 1 else jnp.dtype(dtype).itemsize)
@@ -265,7 +273,7 @@ def test_engine_holds_one_copy_in_compute_dtype(small_model, dtype):
   norms = {x.dtype for x in jax.tree.leaves(weights.params) if x.ndim == 1}
   assert norms == {jnp.dtype("float32")}  # read in float32 by the model: kept
   old = plain + sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
-      jax.eval_shape(lambda p: nnx.merge(graphdef, p).decode_weights(), params)))
+      _fused_before(cfg, params)))
   print(f"{dtype}: EngineParams {held} B = {held / _model_bytes(params, dtype):.3f}x the model in "
         f"{dtype}; before: {old} B = {old / _model_bytes(params, dtype):.2f}x")
 
@@ -274,13 +282,13 @@ def test_engine_bytes_of_a_real_model():
   """Qwen3-4B (abstract shapes): the engine's copy is the model once in bfloat16 (8.0 GB),
   not params plus fused matrices."""
   cfg = ModelConfig(**{**PRESETS["qwen3_4b"], "param_dtype": "float32", "dtype": "bfloat16"})
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   rest, fused = jax.eval_shape(EngineLayout(cfg).relayout, abstract)
   held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((rest, fused)))
   model = _model_bytes(abstract, "bfloat16")
   assert held == model
   size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
-  decode = jax.eval_shape(lambda p: nnx.merge(graphdef, p).decode_weights(), abstract)
+  decode = _fused_before(cfg, abstract)
   old = size(abstract) + size(decode)  # before: the float32 snapshot as given, plus its fused copies
   print(f"qwen3_4b: EngineParams {held / 2**30:.2f} GiB = 1.00x the bf16 model; before: params "
         f"{size(abstract) / 2**30:.2f} GiB + fused {size(decode) / 2**30:.2f} GiB = {old / model:.2f}x")

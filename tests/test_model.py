@@ -1,4 +1,5 @@
-"""The transformer: prefill + decode equals a full forward pass; variants build and run."""
+"""The transformer: prefill + decode (the engine's decode step, `sampling/decode.py`, over the
+engine's one-device weight layout) equals a full forward pass; variants build and run."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,8 @@ from flax import nnx
 
 from oapl_jax.models import ModelConfig, Transformer, init_cache, write_prefix
 from oapl_jax.models.transformer import LOGICAL_AXES
+from oapl_jax.sampling import decode as decode_lib
+from oapl_jax.sampling.layout import EngineLayout
 
 
 @nnx.jit
@@ -15,32 +18,48 @@ def _forward(model, tokens):
   return model(tokens, return_kv=True)
 
 
-@nnx.jit(static_argnames=("chunk",))
-def _decode(model, tokens, positions, cache, live_len, chunk, extra):
-  return model.decode(tokens, positions, cache, live_len=live_len, chunk=chunk, **extra)
+def _engine_decoder(model: Transformer, cache_len: int, chunk: int):
+  """The engine's decode step over `model`'s weights in the engine layout on one device
+  (`EngineLayout(cfg, tensor=1).relayout`: fused weights, the fused Params None), with the
+  RoPE table of `cache_len` positions made once, as `Engine` does. Returns a jitted
+  `step(tokens [B], positions [B], cache, live_len) -> (logits [B, V], cache)`."""
+  graphdef, params = nnx.split(model, nnx.Param)
+  rest, fused = jax.jit(EngineLayout(model.cfg, tensor=1).relayout)(params)
+  rope_table = model.rope_table(cache_len)
+
+  @jax.jit
+  def step(tokens, positions, cache, live_len):
+    return decode_lib.decode(nnx.merge(graphdef, rest), fused, tokens, positions, cache,
+                             live_len=live_len, chunk=chunk, rope_table=rope_table)
+  return step
 
 
-@pytest.mark.parametrize("chunk,reuse", [
-    (256, False),  # one chunk
-    (4, True),  # several chunks (online softmax, an overlapping last one); the engine's
-])              # precomputed RoPE table and fused decode weights
+@pytest.mark.parametrize("chunk", [
+    256,  # one chunk
+    4,  # several chunks (online softmax, an overlapping last one)
+])
 @pytest.mark.parametrize("variant", [
     dict(qk_norm=True, qkv_bias=False, tie_embeddings=True),  # Qwen3
     dict(qk_norm=False, qkv_bias=True, tie_embeddings=False),  # Qwen2
 ])
-def test_prefill_then_decode_equals_full_forward(variant, chunk, reuse):
+def test_prefill_then_decode_equals_full_forward(variant, chunk):
   cfg = ModelConfig(vocab_size=50, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=16, mlp_dim=96, **variant)
   model = Transformer(cfg, rngs=nnx.Rngs(1))
+  if cfg.qkv_bias:  # zero at init: random biases, so a decode step that skipped them would fail
+    for i, layer in enumerate(model.layers):
+      for name in ("q_bias", "k_bias", "v_bias"):
+        bias = getattr(layer.attn, name)
+        bias[...] = 0.1 * jax.random.normal(jax.random.key(10 + i), bias.shape)
   tokens = jax.random.randint(jax.random.key(2), (3, 12), 0, cfg.vocab_size)
   full, _ = _forward(model, tokens)  # [3, 12, V]
   prompt_len = 5
   logits, kvs = _forward(model, tokens[:, :prompt_len])
   cache = write_prefix(init_cache(cfg, 3, 18), kvs, jnp.arange(3))  # 18: the last chunk overlaps
+  step = _engine_decoder(model, 18, chunk)
   stepwise = [logits[:, -1]]
-  extra = dict(rope_table=model.rope_table(18), weights=model.decode_weights()) if reuse else {}
   for t in range(prompt_len, 12):
-    step_logits, cache = _decode(model, tokens[:, t], jnp.full((3,), t), cache, t + 1, chunk, extra)
+    step_logits, cache = step(tokens[:, t], jnp.full((3,), t), cache, jnp.int32(t + 1))
     stepwise.append(step_logits)
   stepwise = np.stack(stepwise[:-1], axis=1)  # predictions for positions prompt_len-1 .. 10
   np.testing.assert_allclose(stepwise, np.asarray(full[:, prompt_len - 1:11]), atol=2e-5, rtol=0)
@@ -59,7 +78,8 @@ def test_decode_rows_at_different_positions():
     _, kvs = _forward(model, tokens[row:row + 1, :n])
     cache = write_prefix(cache, kvs, jnp.array([row]))
   step = jnp.asarray(tokens[np.arange(3), lengths])
-  logits, _ = _decode(model, step, jnp.asarray(lengths), cache, int(lengths.max()) + 1, 4, {})
+  logits, _ = _engine_decoder(model, 20, 4)(step, jnp.asarray(lengths), cache,
+                                            jnp.int32(lengths.max() + 1))
   np.testing.assert_allclose(np.asarray(logits), full[np.arange(3), lengths], atol=2e-5, rtol=0)
 
 

@@ -4,17 +4,21 @@ Blocks: RMSNorm -> grouped-query attention with RoPE (optional QK-norm, optional
 qkv bias) -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head
 (optionally tied to the embedding).
 
-Two entry points share every weight and every layer:
-* `model(tokens)` — full causal forward pass, logits `[B, T, V]` (training, log-probs,
-  prefill). With `return_kv=True` it also returns each layer's keys and values. Attention is
+Entry points (all share every weight and every layer):
+* `model(tokens)` — full causal forward pass, logits `[B, T, V]` (training, log-probs).
+  With `return_kv=True` it also returns each layer's keys and values. Attention is
   blockwise (`causal_attention`: online softmax over blocks of `attn_block` positions, blocks
   above the causal diagonal skipped, no `[T, T]` tensor, a blockwise custom gradient), and
   each transformer block runs under a remat policy (`REMAT_POLICIES`: "none" / "dots" /
   "full", `config.train.remat`).
-* `model.decode(tokens, positions, cache, live_len=...)` — one token per row against a KV
-  cache (the sampling engine's decode step). Attention reads the cache in chunks of `chunk`
-  positions, only up to `live_len`, so a step costs what the live length needs, not the
-  cache size.
+* `model.prefill(tokens, lengths)` — the forward pass with the LM head only at each prompt's
+  last token, plus every layer's keys and values (the sampling engine's prefill).
+* The one-token decode step is `oapl_jax.sampling.decode.decode`, over the engine's weight
+  layout (fused q/k/v and gate/up matrices split by whole heads, `sampling/layout.py`); it
+  uses this module's layers, norms, RoPE (`rope_table`, `apply_rope`), `decode_attend`
+  (attention of one query per row, reading the cache in chunks of `chunk` positions, only up
+  to `live_len`, so a step costs what the live length needs, not the cache size), KV cache
+  (`init_cache`, `write_prefix`) and LM head.
 
 KV cache layout (`init_cache`): one buffer per layer, keys `[B, K, D, S]` (positions minor:
 the score reduction runs over a major axis, which XLA's CPU emitter vectorises well), values
@@ -356,29 +360,15 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, p, "head_dim")
       self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, p, "head_dim")
 
-  def fused_qkv(self) -> jax.Array:
-    """The q, k, v projections side by side, `[E, (N + 2K) * D]`: one matmul per decode step."""
-    e = self.cfg.hidden_size
-    return jnp.concatenate([w[...].reshape(e, -1) for w in (self.q_proj, self.k_proj, self.v_proj)], axis=1)
-
-  def project_qkv(self, x: jax.Array, rope_cs: tuple[jax.Array, jax.Array],
-                  qkv: jax.Array | None = None):
+  def project_qkv(self, x: jax.Array, rope_cs: tuple[jax.Array, jax.Array]):
     """x: `[B, T, E]`, rope_cs: `rope_tables` -> q `[B, T, N, D]`, k, v `[B, T, K, D]` (RoPE applied).
 
-    qkv: optional `fused_qkv()` (the decode loop computes it once).
+    (The decode step's version over fused weights: `sampling.decode._project_qkv`.)
     """
     dt = x.dtype
-    if qkv is None:
-      q = jnp.einsum("bte,end->btnd", x, self.q_proj[...].astype(dt))
-      k = jnp.einsum("bte,ekd->btkd", x, self.k_proj[...].astype(dt))
-      v = jnp.einsum("bte,ekd->btkd", x, self.v_proj[...].astype(dt))
-    else:
-      b, t, _ = x.shape
-      n, kv, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
-      y = x @ qkv.astype(dt)  # [B, T, (N + 2K) * D]
-      q = y[..., :n * d].reshape(b, t, n, d)
-      k = y[..., n * d:(n + kv) * d].reshape(b, t, kv, d)
-      v = y[..., (n + kv) * d:].reshape(b, t, kv, d)
+    q = jnp.einsum("bte,end->btnd", x, self.q_proj[...].astype(dt))
+    k = jnp.einsum("bte,ekd->btkd", x, self.k_proj[...].astype(dt))
+    v = jnp.einsum("bte,ekd->btkd", x, self.v_proj[...].astype(dt))
     if self.cfg.qkv_bias:
       q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
     if self.cfg.qk_norm:
@@ -401,19 +391,11 @@ class MLP(nnx.Module):
     self.up_proj = _param(rngs, (cfg.hidden_size, cfg.mlp_dim), ("embed", "mlp"), p)
     self.down_proj = _param(rngs, (cfg.mlp_dim, cfg.hidden_size), ("mlp", "embed"), p)
 
-  def fused_gate_up(self) -> jax.Array:
-    """gate and up side by side, `[E, 2F]`: one matmul per decode step."""
-    return jnp.concatenate([self.gate_proj[...], self.up_proj[...]], axis=1)
-
-  def __call__(self, x: jax.Array, gate_up: jax.Array | None = None) -> jax.Array:
-    """x `[B, T, E]` -> `[B, T, E]`. gate_up: optional `fused_gate_up()`."""
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x `[B, T, E]` -> `[B, T, E]`. (The decode step's version over fused weights:
+    `sampling.decode._mlp`.)"""
     dt = x.dtype
-    if gate_up is None:
-      h = jax.nn.silu(x @ self.gate_proj[...].astype(dt)) * (x @ self.up_proj[...].astype(dt))  # [B, T, F]
-    else:
-      gu = x @ gate_up.astype(dt)  # [B, T, 2F]
-      f = gu.shape[-1] // 2
-      h = jax.nn.silu(gu[..., :f]) * gu[..., f:]
+    h = jax.nn.silu(x @ self.gate_proj[...].astype(dt)) * (x @ self.up_proj[...].astype(dt))  # [B, T, F]
     return h @ self.down_proj[...].astype(dt)
 
 
@@ -439,27 +421,6 @@ class Block(nnx.Module):
     x = pin(x + pin(self.attn.output(causal_attention(q, k, v, attn_block))))
     x = pin(x + pin(self.mlp(self.post_attn_norm(x))))
     return x, (k, v)
-
-  def decode(self, x, positions, rope_cs, k_cache, v_cache, live_len, chunk: int, fused=None):
-    """One token per row. x `[B, 1, E]`, positions `[B]`; caches `[B, K, D, S]`, `[B, K, S, D]`.
-
-    Writes this token's key/value at `positions` and attends to cache indices `<= positions`.
-    fused: optional {"qkv", "gate_up"} of this layer (`Transformer.decode_weights`).
-    Returns (x `[B, 1, E]`, k_cache, v_cache).
-    """
-    b = x.shape[0]
-    fused = fused or {}
-    q, k, v = self.attn.project_qkv(self.input_norm(x), rope_cs, fused.get("qkv"))  # [B, 1, N|K, D]
-    rows = jnp.arange(b)
-    k_cache = k_cache.at[rows, :, :, positions].set(k[:, 0].astype(k_cache.dtype))  # [b, :, :, pos_b]
-    v_cache = v_cache.at[rows, :, positions].set(v[:, 0].astype(v_cache.dtype))  # [b, :, pos_b, :]
-    n, d = q.shape[2], q.shape[3]
-    kv_heads = k.shape[2]
-    q = q[:, 0].reshape(b, kv_heads, n // kv_heads, d) * d**-0.5  # [B, K, G, D]
-    out = decode_attend(q, k_cache, v_cache, positions, live_len, chunk)  # [B, K, G, D]
-    x = x + self.attn.output(out.reshape(b, 1, n, d).astype(x.dtype))
-    x = x + self.mlp(self.post_attn_norm(x), fused.get("gate_up"))
-    return x, k_cache, v_cache
 
 
 def decode_attend(q, k_cache, v_cache, positions, live_len, chunk: int) -> jax.Array:
@@ -605,45 +566,10 @@ class Transformer(nnx.Module):
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, E]
     return self._logits(last)[:, 0], kvs
 
-  def decode_weights(self) -> dict:
-    """Matrices `decode` can reuse across steps: per layer {"qkv", "gate_up"} (fused
-    projections: fewer, larger matmuls) and the LM head `[E, V]` (not transposed)."""
-    layers = [{"qkv": layer.attn.fused_qkv(), "gate_up": layer.mlp.fused_gate_up()}
-              for layer in self.layers]
-    return {"layers": layers, "head": self.head_matrix()}
-
   def rope_table(self, size: int) -> tuple[jax.Array, jax.Array]:
-    """cos, sin `[size, D/2]` of positions `0..size-1`, for `decode(..., rope_table=)`."""
+    """cos, sin `[size, D/2]` of positions `0..size-1`, for the decode step
+    (`sampling.decode.decode(..., rope_table=)`)."""
     return tuple(jnp.asarray(x) for x in rope_table_host(self.cfg, size))  # [size, D/2]
-
-  def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict[str, Any], *,
-             live_len: jax.Array | int | None = None, chunk: int = 256,
-             rope_table: tuple[jax.Array, jax.Array] | None = None,
-             weights: dict | None = None):
-    """One decode step for every row against a KV cache (layout: `init_cache`).
-
-    tokens: `[B]` int, the token at `positions` `[B]` of each row (`< S`). Row b holds valid
-    keys at indices `< positions[b]`; this step writes its keys at `positions[b]` and attends
-    to indices `<= positions[b]`, reading the cache in chunks of `chunk` positions up to
-    `live_len` (int `[]`, `> max(positions)`; default: the whole cache).
-    rope_table, weights: optional `rope_table(S)` and `decode_weights()`, computed once
-    outside a decode loop (XLA otherwise re-evaluates cos/sin inside every head's fusion of
-    every layer, and multiplies by the tied embedding through a transposed, slower matmul).
-    Returns (logits `[B, V]` float32, updated cache).
-    """
-    live_len = cache["v"][0].shape[2] if live_len is None else live_len
-    if rope_table is None:
-      rope_cs = rope_tables(positions[:, None], rope_frequencies(self.cfg))  # [B, 1, 1, D/2]
-    else:
-      rope_cs = tuple(t[positions][:, None, None, :] for t in rope_table)  # [B, 1, 1, D/2]
-    x = self._embed(tokens[:, None])  # [B, 1, E]
-    new_k, new_v = [], []
-    fused = weights["layers"] if weights else [None] * len(self.layers)
-    for layer, k_cache, v_cache, w in zip(self.layers, cache["k"], cache["v"], fused):
-      x, k_cache, v_cache = layer.decode(x, positions, rope_cs, k_cache, v_cache, live_len, chunk, w)
-      new_k.append(k_cache)
-      new_v.append(v_cache)
-    return self._logits(x, weights and weights["head"])[:, 0], {"k": new_k, "v": new_v}
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict[str, list]:

@@ -1,18 +1,23 @@
-"""The engine's decode step: `Transformer.decode`, op for op, over the engine's weight layout.
+"""The decode step: one token per row against a KV cache, over the engine's weight layout.
 
-`Transformer.decode(..., weights=decode_weights())` multiplies by fused `[E, (N + 2K) * D]` /
-`[E, 2F]` matrices whose columns are all query heads, then all key heads, then all value heads.
-Split over T devices, such a matrix would give device 0 the query heads and device 1 the keys.
-The engine's fused matrices (`layout.py`) are `[E, T, X]` instead: slice t holds tensor shard
-t's query, key and value heads (gate and up columns), so the "tensor" mesh axis splits them by
-whole heads and each device computes its own heads' attention; the o_proj and down_proj
-matmuls then sum over devices (Megatron), and XLA inserts the all-reduces from the weights'
-shardings. With T = 1 every op is the one `Transformer.decode` runs (the reshapes to and from
-`[.., 1, X]` are free), so one device samples exactly what it did before.
+This is the model's only decode step (the sampling engine's, and what the tests check against
+the full forward pass: prefill + decode logits == `Transformer.__call__`'s, tests/test_model.py).
+It multiplies by the engine's fused matrices (`layout.py`): per layer q, k, v as one
+`[E, T, (N + 2K) / T * D]` matrix and gate, up as one `[E, T, 2F / T]` (one matmul each),
+and the LM head `[E, V]`. Slice t of axis 1 holds tensor shard t's query, key and value heads
+(gate and up columns), so the "tensor" mesh axis splits them by whole heads and each device
+computes its own heads' attention; the o_proj and down_proj matmuls then sum over devices
+(Megatron), and XLA inserts the all-reduces from the weights' shardings. (A plain
+`[E, (N + 2K) * D]` matrix, all query heads then all keys then all values, split over T
+devices would give device 0 the query heads and device 1 the keys.) With T = 1 the reshapes
+to and from `[.., 1, X]` are free.
 
 The embedding of a tied model is read from the head `[E, V]` (the engine holds one copy).
-Everything else is the model's own code: RMSNorms, RoPE, `decode_attend`, `Attention.output`,
-the final norm and LM head (`Transformer._logits`).
+Everything else is the model's own code: RMSNorms, RoPE (`Transformer.rope_table`,
+`apply_rope`), `decode_attend` (chunked attention up to `live_len`), `Attention.output`, the
+final norm and LM head (`Transformer._logits`); the cache layout is `init_cache`'s. The
+forward pass computes the same arithmetic (q scaled in the compute dtype, `_online_update`):
+see the bfloat16 parity notes in `models/transformer.py`.
 """
 
 from __future__ import annotations
@@ -63,8 +68,9 @@ def _mlp(mlp, x: jax.Array, gate_up: jax.Array) -> jax.Array:
 
 
 def _block(layer, x, positions, rope_cs, k_cache, v_cache, live_len, chunk: int, fused: dict):
-  """`Block.decode` over fused weights {"qkv", "gate_up"}. x `[B, 1, E]`, positions `[B]`,
-  caches `[B, K, D, S]`, `[B, K, S, D]`. Returns (x, k_cache, v_cache)."""
+  """One layer, one token per row, over fused weights {"qkv", "gate_up"}. x `[B, 1, E]`,
+  positions `[B]`, caches `[B, K, D, S]`, `[B, K, S, D]`. Writes this token's key/value at
+  `positions` and attends to cache indices `<= positions`. Returns (x, k_cache, v_cache)."""
   b = x.shape[0]
   q, k, v = _project_qkv(layer.attn, layer.input_norm(x), rope_cs, fused["qkv"])  # [B, 1, N|K, D]
   rows = jnp.arange(b)
@@ -81,12 +87,16 @@ def _block(layer, x, positions, rope_cs, k_cache, v_cache, live_len, chunk: int,
 
 def decode(model: Transformer, weights: dict, tokens: jax.Array, positions: jax.Array,
            cache: dict, *, live_len: jax.Array, chunk: int, rope_table) -> tuple[jax.Array, dict]:
-  """One decode step of every row (`Transformer.decode`'s contract).
+  """One decode step of every row against a KV cache (layout: `init_cache`).
 
-  model: the engine's model (`EngineParams.params` merged: the fused weights' Params are None);
-  weights: `EngineParams.decode`; tokens `[B]` int at `positions` `[B]`; cache {"k": L x
-  `[B, K, D, S]`, "v": L x `[B, K, S, D]`}; live_len int `[]` (> max(positions)); chunk: the
-  attention's cache chunk; rope_table: `model.rope_table(S)`.
+  model: the engine's model (`EngineParams.params` merged: the fused weights' Params are None;
+  a full model works too, its q/k/v, gate/up and tied embedding are not read);
+  weights: `EngineParams.decode` (`EngineLayout.relayout`); tokens `[B]` int, the token at
+  `positions` `[B]` of each row (`< S`). Row b holds valid keys at indices `< positions[b]`;
+  this step writes its keys at `positions[b]` and attends to indices `<= positions[b]`,
+  reading the cache (`{"k": L x [B, K, D, S], "v": L x [B, K, S, D]}`) in chunks of `chunk`
+  positions up to `live_len` (int `[]`, `> max(positions)`); rope_table: `model.rope_table(S)`,
+  computed once outside a decode loop.
   Returns (logits `[B, V]` float32, updated cache).
   """
   rope_cs = tuple(t[positions][:, None, None, :] for t in rope_table)  # [B, 1, 1, D/2]

@@ -36,7 +36,7 @@ matters most: a chunk sliced out of a larger buffer is a copy. One compile per b
 Devices: an engine lives on a mesh `("tensor",)` of T devices (`layout.py`): weights split over
 heads / MLP / vocabulary (one copy, compute dtype, `EngineParams`), the KV cache over KV heads,
 everything else in the state replicated; each jitted call returns exactly these shardings.
-Decode runs `decode.decode` (`Transformer.decode` over the fused layout), prefill the model's
+Decode runs `decode.decode` (the model's decode step, over the fused layout), prefill the model's
 own `prefill` on the plain weights sliced out of the fused ones. With T = 1 the numbers are the
 single-device engine's, bit for bit.
 """

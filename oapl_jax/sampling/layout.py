@@ -7,8 +7,8 @@ Layout (`EngineParams`, T = `sampling.tensor` devices per engine replica):
            q, k, v; one for gate, up). Slice t of axis 1 holds tensor shard t's query heads, then
            its key heads, then its value heads (`[E, T, 2F / T]`: its gate columns, then its up
            columns), so splitting axis 1 over the "tensor" mesh axis gives each device whole
-           heads (Megatron). With T = 1 these are exactly `Transformer.decode_weights()`'s
-           matrices (reshaped `[E, 1, X]`), so one device computes what it did before.
+           heads (Megatron). The decode step (`decode.py`) multiplies by exactly these; with
+           T = 1, slice 0 is the plain q | k | v (gate | up) columns side by side.
   params  the model's `nnx.State`, with the weights held in `decode` set to None: q/k/v_proj,
           gate/up_proj and, if tied, the embedding (the head is its transpose). So no weight is
           held twice: about the model's size in compute dtype (`engine_bytes`). Prefill rebuilds
