@@ -151,5 +151,6 @@ def test_one_replica_is_a_plain_rollout(small_model):
 
 def test_more_engines_than_devices_is_a_clear_error(smoke_config, tmp_path):
   smoke_config.sampling.engines = len(jax.local_devices()) + 1
+  smoke_config.sampling.max_slots = 8 * smoke_config.sampling.engines  # a total over the engines
   with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
     train.Run(smoke_config, str(tmp_path))

@@ -157,7 +157,7 @@ def test_mesh_axes_resolve_against_the_topology():
 
 
 def test_micro_batches_that_do_not_divide_are_refused_naming_grad_accum():
-  c = _config(code, "v5p-128", sampling__engines=16, sampling__tensor=4)  # 32 rows, 64 shards
+  c = _config(code, "v5p-128", train__grad_accum=64)  # 32-row micro-batches over 64 shards
   with pytest.raises(config_lib.ConfigError, match="train.grad_accum=64"):
     plan_lib.make_plan(c)
 
