@@ -120,13 +120,26 @@ def child(args) -> dict:
           file=sys.stderr, flush=True)
   tokens = batch.tokens.size
   median = statistics.median(times[1:] or times)  # --reps 0: the one step
+  planned = planned_gib(c) if args.qwen3 else None
   return {"devices": jax.device_count(), "mesh": dict(mesh.shape), "tokens_per_step": tokens,
           "init_s": round(init_s, 2), "compile_s": round(compile_s, 1),
           "xla_memory_gib_per_device": memory, "first_step_s": round(times[0], 2),
           "step_s": [round(t, 3) for t in times[1:]], "median_step_s": round(median, 3),
           "tokens_per_s": round(tokens / median, 1), "loss": losses,
           "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-          "honoured": honoured() if args.qwen3 else None}
+          "honoured": honoured() if args.qwen3 else None, "plan_gib_per_device": planned}
+
+
+def planned_gib(c) -> dict:
+  """The memory planner's trainer figures per device for config `c` (oapl_jax/plan.py): its
+  state (weights, AdamW, snapshot), its step (gradients, activations, log-prob kernel), and
+  both x the devices: what the process would hold if every device's temp peaked at once."""
+  from oapl_jax import plan  # noqa: PLC0415
+  p = plan.make_plan(c)
+  state = sum(i.nbytes for i in p.items if i.where == "trainer" and i.phase == "state")
+  step = sum(i.nbytes for i in p.items if i.where == "trainer" and i.phase == "step")
+  return {"state": round(state / 2**30, 3), "step": round(step / 2**30, 3),
+          "trainer_total_x_devices": round((state + step) * p.devices / 2**30, 2)}
 
 
 def _rss_gib(pid: int) -> float:
@@ -181,7 +194,8 @@ def main():
     print(json.dumps(r, indent=1))
     print(f"Qwen3-0.6B OAPL step, 8 host devices (fsdp 2 x tensor 4), 2 x 2048 tokens, bf16 compute: "
           f"{r['median_step_s']:.1f} s/step (compile {r['compile_s']:.0f} s, first step {r['first_step_s']:.0f} s), "
-          f"peak RSS {r['peak_rss_gib']:.2f} GiB; settings honoured: {r['honoured']}")
+          f"peak RSS {r['peak_rss_gib']:.2f} GiB; XLA per device {r['xla_memory_gib_per_device']}; "
+          f"plan per device {r['plan_gib_per_device']}; settings honoured: {r['honoured']}")
     return
   rows = [run_child(d, f, t, args.reps, qwen3=False) for d, f, t in MESHES]
   base = rows[0]["tokens_per_s"]

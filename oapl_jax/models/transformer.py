@@ -10,7 +10,9 @@ Entry points (all share every weight and every layer):
   blockwise (`causal_attention`: online softmax over blocks of `attn_block` positions, blocks
   above the causal diagonal skipped, no `[T, T]` tensor, a blockwise custom gradient), and
   each transformer block runs under a remat policy (`REMAT_POLICIES`: "none" / "dots" /
-  "full", `config.train.remat`).
+  "full", `config.train.remat`); with remat, the blocks are one `lax.scan` over the layers'
+  weights stacked in the compute dtype (`_scan_blocks`: on XLA:CPU only a scan keeps the
+  saved activations to one input per layer).
 * `model.prefill(tokens, lengths)` — the forward pass with the LM head only at each prompt's
   last token, plus every layer's keys and values (the sampling engine's prefill).
 * The one-token decode step is `oapl_jax.sampling.decode.decode`, over the engine's weight
@@ -470,17 +472,30 @@ REMAT_POLICIES = {
 }
 
 
-def _run_block(layer: Block, x, rope_cs, attn_block: int, remat: str, rows=None):
-  """`layer(x, rope_cs, attn_block, rows)`, under `jax.checkpoint(policy=REMAT_POLICIES[remat])`
-  unless remat is "none". Returns (x `[B, T, E]`, (k, v) `[B, T, K, D]`)."""
-  if remat == "none":
-    return layer(x, rope_cs, attn_block, rows)
-  graphdef, state = nnx.split(layer)
+def _scan_blocks(layers: list[Block], x, rope_cs, attn_block: int, remat: str, rows=None,
+                 return_kv: bool = True):
+  """The blocks over x `[B, T, E]` as one `lax.scan` over their weights, each step one block
+  under `jax.checkpoint(policy=REMAT_POLICIES[remat])`.
 
-  def run(state, x, rope_cs):
-    return nnx.merge(graphdef, state)(x, rope_cs, attn_block, rows)
+  The weights are cast to x's dtype (the compute dtype: every block rounds its weights to it
+  before use, so the numbers are those of the plain loop) and stacked, `[L, ...]` per weight.
+  A scan keeps one `[B, T, E]` input per layer for the backward pass and recomputes one
+  block at a time; the same blocks unrolled under `jax.checkpoint` let XLA (CPU) keep far
+  more alive (see docs/memory.md).
+  Returns (x `[B, T, E]`, list over layers of (k, v) `[B, T, K, D]`; empty unless return_kv).
+  """
+  graphdef = nnx.graphdef(layers[0])
+  states = [jax.tree.map(lambda w: w.astype(x.dtype), nnx.state(layer)) for layer in layers]
+  stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *states)  # [L, ...] per weight
 
-  return jax.checkpoint(run, policy=REMAT_POLICIES[remat])(state, x, rope_cs)
+  def step(x, state):
+    x, kv = nnx.merge(graphdef, state)(x, rope_cs, attn_block, rows)
+    return x, (kv if return_kv else None)
+
+  x, kvs = jax.lax.scan(jax.checkpoint(step, policy=REMAT_POLICIES[remat]), x, stacked)
+  if not return_kv:
+    return x, []
+  return x, [(kvs[0][i], kvs[1][i]) for i in range(len(layers))]  # [L, B, T, K, D] -> per layer
 
 
 class Transformer(nnx.Module):
@@ -521,7 +536,7 @@ class Transformer(nnx.Module):
     Returns logits `[B, T, V]` float32, and with `return_kv` also a list over layers of
     (k, v), each `[B, T, K, D]`.
     """
-    x, kvs = self._hidden(tokens, positions, attn_block, remat, rows)
+    x, kvs = self._hidden(tokens, positions, attn_block, remat, rows, return_kv)
     logits = self._logits(x)
     return (logits, kvs) if return_kv else logits
 
@@ -530,13 +545,16 @@ class Transformer(nnx.Module):
     """Final hidden states `[B, T, E]` (after the final norm, compute dtype): the logits are
     `hidden_states(tokens) @ head_matrix()` in float32 (the tiled log-prob kernel's input).
     attn_block, remat, rows: as in `__call__`."""
-    return self.final_norm(self._hidden(tokens, positions, attn_block, remat, rows)[0])
+    return self.final_norm(self._hidden(tokens, positions, attn_block, remat, rows, False)[0])
 
   def _hidden(self, tokens: jax.Array, positions: jax.Array | None,
-              attn_block: int | None = None, remat: str = "none", rows=None):
-    """Causal pass up to (excluding) the final norm: x `[B, T, E]` and each layer's (k, v).
+              attn_block: int | None = None, remat: str = "none", rows=None,
+              return_kv: bool = True):
+    """Causal pass up to (excluding) the final norm: x `[B, T, E]` and each layer's (k, v)
+    (with remat other than "none", only if return_kv).
 
-    Each block runs under `jax.checkpoint` with the `remat` policy (`REMAT_POLICIES`).
+    remat "none": the blocks in a Python loop; otherwise one `lax.scan` over the layers, each
+    block under `jax.checkpoint` with the `remat` policy (`_scan_blocks`).
     """
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat={remat!r} is not one of {list(REMAT_POLICIES)}")
@@ -549,9 +567,11 @@ class Transformer(nnx.Module):
     else:
       rope_cs = rope_tables(positions, rope_frequencies(self.cfg))
     x = self._embed(tokens)
+    if remat != "none":
+      return _scan_blocks(list(self.layers), x, rope_cs, block, remat, rows, return_kv)
     kvs = []
     for layer in self.layers:
-      x, kv = _run_block(layer, x, rope_cs, block, remat, rows)
+      x, kv = layer(x, rope_cs, block, rows)
       kvs.append(kv)
     return x, kvs
 

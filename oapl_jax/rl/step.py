@@ -263,14 +263,19 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
     else:
       grads, (loss, m) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
       grads = jax.tree.map(lambda g: g / accum, grads)
-    new_updates, new_opt_state = optimizer.update(grads, opt_state, params)
     grad_norm = optax.global_norm(grads)
     # A step whose loss or gradient is not finite is skipped: params and optimizer state stay
-    # as they were (the run counts these and stops after train.max_nonfinite_steps).
+    # as they were (the run counts these and stops after train.max_nonfinite_steps). A `cond`
+    # rather than a select of new against old: the update then writes the donated buffers in
+    # place (a select kept a copy of the old AdamW mu and nu through the whole step on XLA:CPU).
     finite = jnp.isfinite(loss).all() & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-    params = jax.tree.map(keep, optax.apply_updates(params, new_updates), params)
-    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+
+    def update(state):
+      params, opt_state = state
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = jax.lax.cond(finite, update, lambda state: state, (params, opt_state))
     reduce = {"is_weight_min": jnp.min, "is_weight_max": jnp.max}
     metrics = {"loss": loss.mean(), "grad_norm": grad_norm, "step_skipped": 1.0 - finite,
                **{k: reduce.get(k, jnp.mean)(v) for k, v in m.items()}}
