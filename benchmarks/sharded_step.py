@@ -82,6 +82,20 @@ def honoured() -> dict:
           "logprob_tile": "tile" in kernel and "tile" in source}
 
 
+def _memory_phase(name: str, phases: dict) -> None:
+  """Records this process's resident memory now and its peak since the last phase (Linux:
+  VmRSS, VmHWM; the peak is then reset through /proc/self/clear_refs), in GiB, under `name`."""
+  try:
+    with open("/proc/self/status") as f:
+      status = {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith("Vm")}
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+  except OSError:  # not Linux: no phase figures
+    return
+  phases[name] = {"rss": round(status["VmRSS"] / 2**20, 2), "peak": round(status["VmHWM"] / 2**20, 2)}
+  print(f"memory after {name}: {phases[name]} GiB", file=sys.stderr, flush=True)
+
+
 def child(args) -> dict:
   """One mesh: times `args.reps` steps after a compile step; returns the figures."""
   import jax  # noqa: PLC0415
@@ -89,6 +103,8 @@ def child(args) -> dict:
   from oapl_jax.models.build import init_model  # noqa: PLC0415
   from oapl_jax.rl.step import make_optimizer, make_train_step  # noqa: PLC0415
   from oapl_jax.sampling import SamplingParams  # noqa: PLC0415
+  phases = {}  # resident memory (GiB) now and at its peak during each phase
+  _memory_phase("imports", phases)
   c = _config(args.qwen3, args.fsdp, args.tensor)
   mesh = sharding.make_mesh(c.mesh, jax.devices())
   t0 = time.perf_counter()
@@ -99,11 +115,13 @@ def child(args) -> dict:
   snapshot = step.snapshot_of(params)
   jax.block_until_ready((params, opt_state, snapshot))
   init_s = time.perf_counter() - t0
+  _memory_phase("init (params, AdamW, snapshot)", phases)
   batch = step.place_batch(_batch(c))
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):  # ahead of time: the compile apart, and XLA's memory figures
     compiled = step.jitted.lower(params, opt_state, snapshot, batch, None).compile()
   compile_s = time.perf_counter() - t0
+  _memory_phase("compile", phases)
   mem = compiled.memory_analysis()
   memory = {k: round(getattr(mem, f"{k}_size_in_bytes") / 2**30, 3)
             for k in ("argument", "output", "alias", "temp")} if mem is not None else None
@@ -115,6 +133,7 @@ def child(args) -> dict:
       params, opt_state, m = compiled(params, opt_state, snapshot, batch, None)
     losses.append(float(jax.block_until_ready(m["loss"])))
     times.append(time.perf_counter() - t0)
+    _memory_phase(f"step {len(times)}", phases)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"step {len(times)}: {times[-1]:.1f} s, loss {losses[-1]:.6f}, peak RSS {rss:.2f} GiB",
           file=sys.stderr, flush=True)
@@ -127,7 +146,7 @@ def child(args) -> dict:
           "step_s": [round(t, 3) for t in times[1:]], "median_step_s": round(median, 3),
           "tokens_per_s": round(tokens / median, 1), "loss": losses,
           "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-          "honoured": honoured() if args.qwen3 else None, "plan_gib_per_device": planned}
+          "memory_phases_gib": phases, "honoured": honoured() if args.qwen3 else None, "plan_gib_per_device": planned}
 
 
 def planned_gib(c) -> dict:
