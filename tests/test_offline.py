@@ -69,11 +69,18 @@ def test_file_round_trip_and_schedule(smoke_config, base_file):
     assert len(set(groups.tolist())) == 8
 
 
-def test_offline_rounds_then_online(smoke_config, base_file, tmp_path):
+def _same(a, b) -> bool:
+  return all(jax.tree.leaves(jax.tree.map(
+      lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b)))
+
+
+def test_offline_rounds_then_online_and_resume(smoke_config, base_file, tmp_path):
   c = _offline(smoke_config, path=base_file)
   c.train.steps = 6  # 2 rounds x 2 steps offline, then 2 online steps (lag 3)
   r = train.Run(c, str(tmp_path))
-  ms = [r.step() for _ in range(6)]
+  ms = [r.step() for _ in range(3)]
+  r.save()  # in round 2, its file written
+  ms += [r.step() for _ in range(3)]
   assert [m["policy_version"] for m in ms] == [0, 0, 1, 1, 2, 2]  # refreshed at each round's end
   assert [m["lag_hist"] for m in ms[:4]] == [{"0": 32}, {"1": 32}, {"0": 32}, {"1": 32}]
   # Round 1 came from the file (no answers sampled); round 2 was sampled by pi_old at step 2
@@ -84,25 +91,14 @@ def test_offline_rounds_then_online(smoke_config, base_file, tmp_path):
   assert second.header["policy"]["snapshot_step"] == 2 and second.header["round"] == 2
   assert [p.prompt for p in second.problems] == [p.prompt for p in offline.read(base_file).problems]
   assert all(np.isfinite(m["loss"]) for m in ms) and ms[1]["loss"] > 0
+  # Resumed from step 3, reading round 2's file back: the same run.
+  resumed = train.Run(c, str(tmp_path))
+  assert resumed.restore_latest() and resumed.counters.step == 3
+  for _ in range(3):
+    resumed.step()
+  assert _same(resumed.params, r.params)
   r.close()
-
-
-def test_offline_run_resumes_exactly(smoke_config, base_file, tmp_path):
-  c = _offline(smoke_config, path=base_file)
-  straight = train.Run(c, str(tmp_path / "a"))
-  for _ in range(5):
-    straight.step()
-  first = train.Run(c, str(tmp_path / "b"))
-  for _ in range(3):  # into round 2, its file written
-    first.step()
-  first.save()
-  second = train.Run(c, str(tmp_path / "b"))
-  assert second.restore_latest() and second.counters.step == 3
-  for _ in range(2):
-    second.step()
-  same = jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), straight.params,
-                      second.params)
-  assert all(jax.tree.leaves(same))
+  resumed.close()
 
 
 def test_a_file_of_another_policy_is_refused_by_rescoring(smoke_config, base_file, tmp_path):
@@ -110,7 +106,7 @@ def test_a_file_of_another_policy_is_refused_by_rescoring(smoke_config, base_fil
   generate(_seed(1), other)  # the random init of seed 1: same model, other weights
   r = train.Run(_offline(smoke_config, path=other), str(tmp_path / "run"))
   with pytest.raises(offline.OfflineFileError,
-                     match=rf"offline file {other}: its log-probs are not those of this run's pi_old \\(version 0\\): mean"):
+                     match=rf"offline file {other}: its log-probs are not those of this run's pi_old \(version 0\): mean"):
     r.step()
 
 
@@ -129,30 +125,38 @@ def test_tampered_log_probs_are_refused(smoke_config, base_file, tmp_path):
 
 
 @pytest.mark.parametrize("damage, why", [
-    ("flip", "checksum mismatch: the file is corrupted"),
-    ("truncate", "not a readable offline file, truncated"),
-    ("empty", "not a readable offline file"),
+    ("flip", "unreadable: truncated, corrupted or not an .npz file .*Bad CRC-32"),
+    ("truncate", "unreadable: truncated, corrupted or not an .npz file"),
+    ("empty", "unreadable: truncated, corrupted or not an .npz file"),
+    ("edit", "checksum mismatch: the file is corrupted or was edited"),
 ])
 def test_corrupted_or_truncated_files_are_refused(base_file, tmp_path, damage, why):
   blob = open(base_file, "rb").read()
   path = tmp_path / "bad.npz"
-  if damage == "flip":  # a byte inside the answer log-probs' data
+  if damage == "flip":  # a byte inside the answer log-probs' data (the zip's CRC catches it)
     with zipfile.ZipFile(base_file) as z:
       info = z.getinfo("answer_logprobs.npy")
     at = info.header_offset + 30 + len(info.filename) + len(info.extra) + 200
     blob = blob[:at] + bytes([blob[at] ^ 0x40]) + blob[at + 1:]
   elif damage == "truncate":
     blob = blob[:len(blob) // 2]
-  else:
+  elif damage == "empty":
     blob = b""
-  path.write_bytes(blob)
+  if damage == "edit":  # a valid zip whose log-probs were changed, the digest left as it was
+    with np.load(base_file) as z:
+      members = {k: z[k] for k in z.files}
+    members["answer_logprobs"] = members["answer_logprobs"] * 0.5
+    with open(path, "wb") as f:
+      np.savez(f, **members)
+  else:
+    path.write_bytes(blob)
   with pytest.raises(offline.OfflineFileError, match=rf"^offline file {path}: {why}"):
     offline.read(str(path))
 
 
 @pytest.mark.parametrize("setting, value, why", [
     ("model.mlp_dim", 256, "written for another model: mlp_dim=384 \\(run: 256\\)"),
-    ("task.max_digits", 3, "written for another task: task.max_digits=2 \\(run: 3\\)"),
+    ("task.min_digits", 1, "written for another task: task.min_digits=2 \\(run: 1\\)"),
     ("sampling.max_new_tokens", 8, "written with sequence length 8 \\+ 6 .*this run's is 8 \\+ 8"),
     ("sampling.temperature", 0.7, "sampled with other settings: sampling.temperature=1.0 \\(run: 0.7\\)"),
     ("rl.group_size", 4, "groups of 8 answers; this run's rl.group_size=4"),
@@ -193,5 +197,5 @@ def test_the_command_refuses_a_corrupted_file_in_one_line(base_file, tmp_path):
       env={**os.environ, "PYTHONPATH": REPO})
   assert p.returncode == 2, p.stderr[-2000:]
   last = p.stderr.strip().splitlines()[-1]
-  assert last.startswith(f"error: offline file {bad}: not a readable offline file"), p.stderr[-2000:]
+  assert last.startswith(f"error: offline file {bad}: unreadable: truncated, corrupted"), p.stderr[-2000:]
   assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")

@@ -191,13 +191,13 @@ def read(path: str) -> OfflineData:
     with np.load(path, allow_pickle=False) as z:
       members = {name: z[name] for name in z.files}
   except (OSError, ValueError, EOFError, zipfile.BadZipFile, zipfile.LargeZipFile) as e:
-    _fail(path, f"not a readable offline file, truncated or not .npz ({type(e).__name__}: {e})")
+    _fail(path, f"unreadable: truncated, corrupted or not an .npz file ({type(e).__name__}: {e})")
   missing = [n for n in ("header", "sha256", *ARRAYS) if n not in members]
   if missing:
     _fail(path, f"not an offline file: no {', '.join(missing)}")
   text, arrays = str(members["header"]), {n: members[n] for n in ARRAYS}
   if _digest(text, arrays) != str(members["sha256"]):
-    _fail(path, "checksum mismatch: the file is corrupted (or was edited)")
+    _fail(path, "checksum mismatch: the file is corrupted or was edited")
   try:
     header = json.loads(text)
   except json.JSONDecodeError as e:
@@ -280,7 +280,7 @@ def check_logprobs(data: OfflineData, config, recompute, params, *, seq_len: int
   mean = float(diff.mean())
   if not mean <= off.logprob_tol:
     policy = data.header.get("policy", {})
-    _fail(data.path, f"its log-probs are not {what}'s: mean |stored - recomputed| = {mean:.3g} per "
+    _fail(data.path, f"its log-probs are not those of {what}: mean |stored - recomputed| = {mean:.3g} per "
           f"token over {int(mask.sum())} tokens of {len(answers)} rows (rl.offline.logprob_tol="
           f"{off.logprob_tol}); it names its sampler as {policy.get('source', '?')!r}")
   return mean
