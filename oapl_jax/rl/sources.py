@@ -170,7 +170,7 @@ class OfflineSource:
       return self._online.next(make_job)
     round_index, groups = self.schedule.batch(config.seed, c.step)
     data, tokens, samples = self._round(round_index)
-    rows = data.rows(groups, seq_len=seq_len(run.config), pad_id=run.sampler.tokenizer.pad_id,
+    rows = data.rows(groups, seq_len=seq_len(config), pad_id=run.sampler.tokenizer.pad_id,
                      count_truncated=config.rl.count_truncated)
     # Checked to be pi_old's samples: stamped as the engines' snapshot of this round's start.
     rows = dataclasses.replace(rows, version=np.full(len(rows), c.version, np.int32),
@@ -194,8 +194,8 @@ class OfflineSource:
     offline.check_matches(data, config, run.model_meta())
     if self._recompute is None:
       self._recompute = offline.logprob_fn(config, run.graphdef, run.mesh)
-    gap = offline.check_logprobs(data, config, self._recompute, run.snapshot, seq_len=seq_len(run.config),
-                                 pad_id=run.sampler.tokenizer.pad_id,
+    gap = offline.check_logprobs(data, config, self._recompute, run.snapshot,
+                                 seq_len=seq_len(config), pad_id=run.sampler.tokenizer.pad_id,
                                  what=f"this run's pi_old (version {run.counters.version})")
     say(f"offline round {round_index + 1}: {data.groups} groups from {data.path} "
         f"(sampler: {data.header['policy'].get('source')}; log-prob check {gap:.2g}/token)")
