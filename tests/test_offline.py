@@ -94,6 +94,14 @@ def test_offline_rounds_then_online_and_resume(smoke_config, base_file, tmp_path
   # Resumed from step 3, reading round 2's file back: the same run.
   resumed = train.Run(c, str(tmp_path))
   assert resumed.restore_latest() and resumed.counters.step == 3
+  # generate from that checkpoint's snapshot: its file is pi_old's (version 1, copied at step 2).
+  out = str(tmp_path / "from_checkpoint.npz")
+  generate(c, out, workdir=str(tmp_path), policy="snapshot")
+  data = offline.read(out)
+  assert {k: data.header["policy"][k] for k in ("version", "snapshot_step")} == {"version": 1, "snapshot_step": 2}
+  gap = offline.check_logprobs(data, c, offline.logprob_fn(c, resumed.graphdef, resumed.mesh),
+                               resumed.snapshot, seq_len=14, pad_id=0, what="pi_old")
+  assert gap < 1e-4
   for _ in range(3):
     resumed.step()
   assert _same(resumed.params, r.params)
