@@ -1,4 +1,5 @@
-"""Every `python -m oapl_jax...` command in launch/, README.md, configs/ and docs/ parses
+"""Every `python -m oapl_jax...` command in launch/, README.md, configs/, docs/ and the package's
+docstrings parses
 against the code: its config file exists, every `--config.X=Y` names a setting of that config,
 and every other flag is one the module defines. A renamed setting or flag therefore fails here
 instead of leaving a stale launch line (tests at the bottom prove it on wrong lines).
@@ -32,6 +33,7 @@ def documents() -> list[str]:
   paths += [os.path.join(REPO, "README.md")]
   paths += sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
   paths += sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+  paths += sorted(glob.glob(os.path.join(REPO, "oapl_jax", "**", "*.py"), recursive=True))  # docstrings
   return [os.path.relpath(p, REPO) for p in paths]
 
 
