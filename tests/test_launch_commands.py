@@ -1,7 +1,8 @@
 """Every `python -m oapl_jax...` command in launch/, README.md, configs/, docs/ and the package's
 docstrings parses against the code: its config file exists, every `--config.X=Y` names a
-setting of that config, and every other flag is one the module defines. A renamed setting or flag therefore fails here
-instead of leaving a stale launch line (tests at the bottom prove it on wrong lines).
+setting of that config, and every other flag is one the module defines. A renamed setting or
+flag therefore fails here instead of leaving a stale launch line (tests at the bottom prove it
+on wrong lines).
 
 Reading a command: backslash-continued lines are joined; the words after `-m oapl_jax...` up to
 the end of the shell command (`;`, `&&`, `|`, `>`, `#` comment, a closing backtick) are split
