@@ -110,7 +110,18 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   # mode, where left-overs and rollouts in flight outlive a refresh. None = never drop (oapl.md:
   # stale samples are used).
   c.rl.max_lag = placeholder(int)
-  c.rl.mode = "sync"  # "sync": sample when the buffer runs short, then train. "async": the next rollout samples (engines on devices 1..N) while the trainer trains on device 0; OAPL with old_logprobs="sampler" only (README "Asynchronous mode").
+  c.rl.mode = "sync"  # "sync": sample when the buffer runs short, then train. "async": the next rollout samples (engines on devices 1..N) while the trainer trains on device 0; OAPL with old_logprobs="sampler" only (README "Asynchronous mode"). "offline": rounds of stored answers (rl.offline), then sync.
+  # Offline mode (rl.mode="offline"; README "Offline mode", oapl_jax/rl/offline.py): a round is
+  # one file of G answers per problem sampled by pi_old at the round's start, trained on for
+  # rl.offline.epochs passes (pi_old fixed: the round's length is its lag); after the rounds
+  # the rest of train.steps trains online in sync mode (a refresh every rl.lag steps).
+  c.rl.offline = ml_collections.ConfigDict()
+  c.rl.offline.path = placeholder(str)  # Round 1's file, from `python -m oapl_jax.generate` with this run's config (its base); None = the run samples round 1 itself.
+  c.rl.offline.problems = 256  # Training problems (groups) a round answers when round 1 is sampled here or by generate; later rounds answer round 1's problems.
+  c.rl.offline.rounds = 2  # Rounds; round r > 1 is sampled by the run from the policy round r - 1 ended with (paper, code: 2).
+  c.rl.offline.epochs = 4  # Passes over a round's file (paper, code: 4); a round is epochs x (its groups // rl.groups_per_step) steps.
+  c.rl.offline.check_rows = 16  # Answers of each file rescored with pi_old by the trainer's kernel before training on it.
+  c.rl.offline.logprob_tol = 0.05  # Refuse a file whose stored log-probs differ from the rescored ones by more than this (mean nats per token; float32 ~1e-6, bfloat16 ~0.02: README "Engine/trainer parity").
   # The baseline, selected with rl.loss = "grpo" (oapl.md; losses.grpo). Same loop, buffer and
   # lag; pi_prox is always recomputed by the trainer on the engine's snapshot, and IS corrects
   # from the engine's log-probs to pi_prox. rl.beta1/beta2/old_logprobs are OAPL-only.
@@ -191,7 +202,7 @@ def repo_config(name: str) -> ml_collections.ConfigDict:
 
 
 OLD_LOGPROB_SOURCES = ("sampler", "snapshot")
-MODES = ("sync", "async")
+MODES = ("sync", "async", "offline")
 REMAT_POLICIES = ("none", "dots", "full")  # train.remat
 
 
@@ -387,6 +398,8 @@ def validate(c, *, dry_run: bool = False) -> None:
          "trainer's snapshot is already the next one)")
   _int(c, "rl.groups_per_step", 1)
   _int(c, "rl.groups_per_rollout", 1)
+  if rl.mode == "offline":
+    _validate_offline(c, dry_run)
 
   _int(c, "eval.samples_per_problem", 1)
   _int(c, "eval.every", 0, note="0 = before/after only")
@@ -439,6 +452,18 @@ def validate(c, *, dry_run: bool = False) -> None:
   _int(c, "checkpoint.every", 1)
   _int(c, "checkpoint.keep", 1)
   _int(c, "log.every", 1)
+
+
+def _validate_offline(c, dry_run: bool) -> None:
+  """`c.rl.offline` (checked in offline mode only; the file itself is checked by the run)."""
+  path = c.rl.offline.path
+  _check(path is None or dry_run or os.path.isfile(path), "rl.offline.path", path,
+         "no such file (write one with python -m oapl_jax.generate, or None: the run samples round 1)")
+  _int(c, "rl.offline.problems", "rl.groups_per_step", note="a round's batches are whole steps")
+  _int(c, "rl.offline.rounds", 1)
+  _int(c, "rl.offline.epochs", 1)
+  _int(c, "rl.offline.check_rows", 1)
+  _number(c, "rl.offline.logprob_tol", 0, lo_open=True)
 
 
 def _validate_model(c) -> None:

@@ -393,7 +393,7 @@ def _layout(config, devices: int) -> tuple[int, bool]:
   if engine_devices > devices:
     raise ConfigError(f"config.sampling.engines={s.engines}: engines x sampling.tensor = "
                       f"{engine_devices} devices but there are {devices}")
-  if config.rl.mode == "sync":
+  if config.rl.mode != "async":  # sync and offline: sampling does not overlap training
     return devices, True
   return (devices - engine_devices, False) if devices > engine_devices else (1, True)
 

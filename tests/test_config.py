@@ -35,7 +35,7 @@ BAD = [
     ("sampling.max_prefill_batch", 0), ("sampling.min_decode_width", 0),
     ("rl.loss", "ppo"), ("rl.beta1", 0.0), ("rl.beta1", NAN), ("rl.beta2", -1e-3),
     ("rl.group_size", 1), ("rl.lag", 0), ("rl.max_lag", 0), ("rl.old_logprobs", "trainer"),
-    ("rl.groups_per_step", 0), ("rl.groups_per_rollout", 0), ("rl.mode", "offline"),
+    ("rl.groups_per_step", 0), ("rl.groups_per_rollout", 0), ("rl.mode", "replay"),
     ("rl.grpo.adv_eps", NAN), ("rl.grpo.adv_eps", -1.0), ("rl.grpo.eps_low", 1.0),
     ("rl.grpo.eps_high", INF), ("rl.grpo.is_cap", 0.5), ("rl.grpo.is_cap", INF),
     ("rl.grpo.kl_coef", INF), ("rl.grpo.kl_coef", -0.1),

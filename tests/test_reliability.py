@@ -108,8 +108,8 @@ def test_async_keeps_left_over_groups_across_a_refresh(smoke_config, tmp_path):
   assert r.counters.version == 1 and len(r.buffer) > 0  # the refresh kept the left-overs
   left = r.buffer.state()["snapshot_step"]
   assert (left < r.counters.snapshot_step).all()  # they were sampled by the previous pi_old
-  m = r.step()  # ... and are used next, at their own (stale) lag
-  assert max(int(k) for k in m["lag_hist"]) >= smoke_config.rl.lag
+  m = r.step()  # ... and are used next (FIFO: before the newer rollout), at their own lag
+  assert m["lag_hist"] == {"3": 2 * smoke_config.rl.group_size}  # 2 groups of snapshot step 0
   for _ in range(5):
     m = r.step()
   assert r.counters.groups_dropped == 0 and r.counters.groups_dropped_stale == 0
@@ -125,6 +125,10 @@ def test_async_max_lag_drops_and_counts_older_groups(smoke_config, tmp_path):
     lags |= {int(k) for k in m["lag_hist"]}
   assert max(lags) <= 3
   assert r.counters.groups_dropped_stale > 0 and m["groups_dropped_stale"] == r.counters.groups_dropped_stale
+  # Every group taken from a rollout was trained on, dropped as stale or is still buffered.
+  taken = r.counters.samples_generated // c.rl.group_size
+  assert taken == 9 * c.rl.groups_per_step + r.counters.groups_dropped_stale + len(r.buffer)
+  assert r.counters.groups_dropped == 0  # async empties nothing at a refresh
   r.close()
 
 

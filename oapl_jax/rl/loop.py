@@ -9,7 +9,9 @@
             GRPO+IS baseline, whose pi_prox is the trainer's log-probs on the snapshot)
         if (s + 1) % L == 0: pi_old <- pi_theta, version += 1; sync mode empties the buffer
 
-In async mode a rollout launched before a refresh lands after it, and left-over groups
+In offline mode (`sources.OfflineSource`, `rl.offline`) rollouts are rounds of stored
+answers, and pi_old is refreshed at the end of each round instead; then the run goes on in sync
+mode. In async mode a rollout launched before a refresh lands after it, and left-over groups
 outlive it: both are used with their own stamps (realised lags >= L: the staleness of an
 asynchronous pipeline), unless older than `rl.max_lag`. Data order and sampling keys are
 functions of (seed, rollout index), and rollouts are launched at fixed points of the step
@@ -154,7 +156,7 @@ class Run:
     sampling = SamplingParams.from_config(config.sampling)  # the engine's and the trainer's
     replicas = make_replicas(config, self.model_cfg, self.graphdef, sampling, engine_devices(config))
     self.sampler = Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
-    self.source = SOURCES[config.rl.mode]()
+    self.source = SOURCES[config.rl.mode](self, workdir)  # offline: may refuse its file here
     self.train_step = make_train_step(config, self.graphdef, self.optimizer, sampling, self.mesh)
     self.buffer = GroupBuffer(config.rl.group_size)
     self.counters = Counters()
@@ -254,7 +256,7 @@ class Run:
     while len(self.buffer) < self.config.rl.groups_per_step:
       drawn = self.source.next(self._next_job)
       self.buffer.extend(drawn.rows)
-      self.counters.samples_generated += len(drawn.rows)
+      self.counters.samples_generated += drawn.samples
       answer_tokens += drawn.answer_tokens
       self._drop_stale()  # a rollout that was in flight may land already too old
     return answer_tokens
@@ -288,7 +290,7 @@ class Run:
         metrics["sample_tokens_per_s"] = answer_tokens / max(wait_seconds, 1e-9)
     if lags.max() == 0:  # pi_theta == pi_old at this step: the engine/trainer mismatch
       metrics["engine_mismatch_abs"] = m["trainer_vs_sampler_abs"]
-    if c.step % rl.lag == 0:
+    if self.source.refresh_due(c.step, rl.lag):  # every rl.lag steps; offline: each round's end
       self.refresh_engine()
     return metrics
 

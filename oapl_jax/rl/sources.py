@@ -8,17 +8,28 @@ is sampled and when) and returns the job that samples it. Sources differ in when
 * `AsyncSource` ("async"): the job for the next rollout is launched the moment the previous
   one is taken, and samples in a background thread while the trainer trains; a checkpoint
   holds it (`pending`, `resume`).
+* `OfflineSource` ("offline"): rounds of stored answers (`rl.offline`), each file sampled once
+  by pi_old and trained on for several epochs (`rl.offline`'s module docstring), then sync.
 
-An `offline` source (stored answers) would be a third class here, not a branch in the loop.
+Each source is made as `SOURCES[mode](run, workdir)` and says when the engines' snapshot is
+refreshed (`refresh_due`): every `rl.lag` steps online, at the end of each round offline.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from concurrent import futures
 from typing import Callable
 
+import jax
+import numpy as np
+
+from oapl_jax.config import ConfigError
+from oapl_jax.metrics import say
+from oapl_jax.rl import offline
 from oapl_jax.rl.buffer import Rows
+from oapl_jax.sampling.sampler import seq_len
 
 
 @dataclasses.dataclass
@@ -26,7 +37,12 @@ class Drawn:
   """One rollout's training rows, stamped with the weights that sampled them (`buffer.stamp`)."""
 
   rows: Rows
-  answer_tokens: int  # answer tokens generated
+  answer_tokens: int  # answer tokens generated for it
+  samples: int | None = None  # answers generated for it; None = one per row (stored answers: 0)
+
+  def __post_init__(self):
+    if self.samples is None:
+      self.samples = len(self.rows)
 
 
 Job = Callable[[], Drawn]
@@ -37,6 +53,13 @@ class SyncSource:
 
   overlaps_training = False  # the trainer waits for sampling: a sampling rate can be measured
   empties_buffer_at_refresh = True  # Algorithm 1: each window trains on its own pi_old's groups
+
+  def __init__(self, run=None, workdir: str | None = None):
+    del run, workdir  # samples through the loop's jobs only
+
+  def refresh_due(self, step: int, lag: int) -> bool:
+    """Whether pi_old <- pi_theta after trainer step `step` (steps taken): every rl.lag steps."""
+    return step % lag == 0
 
   def next(self, make_job: Callable[[], Job]) -> Drawn:
     return make_job()()
@@ -62,9 +85,12 @@ class AsyncSource:
   overlaps_training = True  # the trainer's wait is only the part of sampling not overlapped
   empties_buffer_at_refresh = False  # stale groups are used (oapl.md), unless rl.max_lag drops them
 
-  def __init__(self):
+  def __init__(self, run=None, workdir: str | None = None):
+    del run, workdir
     self._pool = futures.ThreadPoolExecutor(1, "rollout")
     self._inflight: futures.Future | None = None  # launched and not yet taken
+
+  refresh_due = SyncSource.refresh_due
 
   def next(self, make_job: Callable[[], Job]) -> Drawn:
     # The next rollout starts now, with the weights of this moment (a fixed point of the step
@@ -93,4 +119,118 @@ class AsyncSource:
     self._pool.shutdown()
 
 
-SOURCES = {"sync": SyncSource, "async": AsyncSource}  # rl.mode -> source class
+class OfflineSource:
+  """Rounds of stored answers, then online (sync) for the rest of the run (`rl.offline`).
+
+  Offline step s trains on the groups `offline.Schedule.batch` names in round s // round_steps's
+  file (read, or sampled by pi_old and written, at the round's first step, and checked against
+  pi_old: `offline.check_logprobs`); positions are functions of (seed, step), so a resumed run
+  reads the same batches and there is no state to checkpoint. From step `schedule.steps` on,
+  rollouts come from a `SyncSource`.
+  """
+
+  overlaps_training = False  # rounds are sampled while the trainer waits; online: sync
+  empties_buffer_at_refresh = True  # a round's batches are whole steps: nothing is left over
+
+  def __init__(self, run, workdir: str):
+    self._run, self._dir = run, os.path.join(workdir, "offline")
+    self._online = SyncSource()
+    config = run.config
+    off = config.rl.offline
+    if jax.process_count() > 1:
+      raise ConfigError(f"config.rl.mode='offline': runs in one process (this is one of "
+                        f"{jax.process_count()}): its round files are read and written unguarded")
+    self._first = None
+    if off.path is not None:  # refused now, before any warm-up, if it is not this run's
+      self._first = offline.read(off.path)
+      offline.check_matches(self._first, config, run.model_meta())
+    groups = self._first.groups if self._first else off.problems
+    if groups < config.rl.groups_per_step:
+      raise ConfigError(f"config.rl.groups_per_step={config.rl.groups_per_step}: more than the "
+                        f"{groups} groups of a round's file ({off.path or 'rl.offline.problems'})")
+    self.schedule = offline.Schedule(groups, config.rl.groups_per_step, off.epochs, off.rounds)
+    if config.rl.max_lag is not None and config.rl.max_lag < self.schedule.round_steps - 1:
+      raise ConfigError(f"config.rl.max_lag={config.rl.max_lag}: an offline round trains "
+                        f"{self.schedule.round_steps} steps on one pi_old's answers (lags up to "
+                        f"{self.schedule.round_steps - 1}); use None or at least that")
+    self._loaded: tuple[int, offline.OfflineData] | None = None  # (round index, its file)
+    self._recompute = None
+
+  def refresh_due(self, step: int, lag: int) -> bool:
+    """At the end of each round; after the rounds, every rl.lag steps."""
+    sched = self.schedule
+    if step <= sched.steps:
+      return step % sched.round_steps == 0
+    return (step - sched.steps) % lag == 0
+
+  def next(self, make_job: Callable[[], Job]) -> Drawn:
+    run = self._run
+    c, config = run.counters, run.config
+    if c.step >= self.schedule.steps:
+      return self._online.next(make_job)
+    round_index, groups = self.schedule.batch(config.seed, c.step)
+    data, tokens, samples = self._round(round_index)
+    rows = data.rows(groups, seq_len=seq_len(config), pad_id=run.sampler.tokenizer.pad_id,
+                     count_truncated=config.rl.count_truncated)
+    # Checked to be pi_old's samples: stamped as the engines' snapshot of this round's start.
+    rows = dataclasses.replace(rows, version=np.full(len(rows), c.version, np.int32),
+                               snapshot_step=np.full(len(rows), c.snapshot_step, np.int32))
+    return Drawn(rows, tokens, samples)
+
+  def _round(self, round_index: int) -> tuple[offline.OfflineData, int, int]:
+    """The file of round `round_index` (0-based), checked against pi_old; with the answer
+    tokens and answers sampled to write it now (0, 0 if it was read)."""
+    if self._loaded is not None and self._loaded[0] == round_index:
+      return self._loaded[1], 0, 0
+    run, config = self._run, self._run.config
+    tokens = samples = 0
+    if round_index == 0 and self._first is not None:
+      data = self._first
+    else:
+      path = os.path.join(self._dir, f"round_{round_index + 1}.npz")
+      if not os.path.exists(path):
+        tokens, samples = self._sample(round_index, path)
+      data = offline.read(path)
+    offline.check_matches(data, config, run.model_meta())
+    if self._recompute is None:
+      self._recompute = offline.logprob_fn(config, run.graphdef, run.mesh)
+    gap = offline.check_logprobs(data, config, self._recompute, run.snapshot,
+                                 seq_len=seq_len(config), pad_id=run.sampler.tokenizer.pad_id,
+                                 what=f"this run's pi_old (version {run.counters.version})")
+    say(f"offline round {round_index + 1}: {data.groups} groups from {data.path} "
+        f"(sampler: {data.header['policy'].get('source')}; log-prob check {gap:.2g}/token)")
+    self._loaded = (round_index, data)
+    return data, tokens, samples
+
+  def _sample(self, round_index: int, path: str) -> tuple[int, int]:
+    """Samples round `round_index`'s file with pi_old into `path`; (answer tokens, answers)."""
+    run, c = self._run, self._run.counters
+    problems = (offline.round_one_problems(run.config, run.sampler.task) if round_index == 0
+                else self._problems_of_round_one())
+    policy = {"version": c.version, "snapshot_step": c.snapshot_step,
+              "source": f"pi_old of the run in {os.path.dirname(self._dir)} at step {c.step}"}
+    header, arrays, tokens = offline.sample_round(
+        run.config, run.sampler, run.engine_weights(), problems, round_index=round_index,
+        policy=policy, model_meta=run.model_meta())
+    offline.write(path, header, arrays)
+    return tokens, len(arrays["rewards"])
+
+  def _problems_of_round_one(self):
+    if self._first is not None:
+      return self._first.problems
+    return offline.read(os.path.join(self._dir, "round_1.npz")).problems
+
+  def pending(self) -> Drawn | None:
+    return self._online.pending()
+
+  def resume(self, drawn: Drawn | None) -> None:
+    self._online.resume(drawn)
+
+  def wait(self) -> None:
+    self._online.wait()
+
+  def close(self) -> None:
+    self._online.close()
+
+
+SOURCES = {"sync": SyncSource, "async": AsyncSource, "offline": OfflineSource}  # rl.mode -> source class

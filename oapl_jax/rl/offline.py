@@ -1,0 +1,318 @@
+"""Offline rounds (`rl.mode="offline"`): stored answers, their file, and the checks on it.
+
+The paper's code run trains on fixed data: the base model answers a fixed set of problems, the
+trainer takes 4 epochs over those answers with that sampler as pi_old, then the model round 1
+ended with answers the same problems again and round 2 trains 4 epochs on those. Here (project
+choice; README "Offline mode"):
+
+* A **round** is one file of G answers to each of its problems, sampled by the run's pi_old at
+  the round's start, and `rl.offline.epochs` passes over it. Each pass takes the file's groups
+  in an order drawn from (seed, round, epoch), `rl.groups_per_step` groups a step (an
+  incomplete last batch is left out of that pass). pi_old stays the file's sampler through the
+  round and is refreshed (pi_old <- pi_theta) at its end: a round's lag is its length.
+* Round 1's file is `rl.offline.path`, written by `python -m oapl_jax.generate` (from the
+  run's base), or, with no path, sampled by the run itself from `rl.offline.problems` training
+  problems. Round r > 1 is always sampled by the run, on round 1's problems, from pi_old at the
+  round's start, into `<workdir>/offline/round_<r>.npz` (kept: a resumed run reads it back).
+* After the rounds the run continues online in sync mode (a refresh every `rl.lag` steps) for
+  the rest of `train.steps`.
+
+The file is one `.npz` (numpy, read without pickle): a JSON `header` (format, the model's
+architecture, the task section, sampling settings and lengths, group size, the policy that
+sampled it and the round, the problems), the answers as ragged arrays (`ARRAYS`: each group's
+prompt tokens and each answer's tokens and engine log-probs, concatenated, with offsets; finish
+reasons, rewards, the engine's version stamps), and `sha256`, a digest of the header and every
+array. A file is refused with one line naming it (`OfflineFileError`) when it does not open
+(truncated), its digest fails (corrupted), its arrays disagree with its header, or its header
+does not match the run (model, task, sequence lengths, sampling settings, group size); and
+before the run trains on it, when its log-probs are not those of the run's pi_old: the tokens
+of `rl.offline.check_rows` rows are rescored with pi_old by the trainer's kernel, and a mean
+|stored - recomputed| per token above `rl.offline.logprob_tol` means another policy sampled it.
+Once checked, its rows are samples of the run's pi_old and carry the run's stamps (version,
+snapshot step) of the round's start; the policy the header names is kept as provenance.
+
+The whole file is read into host memory (about 8 bytes per answer token plus 4 per prompt
+token; nothing is padded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import zipfile
+
+import jax
+import numpy as np
+from flax import nnx
+
+from oapl_jax.errors import UserError
+from oapl_jax.rl.buffer import Rows
+from oapl_jax.rl.logprobs import make_batch, token_logprobs
+from oapl_jax.sampling.processing import SamplingParams
+from oapl_jax.sampling.rollout import Rollout
+from oapl_jax.tasks.base import Problem
+
+FORMAT = "oapl_jax.offline/1"
+# Ragged arrays of a file: prompt_tokens[prompt_offsets[p]:prompt_offsets[p+1]] is problem p's
+# prompt; answer i (= p * G + g) is answer_tokens / answer_logprobs[answer_offsets[i]:...[i+1]].
+ARRAYS = ("prompt_tokens", "prompt_offsets", "answer_tokens", "answer_logprobs",
+          "answer_offsets", "finish", "rewards", "version")
+KEY_SALT = 2_000_003  # round r samples with fold_in(key(seed), KEY_SALT + r)
+
+
+class OfflineFileError(UserError):
+  """An offline file that cannot be used: unreadable, corrupted, or not this run's."""
+
+
+def _fail(path: str, why: str):
+  raise OfflineFileError(f"offline file {path}: {why}")
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+
+def _digest(header_text: str, arrays: dict[str, np.ndarray]) -> str:
+  """sha256 of the header's text and of every array's name, dtype, shape and bytes."""
+  h = hashlib.sha256(header_text.encode())
+  for name in sorted(arrays):
+    a = np.ascontiguousarray(arrays[name])
+    h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def expected_header(config, model_meta: dict) -> dict:
+  """The header fields a file must share with the run that trains on it."""
+  s = config.sampling
+  return {"model": model_meta, "task": config.task.to_dict(),
+          "sampling": {"temperature": float(s.temperature), "top_p": float(s.top_p),
+                       "top_k": int(s.top_k), "max_prompt_len": int(s.max_prompt_len),
+                       "max_new_tokens": int(s.max_new_tokens)},
+          "group_size": int(config.rl.group_size)}
+
+
+def arrays_of(rollout: Rollout, rewards: np.ndarray) -> dict[str, np.ndarray]:
+  """A rollout's answers as the file's ragged arrays (`ARRAYS`)."""
+  lengths = np.asarray(rollout.lengths, np.int64)
+  keep = np.arange(rollout.answers.shape[1])[None, :] < lengths[:, None]  # [N, A]
+  prompt_lengths = np.array([len(p) for p in rollout.prompts], np.int64)
+  return {
+      "prompt_tokens": np.concatenate([np.asarray(p, np.int32) for p in rollout.prompts]),
+      "prompt_offsets": np.concatenate([[0], np.cumsum(prompt_lengths)]).astype(np.int64),
+      "answer_tokens": rollout.answers[keep].astype(np.int32),  # row-major: answer after answer
+      "answer_logprobs": rollout.logprobs[keep].astype(np.float32),
+      "answer_offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+      "finish": np.asarray(rollout.finish, np.int8),
+      "rewards": np.asarray(rewards, np.float32),
+      "version": np.asarray(rollout.versions, np.int32),
+  }
+
+
+def write(path: str, header: dict, arrays: dict[str, np.ndarray]) -> None:
+  """Writes the file aside and renames it into place: a reader never sees half a file."""
+  header = {"format": FORMAT, **header}
+  text = json.dumps(header, sort_keys=True)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "wb") as f:  # a file object: np.savez adds no ".npz" to the name
+    np.savez(f, header=np.array(text), sha256=np.array(_digest(text, arrays)), **arrays)
+  os.replace(tmp, path)
+
+
+def sample_round(config, sampler, weights, problems: list[Problem], *, round_index: int,
+                 policy: dict, model_meta: dict) -> tuple[dict, dict, int]:
+  """G answers to each of `problems`, sampled with `weights` (engine weights, `Sampler.load`),
+  as (header, arrays, answer tokens generated). round_index: 0-based; fixes the sampling key.
+  policy: what the header records of the weights (version, snapshot_step, source)."""
+  key = jax.random.fold_in(jax.random.key(config.seed), KEY_SALT + round_index)
+  scored = sampler.sample(weights, problems, group_size=config.rl.group_size, key=key)
+  header = {**expected_header(config, model_meta), "policy": policy, "round": round_index + 1,
+            "seed": int(config.seed),
+            "problems": [dataclasses.asdict(p) for p in problems]}
+  return header, arrays_of(scored.rollout, scored.rewards), int(scored.rollout.lengths.sum())
+
+
+def round_one_problems(config, task) -> list[Problem]:
+  """The training problems round 1 answers when the run (or `generate`) samples it."""
+  return task.train_problems(np.random.default_rng([config.seed, 2]), config.rl.offline.problems)
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class OfflineData:
+  """A read and verified offline file: its header and ragged arrays (`ARRAYS`)."""
+
+  path: str
+  header: dict
+  arrays: dict[str, np.ndarray]
+
+  @property
+  def groups(self) -> int:
+    return len(self.arrays["prompt_offsets"]) - 1
+
+  @property
+  def group_size(self) -> int:
+    return int(self.header["group_size"])
+
+  @property
+  def problems(self) -> list[Problem]:
+    return [Problem(**p) for p in self.header["problems"]]
+
+  def rows(self, groups: np.ndarray, *, seq_len: int, pad_id: int, count_truncated: bool) -> Rows:
+    """The rows of `groups` (indices into the file's groups, in that order), laid out as a
+    rollout's (`logprobs.make_batch`); stamps: the file's versions, snapshot_step -1."""
+    a, g = self.arrays, self.group_size
+    po, ao = a["prompt_offsets"], a["answer_offsets"]
+    answers = (np.asarray(groups)[:, None] * g + np.arange(g)[None, :]).reshape(-1)  # [n]
+    lengths = (ao[answers + 1] - ao[answers]).astype(np.int32)
+    width = max(int(lengths.max()), 1)
+    tokens = np.full((len(answers), width), pad_id, np.int32)
+    logprobs = np.zeros((len(answers), width), np.float32)
+    for row, i in enumerate(answers):
+      tokens[row, :lengths[row]] = a["answer_tokens"][ao[i]:ao[i + 1]]
+      logprobs[row, :lengths[row]] = a["answer_logprobs"][ao[i]:ao[i + 1]]
+    rollout = Rollout(prompts=[a["prompt_tokens"][po[p]:po[p + 1]].tolist() for p in groups],
+                      group_size=g, answers=tokens, logprobs=logprobs, lengths=lengths,
+                      finish=a["finish"][answers], versions=a["version"][answers])
+    return make_batch(rollout, a["rewards"][answers], seq_len=seq_len, pad_id=pad_id,
+                      count_truncated=count_truncated)
+
+
+def read(path: str) -> OfflineData:
+  """Reads and checks a file on its own: it opens, its digest holds, its arrays agree with
+  each other and with its header. `OfflineFileError` (naming the file) otherwise."""
+  if not os.path.isfile(path):
+    _fail(path, "no such file")
+  try:
+    with np.load(path, allow_pickle=False) as z:
+      members = {name: z[name] for name in z.files}
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile, zipfile.LargeZipFile) as e:
+    _fail(path, f"unreadable: truncated, corrupted or not an .npz file ({type(e).__name__}: {e})")
+  missing = [n for n in ("header", "sha256", *ARRAYS) if n not in members]
+  if missing:
+    _fail(path, f"not an offline file: no {', '.join(missing)}")
+  text, arrays = str(members["header"]), {n: members[n] for n in ARRAYS}
+  if _digest(text, arrays) != str(members["sha256"]):
+    _fail(path, "checksum mismatch: the file is corrupted or was edited")
+  try:
+    header = json.loads(text)
+  except json.JSONDecodeError as e:
+    _fail(path, f"unreadable header ({e})")
+  if header.get("format") != FORMAT:
+    _fail(path, f"format {header.get('format')!r}, expected {FORMAT!r}")
+  data = OfflineData(path, header, arrays)
+  _check_shapes(data)
+  return data
+
+
+def _check_shapes(data: OfflineData) -> None:
+  a, path = data.arrays, data.path
+  n = data.groups * data.group_size
+  ok = (len(data.header["problems"]) == data.groups and data.groups > 0
+        and all(len(a[k]) == n for k in ("finish", "rewards", "version"))
+        and len(a["answer_offsets"]) == n + 1
+        and a["answer_offsets"][-1] == len(a["answer_tokens"]) == len(a["answer_logprobs"])
+        and a["prompt_offsets"][-1] == len(a["prompt_tokens"])
+        and (np.diff(a["answer_offsets"]) >= 1).all() and (np.diff(a["prompt_offsets"]) >= 1).all())
+  if not ok:
+    _fail(path, f"its arrays disagree with its header ({data.groups} groups of {data.group_size})")
+
+
+def check_matches(data: OfflineData, config, model_meta: dict) -> None:
+  """Refuses a file written for another model, task, sequence length, sampling or group size."""
+  want, have = expected_header(config, model_meta), data.header
+
+  def differing(a: dict, b: dict) -> str:
+    keys = sorted(set(a) | set(b), key=str)
+    return ", ".join(f"{k}={b.get(k)!r} (run: {a.get(k)!r})" for k in keys if a.get(k) != b.get(k))
+
+  if have.get("model") != want["model"]:
+    _fail(data.path, f"written for another model: {differing(want['model'], have.get('model') or {})}")
+  if have.get("task") != want["task"]:
+    _fail(data.path, f"written for another task: task.{differing(want['task'], have.get('task') or {})}")
+  s, h = want["sampling"], have.get("sampling") or {}
+  lengths = ("max_prompt_len", "max_new_tokens")
+  if any(h.get(k) != s[k] for k in lengths):
+    _fail(data.path, f"written with sequence length {h.get('max_prompt_len')} + {h.get('max_new_tokens')} "
+          f"(sampling.max_prompt_len + max_new_tokens); this run's is {s['max_prompt_len']} + "
+          f"{s['max_new_tokens']}")
+  if any(h.get(k) != v for k, v in s.items()):
+    _fail(data.path, f"sampled with other settings: sampling.{differing(s, h)}")
+  if have.get("group_size") != want["group_size"]:
+    _fail(data.path, f"groups of {have.get('group_size')} answers; this run's rl.group_size="
+          f"{want['group_size']}")
+
+
+def logprob_fn(config, graphdef, mesh):
+  """`(params, tokens [n, T]) -> [n, T-1]` log-probs by the trainer's kernel (the engine's
+  sampling settings), one row per call (one compile), on the trainer's mesh."""
+  sampling = SamplingParams.from_config(config.sampling)
+  kernel = jax.jit(lambda p, t: token_logprobs(nnx.merge(graphdef, p), t, sampling,
+                                               tile=config.train.logprob_tile,
+                                               attn_block=config.train.attn_block)[0])
+
+  def logprobs(params, tokens: np.ndarray) -> np.ndarray:
+    with jax.set_mesh(mesh):
+      return np.concatenate([np.asarray(kernel(params, tokens[i:i + 1])) for i in range(len(tokens))])
+
+  return logprobs
+
+
+def check_logprobs(data: OfflineData, config, recompute, params, *, seq_len: int, pad_id: int,
+                   what: str) -> float:
+  """Rescores `rl.offline.check_rows` rows of `data` (drawn from the seed) with `params` through
+  `recompute` (`logprob_fn`) and refuses the file if the mean |stored - recomputed| per answer
+  token exceeds `rl.offline.logprob_tol`. what: how the message names `params`. Returns the mean."""
+  off = config.rl.offline
+  rng = np.random.default_rng([config.seed, 4, int(data.header.get("round", 0))])
+  n = data.groups * data.group_size
+  answers = np.sort(rng.choice(n, size=min(off.check_rows, n), replace=False))
+  groups = np.unique(answers // data.group_size)
+  rows = data.rows(groups, seq_len=seq_len, pad_id=pad_id, count_truncated=True)  # every answer token
+  rows = rows.select(np.searchsorted(groups, answers // data.group_size) * data.group_size
+                     + answers % data.group_size)
+  mask = rows.mask > 0
+  diff = np.abs(recompute(params, rows.tokens) - rows.sampler_logprobs)[mask]
+  mean = float(diff.mean())
+  if not mean <= off.logprob_tol:
+    policy = data.header.get("policy", {})
+    _fail(data.path, f"its log-probs are not those of {what}: mean |stored - recomputed| = {mean:.3g} per "
+          f"token over {int(mask.sum())} tokens of {len(answers)} rows (rl.offline.logprob_tol="
+          f"{off.logprob_tol}); it names its sampler as {policy.get('source', '?')!r}")
+  return mean
+
+
+# --- the schedule of the offline phase ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Steps of the offline phase: `rounds` x `epochs` passes of `groups // per_step` steps."""
+
+  groups: int  # groups in a round's file
+  per_step: int  # rl.groups_per_step
+  epochs: int
+  rounds: int
+
+  @property
+  def steps_per_epoch(self) -> int:
+    return self.groups // self.per_step
+
+  @property
+  def round_steps(self) -> int:
+    return self.epochs * self.steps_per_epoch
+
+  @property
+  def steps(self) -> int:
+    return self.rounds * self.round_steps
+
+  def batch(self, seed: int, step: int) -> tuple[int, np.ndarray]:
+    """(round index, the file's groups trained on) of offline step `step` (< `steps`)."""
+    round_index, k = divmod(step, self.round_steps)
+    epoch, b = divmod(k, self.steps_per_epoch)
+    order = np.random.default_rng([seed, 3, round_index, epoch]).permutation(self.groups)
+    return round_index, order[b * self.per_step:(b + 1) * self.per_step]

@@ -1,0 +1,238 @@
+"""Every `python -m oapl_jax...` command in launch/, README.md, configs/, docs/ and the package's
+docstrings parses against the code: its config file exists, every `--config.X=Y` names a
+setting of that config, and every other flag is one the module defines. A renamed setting or
+flag therefore fails here instead of leaving a stale launch line (tests at the bottom prove it
+on wrong lines).
+
+Reading a command: backslash-continued lines are joined; the words after `-m oapl_jax...` up to
+the end of the shell command (`;`, `&&`, `|`, `>`, `#` comment, a closing backtick) are split
+like a shell would; `${VAR:-default}` reads as its default. Placeholders are not checked: a
+config given as a variable (`"$config"`), `...` or `<name>` (then neither are its overrides).
+Flags are read from the module's source and the oapl_jax modules it imports (absl `DEFINE_*`,
+argparse `add_argument`), plus absl's own and `--verbose` of `errors.run_command`.
+"""
+
+import glob
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+
+from oapl_jax import config as config_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ABSL_FLAGS = {"help", "helpfull", "helpshort", "helpxml", "flagfile", "undefok", "verbosity", "v",
+              "logtostderr", "alsologtostderr", "log_dir", "stderrthreshold", "showprefixforinfo"}
+
+
+def documents() -> list[str]:
+  """The files whose commands are checked (paths relative to the repository)."""
+  paths = [p for p in sorted(glob.glob(os.path.join(REPO, "launch", "*"))) if os.path.isfile(p)]
+  paths += [os.path.join(REPO, "README.md")]
+  paths += sorted(glob.glob(os.path.join(REPO, "configs", "*.py")))
+  paths += sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+  paths += sorted(glob.glob(os.path.join(REPO, "oapl_jax", "**", "*.py"), recursive=True))  # docstrings
+  return [os.path.relpath(p, REPO) for p in paths]
+
+
+def logical_lines(text: str):
+  """(line number, line) with backslash continuations joined."""
+  pending, start = "", None
+  for number, line in enumerate(text.splitlines(), 1):
+    start = start or number
+    stripped = line.rstrip()
+    if stripped.endswith("\\"):
+      pending += stripped[:-1].lstrip("# ") + " " if pending else stripped[:-1] + " "
+      continue
+    yield start, pending + (line.lstrip("# ") if pending else line)
+    pending, start = "", None
+  if pending:
+    yield start, pending
+
+
+def _words(rest: str) -> list[str]:
+  rest = rest.split("`")[0]  # an inline code span ends the command
+  rest = re.sub(r"<(\w+)>", r"@\1@", rest)  # a <placeholder>, not a redirection
+  try:
+    lexer = shlex.shlex(rest, posix=True, punctuation_chars=";&|<>()")
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    words = list(lexer)
+  except ValueError:  # an unbalanced quote (a command quoted inside another): split plainly
+    words = [w.strip("'\"") for w in rest.split()]
+  out = []
+  for w in words:
+    if w and set(w) <= set(";&|<>()") or w.startswith("#"):
+      break
+    out.append(re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", w))
+  return out
+
+
+def commands(text: str):
+  """(line number, module, words) of every `-m oapl_jax...` command in `text`."""
+  for number, line in logical_lines(text):
+    for m in re.finditer(r"-m\s+(oapl_jax(?:\.\w+)*)", line):
+      yield number, m.group(1), _words(line[m.end():])
+
+
+def _module_file(module: str) -> str | None:
+  base = os.path.join(REPO, *module.split("."))
+  for path in (base + ".py", os.path.join(base, "__main__.py"), os.path.join(base, "__init__.py")):
+    if os.path.isfile(path):
+      return path
+  return None
+
+
+def module_flags(module: str, seen: set | None = None) -> set[str]:
+  """Flag names `python -m module` accepts (see the module docstring)."""
+  seen = set() if seen is None else seen
+  path = _module_file(module)
+  if path is None or path in seen:
+    return set()
+  seen.add(path)
+  source = open(path).read()
+  names = set(re.findall(r"DEFINE_\w+\(\s*[\"'](\w+)[\"']", source))
+  names |= {n.lstrip("-").replace("-", "_") for n in re.findall(r"add_argument\(\s*[\"'](--[\w-]+)[\"']", source)}
+  names |= {n.lstrip("-") for n in re.findall(r"add_argument\(\s*[\"'](--[\w-]+)[\"']", source)}
+  if "run_command(" in source:
+    names.add("verbose")
+  if "absl" in source:
+    names |= ABSL_FLAGS
+  imported = re.findall(r"^\s*from (oapl_jax(?:\.\w+)*) import ([\w, ]+)", source, re.M)
+  for package, items in imported:
+    for name in [package] + [f"{package}.{i.split()[0]}" for i in items.split(",") if i.strip()]:
+      names |= module_flags(name, seen)
+  for name in re.findall(r"^\s*import (oapl_jax(?:\.\w+)*)", source, re.M):
+    names |= module_flags(name, seen)
+  return names
+
+
+def _placeholder(value: str) -> bool:
+  return any(s in value for s in ("$", "...", "@", "[", "{"))
+
+
+def _has_setting(c, dotted: str) -> bool:
+  for part in dotted.split("."):
+    try:
+      if part not in c:
+        return False
+    except TypeError:  # a value, not a section
+      return False
+    c = c[part]
+  return True
+
+
+def check_text(text: str, name: str, load=config_lib.from_file) -> tuple[int, list[str]]:
+  """(commands read, problems) of the commands in `text` (named `name` in the problems).
+  load: spec -> config, as `--config=` reads it."""
+  problems, count = [], 0
+  flag_cache: dict[str, set[str]] = {}
+  for number, module, words in commands(text):
+    count += 1
+    where = f"{name}:{number}: python -m {module}"
+    if _module_file(module) is None:
+      problems.append(f"{where}: no module {module}")
+      continue
+    flags = flag_cache.setdefault(module, module_flags(module))
+    spec, overrides = None, []
+    for w in (w.lstrip("[").rstrip("]") for w in words):  # [--optional=flag]
+      if not w.startswith("-"):
+        continue
+      flag, _, value = w.lstrip("-").partition("=")
+      if flag == "config":
+        spec = value
+      elif flag.startswith("config."):
+        overrides.append(flag[len("config."):])
+      elif flag not in flags and not (flag.startswith("no") and flag[2:] in flags):
+        problems.append(f"{where}: --{flag} is not a flag of {module}")
+    if spec is None or _placeholder(spec):
+      continue
+    path = spec.partition(":")[0]
+    if not os.path.isfile(os.path.join(REPO, path)):
+      problems.append(f"{where}: --config={spec}: no such file")
+      continue
+    try:
+      c = load(os.path.join(REPO, spec))
+    except Exception as e:  # noqa: BLE001 (reported, with the line)
+      problems.append(f"{where}: --config={spec} does not load: {e}")
+      continue
+    for setting in overrides:
+      if not _has_setting(c, setting):
+        problems.append(f"{where}: --config.{setting}: no such setting in {spec}")
+  return count, problems
+
+
+def check_files(paths, load=config_lib.from_file) -> tuple[dict[str, int], list[str]]:
+  counts, problems = {}, []
+  for path in paths:
+    n, p = check_text(open(os.path.join(REPO, path)).read(), path, load)
+    counts[path] = n
+    problems += p
+  return counts, problems
+
+
+def test_every_command_in_launch_and_readme_parses_against_its_config():
+  counts, problems = check_files(documents())
+  assert not problems, "\n".join(problems)
+  assert counts["README.md"] >= 10
+  for script in ("launch/tpu_pod.sh", "launch/slurm_gpu.sbatch", "launch/tiny_seeds.sh",
+                 "launch/lag_study.sh"):
+    assert counts[script] >= 1, f"{script}: no python -m oapl_jax command found"
+
+
+def test_the_tpu_launcher_dry_run_prints_commands_that_parse():
+  p = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run", "--name=t", "--run=runs/t",
+                      "--config=configs/code.py", "--", "--config.rl.lag=400",
+                      "--config.task.train_path=/mnt/bucket/data/deepcoder.jsonl"],
+                     cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert p.returncode == 0, p.stderr
+  assert "tpu-vm create t" in p.stdout and "--worker=all" in p.stdout
+  n, problems = check_text(p.stdout, "tpu_pod.sh --dry-run")
+  assert n == 1 and not problems, (p.stdout, problems)
+  assert "--workdir=/mnt/bucket/runs/t --config.rl.lag=400" in p.stdout
+  bad = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run", "--config=configs/nope.py"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert bad.returncode == 2 and "--config=configs/nope.py: no such file" in bad.stderr
+
+
+# --- the check fails on wrong lines ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line, why", [
+    ("python -m oapl_jax.main --config=configs/tiny.py --workdir=/tmp/w --config.rl.lagg=3",
+     "--config.rl.lagg: no such setting in configs/tiny.py"),
+    ("python -m oapl_jax.main --config=configs/math.py:tiny --workdir=/tmp/w \\\n"
+     "    --config.task.train_pth=/data/x.jsonl", "--config.task.train_pth: no such setting"),
+    ("python -m oapl_jax.main --config=configs/nope.py --workdir=/tmp/w", "configs/nope.py: no such file"),
+    ("python -m oapl_jax.main --config=configs/tiny.py --work_dir=/tmp/w", "--work_dir is not a flag"),
+    ("python -m oapl_jax.generate --config=configs/tiny.py --output=/tmp/f.npz", "--output is not a flag"),
+    ("python -m oapl_jax.studies.lag_study --out=/tmp/ls --lag 1", "--lag is not a flag"),
+    ("python -m oapl_jax.trainer --config=configs/tiny.py", "no module oapl_jax.trainer"),
+    ("* `python -m oapl_jax.eval --config=... --workdir=DIR [--polcy=theta|snapshot]` — pass@k",
+     "--polcy is not a flag"),
+    ("srun \"${PYTHON:-python}\" -m oapl_jax.main --config=\"${CONFIG:-configs/code.py}\" \\\n"
+     "  --workdir=w --config.rl.grpo.eps=0.2", "--config.rl.grpo.eps: no such setting in configs/code.py"),
+])
+def test_a_wrong_line_is_caught(line, why):
+  n, problems = check_text(line, "wrong")
+  assert n == 1 and len(problems) == 1 and why in problems[0], problems
+
+
+@pytest.mark.parametrize("section, name, used_in", [
+    ("rl", "lag", "README.md"),  # --config.rl.lag=20
+    ("task", "train_path", "launch/tpu_pod.sh"),  # the command every pod worker runs
+])
+def test_renaming_a_setting_used_in_launch_or_readme_fails_the_check(section, name, used_in):
+  """As if config.py renamed `section.name`: the lines that set it fail the check."""
+  def renamed(spec):
+    c = config_lib.from_file(spec)
+    if name in c[section]:
+      c[section][name + "_renamed"] = c[section][name]
+      del c[section][name]
+    return c
+
+  _, problems = check_files(documents(), load=renamed)
+  assert problems and all(f"--config.{section}.{name}: no such setting" in p for p in problems), problems
+  assert any(p.startswith(used_in + ":") for p in problems), problems
