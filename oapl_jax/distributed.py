@@ -205,4 +205,76 @@ def broadcast(x) -> np.ndarray:
 
 def any_process(flag: bool) -> bool:
   """Whether `flag` is true on any process."""
-  return bool(allgather(np.array(bool(flag))).any())
+  return bool(flag) if process_count() == 1 else bool(allgather(np.array(bool(flag))).any())
+
+
+def total(n: int) -> int:
+  """The sum of the int `n` over processes."""
+  return int(n) if process_count() == 1 else int(allgather(np.array(int(n), np.int32)).sum())
+
+
+def concat_rows(*arrays) -> list[np.ndarray]:
+  """Each `[n, ...]` array of this process (the same n everywhere) concatenated over the
+  processes in process order (`[process_count * n, ...]`), in one collective. One process:
+  the arrays themselves."""
+  if process_count() == 1:
+    return [np.asarray(a) for a in arrays]
+  flat = [np.asarray(a, np.float32).reshape(-1) for a in arrays]
+  gathered = allgather(np.concatenate(flat))  # [P, sum of sizes]
+  out, start = [], 0
+  for a, f in zip(arrays, flat):
+    part = gathered[:, start:start + f.size].reshape(-1, *np.shape(a)[1:])
+    out.append(part.astype(np.asarray(a).dtype))
+    start += f.size
+  return out
+
+
+def gather_groups(values, index, num_groups: int) -> np.ndarray:
+  """The whole `[num_groups * G, ...]` array of which this process holds the groups `index`
+  (`values` `[len(index) * G, ...]`, group j's G rows are rows index[j] * G ..): each process's
+  share, put in place. One process: `values` itself."""
+  values, index = np.asarray(values), np.asarray(index, np.int64)
+  if process_count() == 1:
+    return values
+  g = len(values) // max(len(index), 1) if len(index) else 0
+  g = int(allgather(np.array(g)).max())
+  padded = np.zeros((num_groups * g, *values.shape[1:]), values.dtype)
+  where = np.full((num_groups,), -1, np.int64)
+  where[:len(index)] = index
+  padded[:len(values)] = values
+  all_values, all_where = allgather(padded), allgather(where)
+  out = np.zeros_like(padded)
+  for vals, idx in zip(all_values, all_where):
+    idx = idx[idx >= 0]
+    rows = (idx[:, None] * g + np.arange(g)).ravel()
+    out[rows] = vals[:len(rows)]
+  return out
+
+
+# --- host rows in checkpoints ----------------------------------------------------------------
+
+
+def rows_sharding():
+  """Sharding of host rows held as one global array: axis 0 split over the processes (one
+  device each), so orbax writes every process's rows (it writes numpy leaves from process 0
+  only)."""
+  from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+  mesh, _ = _gather_fn()
+  return NamedSharding(mesh, PartitionSpec("process"))
+
+
+def rows_to_global(x):
+  """This process's rows `[n, ...]` (numpy; the same n on every process) as one global array
+  `[process_count * n, ...]`, process p's rows at p * n .."""
+  import jax  # noqa: PLC0415
+  x = np.asarray(x)
+  counts = allgather(np.array(len(x), np.int32))
+  if (counts != len(x)).any():
+    raise RuntimeError(f"processes hold different numbers of rows ({counts.tolist()}): cannot "
+                       "checkpoint them as one array")
+  return jax.make_array_from_process_local_data(rows_sharding(), x, (len(x) * process_count(), *x.shape[1:]))
+
+
+def rows_to_local(x) -> np.ndarray:
+  """This process's rows of a global array made by `rows_to_global` (after a restore)."""
+  return np.asarray(x.addressable_data(0))

@@ -15,6 +15,13 @@ asynchronous pipeline), unless older than `rl.max_lag`. Data order and sampling 
 functions of (seed, rollout index), and rollouts are launched at fixed points of the step
 sequence, so a run in either mode is exactly reproducible from its seed and resumes exactly
 from a checkpoint (which holds a rollout in flight, too).
+
+Multi-host (oapl_jax/distributed.py): every process draws the same global problems and samples
+its replicas' share of them (`parallel.Replicas`); its buffer holds its own rows, and a step
+takes `rl.groups_per_step / process_count` groups from each, assembled into one global batch
+(`step.TrainStep.place_batch`). With `rl.groups_per_rollout` and `rl.groups_per_step` multiples
+of the replicas in all, that is the same set of groups a single process with as many replicas
+trains on. Metrics and counters are over all processes (`distributed.concat_rows`, `total`).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oapl_jax import config as config_lib
+from oapl_jax import distributed
 from oapl_jax import sharding
 from oapl_jax.checkpoint import Checkpointer
 from oapl_jax.eval.evaluate import eval_key, evaluate
@@ -107,6 +115,25 @@ def draw_rollout(config, sampler: Sampler, weights, *, index: int, version: int,
                int(scored.rollout.lengths.sum()))
 
 
+def check_processes(config) -> int:
+  """rl.groups_per_step, once checked against the processes (multi-host): whole groups per
+  process and per replica, so every process holds the same number of rows at every step."""
+  n = jax.process_count()
+  if n == 1:
+    return config.rl.groups_per_step
+  if config.rl.mode != "sync":
+    raise config_lib.ConfigError(f"config.rl.mode={config.rl.mode!r}: multi-host runs "
+                                 f"({n} processes) support rl.mode='sync' only, for now")
+  replicas = n * config.sampling.engines
+  for setting in ("rl.groups_per_step", "rl.groups_per_rollout"):
+    value = config.rl[setting.split(".")[1]]
+    if value % replicas:
+      raise config_lib.ConfigError(
+          f"config.{setting}={value}: must be a multiple of the engine replicas over all "
+          f"processes ({n} processes x sampling.engines={config.sampling.engines} = {replicas})")
+  return config.rl.groups_per_step
+
+
 def lag_histogram(lags: np.ndarray) -> dict[str, int]:
   values, counts = np.unique(lags, return_counts=True)
   return {str(int(v)): int(c) for v, c in zip(values, counts)}
@@ -157,6 +184,7 @@ class Run:
     self.source = SOURCES[config.rl.mode]()
     self.train_step = make_train_step(config, self.graphdef, self.optimizer, sampling, self.mesh)
     self.buffer = GroupBuffer(config.rl.group_size)
+    self.groups_per_step = check_processes(config) // jax.process_count()  # this process's share
     self.counters = Counters()
     self.start_from(params)
     self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
@@ -239,23 +267,24 @@ class Run:
     self.counters.version += 1
     self.counters.snapshot_step = self.counters.step
     if self.source.empties_buffer_at_refresh:
-      self.counters.groups_dropped += self.buffer.clear()
+      self.counters.groups_dropped += distributed.total(self.buffer.clear())
 
   def _drop_stale(self) -> None:
     """Drops buffered groups whose realised lag at this step would exceed `rl.max_lag`."""
     max_lag = self.config.rl.max_lag
     if max_lag is not None:
-      self.counters.groups_dropped_stale += self.buffer.drop_older_than(self.counters.step - max_lag)
+      self.counters.groups_dropped_stale += distributed.total(
+          self.buffer.drop_older_than(self.counters.step - max_lag))
 
   def _fill_buffer(self) -> int:
     """Takes rollouts until the buffer holds a step's groups; returns the answer tokens taken."""
     answer_tokens = 0
     self._drop_stale()
-    while len(self.buffer) < self.config.rl.groups_per_step:
+    while len(self.buffer) < self.groups_per_step:
       drawn = self.source.next(self._next_job)
       self.buffer.extend(drawn.rows)
-      self.counters.samples_generated += len(drawn.rows)
-      answer_tokens += drawn.answer_tokens
+      self.counters.samples_generated += distributed.total(len(drawn.rows))
+      answer_tokens += distributed.total(drawn.answer_tokens)
       self._drop_stale()  # a rollout that was in flight may land already too old
     return answer_tokens
 
@@ -265,7 +294,7 @@ class Run:
     t0 = time.perf_counter()
     answer_tokens = self._fill_buffer()
     wait_seconds = time.perf_counter() - t0  # with overlapped sampling: only the wait for it
-    rows = self.buffer.take(rl.groups_per_step)
+    rows = self.buffer.take(self.groups_per_step)
     lags = c.step - rows.snapshot_step
     self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, self.snapshot,
                                                      Batch.from_rows(rows), self.reference)
@@ -275,8 +304,9 @@ class Run:
     c.nonfinite_in_a_row = c.nonfinite_in_a_row + 1 if m["step_skipped"] else 0
     elapsed = time.perf_counter() - t0
     c.train_seconds += elapsed
-    metrics = {**m, "reward_mean": float(rows.rewards.mean()),
-               "answer_length": float(rows.answer_lengths.mean()),
+    rewards, answer_lengths, lags = distributed.concat_rows(rows.rewards, rows.answer_lengths, lags)
+    metrics = {**m, "reward_mean": float(rewards.mean()),
+               "answer_length": float(answer_lengths.mean()),
                "lag_mean": float(lags.mean()), "lag_hist": lag_histogram(lags),
                "policy_version": c.version, "samples_generated": c.samples_generated,
                "groups_dropped": c.groups_dropped, "groups_dropped_stale": c.groups_dropped_stale,

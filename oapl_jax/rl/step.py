@@ -163,8 +163,21 @@ class TrainStep:
   def place_batch(self, batch: "Batch") -> "Batch":
     """`batch` `[B, ...]` as `[accum, B / accum, ...]` on the mesh, rows split over the batch
     shards: host arrays by `jax.make_array_from_callback` (each device reads its own block),
-    device arrays by a jitted relayout."""
-    check_batch_divides(self.config, self.mesh, batch.tokens.shape[0])
+    device arrays by a jitted relayout.
+
+    Multi-host: `batch` holds this process's rows (B / process_count of them, the same count on
+    every process); micro-batch j is the j-th block of every process's rows, assembled into one
+    global array (`jax.make_array_from_process_local_data`: each process's rows land on its
+    own devices' batch shards)."""
+    processes = jax.process_count()
+    check_batch_divides(self.config, self.mesh, batch.tokens.shape[0] * processes)
+    if processes > 1:
+      def place_local(x):
+        x = np.asarray(x)
+        local = x.reshape(self.accum, x.shape[0] // self.accum, *x.shape[1:])
+        shape = (self.accum, local.shape[1] * processes, *local.shape[2:])
+        return jax.make_array_from_process_local_data(self.batch_sharding, local, shape)
+      return jax.tree.map(place_local, batch)
     if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(batch)):
       def place(x):
         x = x.reshape(self.accum, x.shape[0] // self.accum, *x.shape[1:])

@@ -281,11 +281,16 @@ def _stamp(version: int, sharding: NamedSharding) -> jax.Array:
 
 
 def load_weights(params: nnx.State, version: int, layout: EngineLayout,
-                 meshes: list[Mesh]) -> list[EngineParams]:
+                 meshes: list[Mesh], groups: list[list] | None = None) -> list[EngineParams]:
   """pi_theta (`params`, an `nnx.State` in any dtype and trainer sharding) as `EngineParams`
-  on each replica mesh in `meshes`, stamped `version`: the refresh (module docstring)."""
+  on each replica mesh in `meshes`, stamped `version`: the refresh (module docstring).
+
+  groups: multi-host, every process's replica device groups (`Replicas.global_groups`), so
+  every process builds the same staging mesh and runs the same re-layout program; each then
+  assembles its own replicas (`meshes`) from its own shards."""
   source = _source_devices(params)
-  stage = staging_mesh(source, meshes, layout.tensor)
+  stage = staging_mesh(source, meshes if groups is None else [engine_mesh(g) for g in groups],
+                       layout.tensor)
   rest_s, decode_s = layout.shardings(params, stage)
   replicated = NamedSharding(stage, PartitionSpec())
   staged_rest, staged_decode = layout.jitted_relayout(stage, (rest_s, decode_s))(params)
