@@ -47,7 +47,7 @@ from oapl_jax.rl.logprobs import make_batch
 from oapl_jax.rl.sources import SOURCES, Drawn
 from oapl_jax.rl.step import Batch, make_optimizer, make_train_step, uses_reference
 from oapl_jax.sampling import SamplingParams
-from oapl_jax.sampling.parallel import request_host_devices
+from oapl_jax.sampling.parallel import global_row_order, request_host_devices
 from oapl_jax.sampling.sampler import Sampler, make_replicas, seq_len
 from oapl_jax.tasks import make_task
 
@@ -125,12 +125,21 @@ def check_processes(config) -> int:
     raise config_lib.ConfigError(f"config.rl.mode={config.rl.mode!r}: multi-host runs "
                                  f"({n} processes) support rl.mode='sync' only, for now")
   replicas = n * config.sampling.engines
-  for setting in ("rl.groups_per_step", "rl.groups_per_rollout"):
-    value = config.rl[setting.split(".")[1]]
+  for setting in ("rl.groups_per_step", "rl.groups_per_rollout", "sampling.max_slots"):
+    section, name = setting.split(".")
+    value = config[section][name]
     if value % replicas:
       raise config_lib.ConfigError(
           f"config.{setting}={value}: must be a multiple of the engine replicas over all "
           f"processes ({n} processes x sampling.engines={config.sampling.engines} = {replicas})")
+  per_engine = config.sampling.max_slots // replicas
+  for setting in ("rl.group_size", "eval.samples_per_problem"):
+    section, name = setting.split(".")
+    if per_engine < config[section][name]:
+      raise config_lib.ConfigError(
+          f"config.sampling.max_slots={config.sampling.max_slots}: {per_engine} slots per engine "
+          f"(a total over {replicas} replicas in {n} processes) must be >= {setting}="
+          f"{config[section][name]}: a group is decoded on one engine")
   return config.rl.groups_per_step
 
 
@@ -179,12 +188,12 @@ class Run:
     self.model_cfg, self.graphdef, params = init_model(config, mesh=self.mesh)  # created sharded
     self.optimizer = make_optimizer(config.train, config.train.steps)
     sampling = SamplingParams.from_config(config.sampling)  # the engine's and the trainer's
+    self.groups_per_step = check_processes(config) // jax.process_count()  # this process's share
     replicas = make_replicas(config, self.model_cfg, self.graphdef, sampling, engine_devices(config))
     self.sampler = Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
     self.source = SOURCES[config.rl.mode]()
     self.train_step = make_train_step(config, self.graphdef, self.optimizer, sampling, self.mesh)
     self.buffer = GroupBuffer(config.rl.group_size)
-    self.groups_per_step = check_processes(config) // jax.process_count()  # this process's share
     self.counters = Counters()
     self.start_from(params)
     self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
@@ -288,6 +297,16 @@ class Run:
       self._drop_stale()  # a rollout that was in flight may land already too old
     return answer_tokens
 
+  def _global_rows(self, *arrays) -> list[np.ndarray]:
+    """Per-row arrays of this step's batch over all processes, in the order a single process
+    with all the replicas holds them (`parallel.global_row_order`); one process: as given."""
+    out = distributed.concat_rows(*arrays)
+    if jax.process_count() == 1:
+      return out
+    order = global_row_order(self.groups_per_step, self.config.rl.group_size, jax.process_count(),
+                             self.config.sampling.engines)
+    return [x[order] for x in out]
+
   def step(self) -> dict:
     """One trainer step (sampling first if the buffer runs short). Returns its metrics."""
     c, rl = self.counters, self.config.rl
@@ -304,7 +323,7 @@ class Run:
     c.nonfinite_in_a_row = c.nonfinite_in_a_row + 1 if m["step_skipped"] else 0
     elapsed = time.perf_counter() - t0
     c.train_seconds += elapsed
-    rewards, answer_lengths, lags = distributed.concat_rows(rows.rewards, rows.answer_lengths, lags)
+    rewards, answer_lengths, lags = self._global_rows(rows.rewards, rows.answer_lengths, lags)
     metrics = {**m, "reward_mean": float(rewards.mean()),
                "answer_length": float(answer_lengths.mean()),
                "lag_mean": float(lags.mean()), "lag_hist": lag_histogram(lags),

@@ -162,6 +162,26 @@ class Replicas:
                   self.local_prompts(len(prompts)), group_size, kwargs["pad_id"])
 
 
+def global_row_order(groups_per_process: int, group_size: int, processes: int,
+                     local_replicas: int) -> np.ndarray:
+  """Where the rows of one step's global batch are, in the processes' rows laid end to end
+  (process 0's, then process 1's, ...): entry q is the row that sits at place q of the batch a
+  single process with all the replicas would train on.
+
+  Each process holds its replicas' share of whole windows of R = processes x local_replicas
+  consecutive groups (`rl.loop`: the buffer takes whole windows), in order: its local group j
+  is window j // k, replica p * k + j % k of it (k = local_replicas)."""
+  k, total = local_replicas, processes * local_replicas
+  if groups_per_process % k:
+    raise ValueError(f"{groups_per_process} groups per process is not a whole number of windows "
+                     f"of {k} local replicas")
+  src = np.empty(groups_per_process * processes, np.int64)
+  for p in range(processes):
+    for j in range(groups_per_process):
+      src[(j // k) * total + p * k + j % k] = p * groups_per_process + j
+  return (src[:, None] * group_size + np.arange(group_size)).ravel()
+
+
 def _merge(parts: list[Rollout], ids: list[int], total: int, prompts, local: np.ndarray, g: int,
            pad_id: int) -> Rollout:
   """One `Rollout` of the prompts `local` (indices into `prompts`) from the replicas' (replica

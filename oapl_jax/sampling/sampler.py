@@ -27,9 +27,10 @@ def seq_len(config) -> int:
 
 def make_engine(config, model_cfg, graphdef, sampling: SamplingParams, mesh=None) -> Engine:
   """One engine replica with the config's sampling settings, on `mesh` (`sampling.tensor`
-  devices): `sampling.max_slots / sampling.engines` slots, weights laid out by `sharding.rules`."""
+  devices): `sampling.max_slots / sampling.engines` slots (multi-host: over the replicas of all
+  processes), weights laid out by `sharding.rules`."""
   s = config.sampling
-  return Engine(graphdef, model_cfg, sampling, max_slots=s.max_slots // s.engines,
+  return Engine(graphdef, model_cfg, sampling, max_slots=s.max_slots // (s.engines * jax.process_count()),
                 max_prefill_length=s.max_prompt_len, max_len=seq_len(config),
                 steps_per_call=s.steps_per_call, attn_chunk=s.attn_chunk,
                 cache_bucket=s.cache_bucket, max_prefill_batch=s.max_prefill_batch,
