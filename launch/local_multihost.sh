@@ -56,12 +56,14 @@ done
 forward() {
   for pid in "${pids[@]}"; do kill -s "$1" "$pid" 2>/dev/null; done
 }
-trap 'forward TERM' TERM
-trap 'forward INT' INT
+stopping=0  # a signal was passed on: every process stops at the same step; wait for all
+trap 'stopping=1; forward TERM' TERM
+trap 'stopping=1; forward INT' INT
 
 status=0
 remaining=$N
 while ((remaining > 0)); do
+  done_pid=""
   wait -n -p done_pid "${pids[@]}" 2>/dev/null
   rc=$?
   if [[ -z ${done_pid:-} ]]; then  # interrupted by a trapped signal: keep waiting
@@ -70,6 +72,9 @@ while ((remaining > 0)); do
   remaining=$((remaining - 1))
   if ((rc != 0 && status == 0)); then
     status=$rc
+    if ((stopping)); then
+      continue
+    fi
     for ((i = 0; i < N; i++)); do
       if [[ ${pids[$i]} == "$done_pid" ]]; then
         echo "local_multihost: process $i exited with status $rc (log: $LOG_DIR/process_$i.log); stopping the others" >&2
@@ -80,6 +85,5 @@ while ((remaining > 0)); do
     sleep 5
     forward KILL
   fi
-  done_pid=""
 done
 exit $status
