@@ -46,26 +46,24 @@ def _env(devices: int, **extra) -> dict:
           **extra}
 
 
-def _processes(script: str, n: int, devices: int, *args: str, timeout: int = 600) -> list[str]:
-  """Runs `script` in n processes of one multi-host run (the environment's JAX_* variables);
-  returns their stdouts, after checking that every one exited 0."""
+def _start(script: str, n: int, devices: int, *args: str) -> list[subprocess.Popen]:
+  """`script` in n processes of one multi-host run (the environment's JAX_* variables; n = 0:
+  one plain process, nothing set)."""
   port = _free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, "-c", script, *args], cwd=REPO, text=True, stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, env=_env(devices, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                                       JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i)))
-      for i in range(n)]
+  launch = [{}] if n == 0 else [
+      {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(n),
+       "JAX_PROCESS_ID": str(i)} for i in range(n)]
+  return [subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=_env(devices, **extra)) for extra in launch]
+
+
+def _outputs(procs: list[subprocess.Popen], timeout: int = 900) -> list[str]:
+  """The processes' stdouts, after checking that every one exited 0."""
   outs = [p.communicate(timeout=timeout) for p in procs]
   for i, (p, (out, err)) in enumerate(zip(procs, outs)):
     assert p.returncode == 0, f"process {i}: {out[-2000:]}{err[-4000:]}"
   return [out for out, _ in outs]
-
-
-def _single(script: str, devices: int, *args: str, timeout: int = 600) -> str:
-  out = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, text=True,
-                       capture_output=True, env=_env(devices), timeout=timeout)
-  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-  return out.stdout
 
 
 # --- start-up ----------------------------------------------------------------------------------
@@ -147,8 +145,8 @@ ROLLOUT = textwrap.dedent("""
     drawn = draw_rollout(c, r.sampler, r.engine_weights(), index=0, version=0, snapshot_step=0)
     r.buffer.extend(drawn.rows)
     rows = r.buffer.take(r.groups_per_step)
-    _, _, m = r.train_step(r.params, r.opt_state, r.snapshot, Batch.from_rows(rows), r.reference)
-    ev = evaluate(r.sampler, r.engine_copy(r.params), samples_per_problem=4, key=eval_key(0))
+    new, _, m = r.train_step(r.params, r.opt_state, r.snapshot, Batch.from_rows(rows), r.reference)
+    ev = evaluate(r.sampler, r.engine_copy(new), samples_per_problem=4, key=eval_key(0))
     np.savez(f"{sys.argv[1]}/rows_{jax.process_index()}.npz", **drawn.rows.as_dict())
     if jax.process_index() == 0:
       print("METRICS", repr({k: float(v) for k, v in jax.device_get(m).items()}))
@@ -162,8 +160,8 @@ def test_two_processes_sample_and_step_exactly_as_one_process_with_two_engines(t
   multi, single = tmp_path / "multi", tmp_path / "single"
   multi.mkdir()
   single.mkdir()
-  out = _processes(ROLLOUT, 2, 1, str(multi), "1")[0]
-  want = _single(ROLLOUT, 2, str(single), "2")
+  runs = _start(ROLLOUT, 2, 1, str(multi), "1"), _start(ROLLOUT, 0, 2, str(single), "2")
+  out, want = (_outputs(procs)[0] for procs in runs)
   lines = lambda text, tag: [line for line in text.splitlines() if line.startswith(tag)]  # noqa: E731
   assert lines(out, "METRICS") == lines(want, "METRICS") and lines(out, "METRICS")
   assert lines(out, "EVAL") == lines(want, "EVAL") and lines(out, "EVAL")
@@ -215,8 +213,9 @@ STEP8 = textwrap.dedent("""
 
 def test_two_processes_of_four_devices_step_like_one_process_of_eight(tmp_path):
   """fsdp over 8 devices in 2 processes (each with half the batch) == fsdp 8 in one process."""
-  _processes(STEP8, 2, 4, str(tmp_path / "multi.npz"))
-  _single(STEP8, 8, str(tmp_path / "single.npz"))
+  runs = _start(STEP8, 2, 4, str(tmp_path / "multi.npz")), _start(STEP8, 0, 8, str(tmp_path / "single.npz"))
+  for procs in runs:
+    _outputs(procs)
   got, want = np.load(tmp_path / "multi.npz"), np.load(tmp_path / "single.npz")
   assert sorted(got.files) == sorted(want.files)
   assert abs(float(want["loss"])) > 1e-3 and float(got["step_skipped"]) == 0.0
