@@ -237,9 +237,9 @@ def gather_groups(values, index, num_groups: int) -> np.ndarray:
   if process_count() == 1:
     return values
   g = len(values) // max(len(index), 1) if len(index) else 0
-  g = int(allgather(np.array(g)).max())
+  g = int(allgather(np.array(g, np.int32)).max())
   padded = np.zeros((num_groups * g, *values.shape[1:]), values.dtype)
-  where = np.full((num_groups,), -1, np.int64)
+  where = np.full((num_groups,), -1, np.int32)
   where[:len(index)] = index
   padded[:len(values)] = values
   all_values, all_where = allgather(padded), allgather(where)
