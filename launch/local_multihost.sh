@@ -66,8 +66,11 @@ while ((remaining > 0)); do
   done_pid=""
   wait -n -p done_pid "${pids[@]}" 2>/dev/null
   rc=$?
-  if [[ -z ${done_pid:-} ]]; then  # interrupted by a trapped signal: keep waiting
-    continue
+  if [[ -z ${done_pid:-} ]]; then
+    if ((rc == 127)); then  # no process left to wait for
+      break
+    fi
+    continue  # interrupted by a trapped signal: keep waiting
   fi
   remaining=$((remaining - 1))
   if ((rc != 0 && status == 0)); then
