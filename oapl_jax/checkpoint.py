@@ -14,6 +14,13 @@ model is refused (`OtherModelError`: a wrong --workdir), not skipped; when every
 damaged, `CheckpointError` lists them. A checkpoint saved before checksums existed restores
 unverified, with one INFO line.
 
+Multi-host (oapl_jax/distributed.py): every process calls `save` and `restore_latest`. The host
+rows (buffer, rollout in flight) differ per process: they are saved as global arrays split over
+the processes (`distributed.rows_to_global`; orbax would write numpy leaves from process 0
+only), and each process restores its own. Each process hashes the shards it holds; `meta`
+keeps every process's checksums (`by_process`), and a step damaged on any process is skipped
+by all.
+
 A save killed half-way leaves `<step>.orbax-checkpoint-tmp`, which orbax never takes for a
 checkpoint; the next save removes it. A process killed after orbax renamed a new step into
 place but before it deleted the oldest leaves `keep + 1` steps; the next save is back to `keep`
@@ -36,6 +43,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from oapl_jax import distributed
 from oapl_jax.errors import UserError
 
 ROWS = ("buffer", "inflight")  # host row dicts of a run state (names of `state` entries)
@@ -67,11 +75,34 @@ def warn(msg: str) -> None:
 # checksums
 
 def _digest(x) -> str:
-  """sha256 of one array's dtype, shape and bytes."""
+  """sha256 of one array's dtype, shape and bytes (multi-host, of an array split over the
+  processes: of the shards this process holds)."""
+  if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+    return _local_digest(x)
   a = np.ascontiguousarray(np.asarray(x))
   h = hashlib.sha256(f"{a.dtype}{list(a.shape)}".encode())
   h.update(a.reshape(-1).view(np.uint8))  # bytes of any dtype (bfloat16 has no buffer format)
   return h.hexdigest()
+
+
+def _local_digest(x: jax.Array) -> str:
+  """sha256 of a global array's dtype, shape and the distinct shards this process holds."""
+  h = hashlib.sha256(f"{x.dtype}{list(x.shape)}".encode())
+  seen = set()
+  for shard in sorted(x.addressable_shards, key=lambda s: str(s.index)):
+    if str(shard.index) in seen:
+      continue
+    seen.add(str(shard.index))
+    h.update(str(shard.index).encode())
+    h.update(np.ascontiguousarray(np.asarray(shard.data)).reshape(-1).view(np.uint8))
+  return h.hexdigest()
+
+
+def _all_processes(digests: dict[str, str]) -> list[dict[str, str]]:
+  """Every process's `leaf_digests` (same paths everywhere), in process order."""
+  paths = sorted(digests)
+  raw = np.array([np.frombuffer(bytes.fromhex(digests[p]), np.uint8) for p in paths]).reshape(-1, 32)
+  return [dict(zip(paths, (bytes(r).hex() for r in mine))) for mine in distributed.allgather(raw)]
 
 
 def leaf_digests(state) -> dict[str, str]:
@@ -166,13 +197,24 @@ class Checkpointer:
     """state: pytrees of device arrays, plus host row dicts (`ROWS`) whose shapes vary."""
     meta = {**meta, **{f"{name}_shapes": {k: [list(v.shape), str(v.dtype)] for k, v in state[name].items()}
                        for name in ROWS if name in state}}
-    meta[CHECKSUMS] = {"meta": _meta_digest(meta), "state": leaf_digests(state)}
-    self._move_damaged_aside()
+    if distributed.process_count() > 1:
+      state = {k: ({n: distributed.rows_to_global(a) for n, a in v.items()} if k in ROWS else v)
+               for k, v in state.items()}
+      meta = {**meta, **{f"{name}_shapes": {k: [list(v.shape), str(v.dtype)] for k, v in state[name].items()}
+                         for name in ROWS if name in state}}
+      sums = _all_processes(leaf_digests(state))
+      meta[CHECKSUMS] = {"meta": _meta_digest(meta), "state": sums[0], "by_process": sums}
+    else:
+      meta[CHECKSUMS] = {"meta": _meta_digest(meta), "state": leaf_digests(state)}
+    if distributed.is_writer():
+      self._move_damaged_aside()
+    distributed.barrier(f"checkpoint-{step}-aside")
     self._mgr.reload()  # count every step on disk (a kill may have left keep + 1)
     self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
     self._mgr.wait_until_finished()
-    self._remove_dead_saves()
+    if distributed.is_writer():
+      self._remove_dead_saves()
 
   def _move_damaged_aside(self) -> None:
     """Renames the steps the last restore skipped to `<step>.damaged[-n]` (kept for a look)."""
@@ -211,9 +253,14 @@ class Checkpointer:
     for step in sorted(self._mgr.all_steps(), reverse=True):
       try:
         state, meta = self.restore(step, target, model_meta, partial=partial)
+        damaged = None
       except DamagedStep as e:
-        reasons[step] = str(e)
-        warn(f"checkpoint {self.step_dir(step)} is damaged and skipped ({e}); it is left in place")
+        damaged = e
+      if distributed.any_process(damaged is not None) and damaged is None:  # multi-host: skipped by all
+        damaged = DamagedStep("damaged on another process (see its warning)")
+      if damaged is not None:
+        reasons[step] = str(damaged)
+        warn(f"checkpoint {self.step_dir(step)} is damaged and skipped ({damaged}); it is left in place")
         continue
       self._skipped = list(reasons)
       return step, state, meta
@@ -251,14 +298,23 @@ class Checkpointer:
       state = self._read(step, "state", ocp.args.StandardRestore(self._abstract_state(step, target, meta)))
     if sums is None:
       log.info("checkpoint %s was saved without checksums: restored unverified", self.step_dir(step))
+    elif distributed.process_count() > 1:
+      by_process = sums.get("by_process") or []
+      if len(by_process) != distributed.process_count():
+        raise DamagedStep(f"{self.step_dir(step)} was saved by {len(by_process) or 1} process(es), "
+                          f"this run has {distributed.process_count()}")
+      _verify(state, by_process[distributed.process_index()])
     else:
       _verify(state, sums.get("state", {}))
+    if distributed.process_count() > 1:  # this process's own rows
+      state = {k: ({n: distributed.rows_to_local(a) for n, a in v.items()} if k in ROWS else v)
+               for k, v in state.items()}
     return state, meta
 
   def _abstract_state(self, step: int, target: dict[str, Any], meta: dict) -> dict:
     """The whole state's structure: `target`'s trees plus the host rows, shaped as saved."""
     try:
-      rows = {name: {k: np.zeros(shape, dtype) for k, (shape, dtype) in meta[f"{name}_shapes"].items()}
+      rows = {name: {k: _row_target(shape, dtype) for k, (shape, dtype) in meta[f"{name}_shapes"].items()}
               for name in ROWS if f"{name}_shapes" in meta}
     except (TypeError, ValueError, KeyError) as e:
       raise DamagedStep(f"{self.step_dir(step)}/meta/metadata: bad row shapes: {_describe(e)}") from e
@@ -272,3 +328,11 @@ class Checkpointer:
     except Exception as e:  # orbax, tensorstore and json raise many kinds
       where = f"{self.step_dir(step)}/{item}" + ("/metadata" if item == "meta" else "")
       raise DamagedStep(f"{where} does not load: {_describe(e)}") from e
+
+
+def _row_target(shape, dtype):
+  """The restore target of one saved row array: numpy on one process; multi-host, a global
+  array split over the processes (`distributed.rows_sharding`)."""
+  if distributed.process_count() == 1:
+    return np.zeros(shape, dtype)
+  return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=distributed.rows_sharding())

@@ -163,6 +163,16 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.checkpoint.every = 50  # Save the train state every this many trainer steps (and at the end).
   c.checkpoint.keep = 2  # Most recent checkpoints kept.
 
+  # Multi-host runs (oapl_jax/distributed.py; README "Multi-host runs"): the same command on every
+  # process. All three of coordinator_address / num_processes / process_id, or none (then the
+  # environment's JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else JAX's own
+  # detection of a TPU pod or SLURM job, else one process).
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.coordinator_address = placeholder(str)  # "host:port" of process 0's coordinator.
+  c.distributed.num_processes = placeholder(int)  # Processes in the run (hosts of a pod).
+  c.distributed.process_id = placeholder(int)  # This process's index, 0 .. num_processes - 1.
+  c.distributed.initialization_timeout = 300  # Seconds to wait for every process to join.
+
   c.log = ml_collections.ConfigDict()
   c.log.every = 1  # Write metrics every this many trainer steps.
   c.log.progress = True  # Show a progress bar (step, reward, speed).
@@ -452,6 +462,22 @@ def validate(c, *, dry_run: bool = False) -> None:
   _int(c, "checkpoint.every", 1)
   _int(c, "checkpoint.keep", 1)
   _int(c, "log.every", 1)
+  _validate_distributed(c)
+
+
+def _validate_distributed(c) -> None:
+  """`c.distributed`: a "host:port" address, a process id below the process count."""
+  d = c.distributed
+  if d.coordinator_address is not None:
+    host, _, port = d.coordinator_address.rpartition(":")
+    _check(bool(host) and port.isdigit() and 0 < int(port) < 65536, "distributed.coordinator_address",
+           d.coordinator_address, "must be host:port (e.g. 10.0.0.2:8476)")
+  _int(c, "distributed.num_processes", 1, optional=True)
+  _int(c, "distributed.process_id", 0, optional=True)
+  if d.num_processes is not None and d.process_id is not None:
+    _check(d.process_id < d.num_processes, "distributed.process_id", d.process_id,
+           f"must be below distributed.num_processes={d.num_processes}")
+  _int(c, "distributed.initialization_timeout", 1)
 
 
 def _validate_offline(c, dry_run: bool) -> None:

@@ -45,12 +45,17 @@ def main(argv):
     return dry_run(config)
   # Imported once the config is valid: `train` pulls in TensorFlow (clu, jetstream), whose
   # import prints log lines on stderr that would bury a one-line refusal.
+  from oapl_jax import distributed  # noqa: PLC0415
+  distributed.initialize(config.distributed)  # multi-host: before anything touches JAX
   from oapl_jax import train  # noqa: PLC0415
   from oapl_jax.rl.loop import devices_wanted  # noqa: PLC0415
   from oapl_jax.sampling.parallel import request_host_devices  # noqa: PLC0415
   request_host_devices(devices_wanted(config))  # on CPU: a host device per engine (+ trainer)
-  print(f"jax {jax.__version__}, devices {jax.devices()}")
+  print(f"jax {jax.__version__}, devices {jax.devices()}"
+        + (f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""))
   summary = train.run(config, _WORKDIR.value)
+  if not distributed.is_writer():
+    return
   keys = [k for k in summary["eval_after"] if k.startswith("pass@")]
   print(json.dumps({"pass@k before": {k: round(summary["eval_before"][k], 4) for k in keys},
                     "pass@k after": {k: round(summary["eval_after"][k], 4) for k in keys},

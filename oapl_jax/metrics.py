@@ -1,4 +1,7 @@
-"""Metrics: one JSON line per logged trainer step, TensorBoard events through clu, console lines."""
+"""Metrics: one JSON line per logged trainer step, TensorBoard events through clu, console lines.
+
+Multi-host: process 0 alone writes them (`oapl_jax.train` opens `MetricsLog` there only; `say`
+prints there only), with the metrics combined over all processes (`oapl_jax.rl.loop`)."""
 
 from __future__ import annotations
 
@@ -14,9 +17,12 @@ log = logging.getLogger(__name__)
 
 
 def say(msg: str) -> None:
-  """A progress line on the console that does not break the progress bar (and in the log)."""
-  tqdm.tqdm.write(msg)
-  logging.info(msg)
+  """A progress line on the console that does not break the progress bar (and in the log);
+  multi-host: from process 0 only (every process computes the same line)."""
+  import jax  # noqa: PLC0415 (started by now: the line reports on work done)
+  if jax.process_index() == 0:
+    tqdm.tqdm.write(msg)
+    logging.info(msg)
 
 
 def write_json(path: str, obj) -> None:

@@ -491,7 +491,7 @@ def _prefill_bytes(config) -> int:
 def device_memory() -> int | None:
   """Bytes per local device (`memory_stats()["bytes_limit"]`), None where the backend gives
   no limit (CPU). Starts JAX's backends."""
-  return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
 def check(config) -> Plan | None:

@@ -4,10 +4,15 @@ The loop's parts live in `oapl_jax/rl/` (`loop.Run`: the run state and one step 
 Algorithm 1; `step`: the jitted train step; `sources`: where rollouts come from); this file
 drives them: it resumes or starts a run, logs, checkpoints, stops cleanly on a signal or on
 non-finite steps, evaluates and writes `summary.json`.
+
+Multi-host (oapl_jax/distributed.py): every process runs this; process 0 holds the workdir
+lock and writes metrics.jsonl, TensorBoard, eval_before.json, summary.json and the progress
+bar; every process checkpoints (orbax) and all stop at the same step on a signal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +20,7 @@ import signal
 from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
 
 from oapl_jax import config as config_lib
+from oapl_jax import distributed
 from oapl_jax import plan as plan_lib
 from oapl_jax import warmup
 from oapl_jax.errors import UserError
@@ -45,7 +51,8 @@ def run(config, workdir: str) -> dict:
   config_lib.validate(config)  # a bad setting is refused before the workdir is touched
   request_host_devices(devices_wanted(config))  # on CPU, before the plan starts JAX
   plan_lib.check(config)  # before anything is allocated
-  with WorkdirLock(workdir), StopSignals() as stop:
+  lock = WorkdirLock(workdir) if distributed.is_writer() else contextlib.nullcontext()
+  with lock, StopSignals() as stop:  # multi-host: process 0 holds the lock for all
     return _run(config, workdir, stop)
 
 
@@ -65,8 +72,9 @@ def _start(r: Run, config, workdir: str) -> tuple[dict, dict]:
                                               r.sampler.tokenizer, seq_len=seq_len(config))
   r.start_from(r.params)  # optimizer state, snapshot and reference of the warmed-up base
   eval_before = r.evaluate(r.params, "before")
-  write_json(before_path, {"eval": eval_before, "warmup": warmup_info})
-  r.save()
+  if distributed.is_writer():
+    write_json(before_path, {"eval": eval_before, "warmup": warmup_info})
+  r.save()  # every process; the file above exists before any checkpoint does
   return eval_before, warmup_info
 
 
@@ -95,9 +103,10 @@ def _stop(r: Run, stop: StopSignals, saved: bool) -> None:
 def _run(config, workdir: str, stop: StopSignals) -> dict:
   r = Run(config, workdir)
   eval_before, warmup_info = _start(r, config, workdir)
-  metrics_log = MetricsLog(workdir, resume_step=r.counters.step)
-  bar = tqdm.tqdm(total=config.train.steps, initial=r.counters.step, disable=not config.log.progress,
-                  desc=config.rl.loss, unit="step")
+  writer = distributed.is_writer()  # multi-host: process 0 writes metrics and the bar
+  metrics_log = MetricsLog(workdir, resume_step=r.counters.step) if writer else None
+  bar = tqdm.tqdm(total=config.train.steps, initial=r.counters.step,
+                  disable=not (config.log.progress and writer), desc=config.rl.loss, unit="step")
   evals = []
   with stop.deferring():  # a signal here ends the run after the current step, with a checkpoint
     while r.counters.step < config.train.steps:
@@ -106,7 +115,7 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
       if config.eval.every and s % config.eval.every == 0 and s < config.train.steps:
         m["eval"] = r.evaluate(r.params, f"step {s}")
         evals.append({"step": s, **m["eval"]})
-      if s % config.log.every == 0:
+      if s % config.log.every == 0 and writer:
         metrics_log.write(s, m)
       bar.set_postfix(reward=f"{m['reward_mean']:.3f}", loss=f"{m['loss']:.4f}", lag=f"{m['lag_mean']:.1f}")
       bar.update(1)
@@ -114,12 +123,15 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
       saved = s % config.checkpoint.every == 0 or s == config.train.steps
       if saved:
         r.save()
-      if stop.requested:
+      if distributed.any_process(stop.requested):  # multi-host: every process stops here
+        stop.requested = stop.requested or signal.SIGTERM
         bar.close()
-        metrics_log.close()
+        if writer:
+          metrics_log.close()
         _stop(r, stop, saved)
   bar.close()
-  metrics_log.close()
+  if writer:
+    metrics_log.close()
 
   eval_after = r.evaluate(r.params, "after")
   r.close()
@@ -129,5 +141,6 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
       "trainer_steps": r.counters.step, "policy_versions": r.counters.version,
       "steps_skipped": r.counters.steps_skipped, "warmup": warmup_info, "config": config.to_dict(),
   }
-  write_json(os.path.join(workdir, "summary.json"), summary)
+  if distributed.is_writer():
+    write_json(os.path.join(workdir, "summary.json"), summary)
   return summary

@@ -5,6 +5,9 @@ the task), then, for the last `warmup.noisy_steps` steps, *noisy* demonstrations
 wrong with probability `warmup.digit_noise`). The second phase flattens the answer
 distribution, so the base model knows the right answer but is calibrated and imperfect: its
 pass@1 is about (1 - noise)^digits, and RL with the verifiable reward has errors to fix.
+
+Multi-host: every process trains the same base (the same demonstrations); process 0 decides
+whether the cache holds it and renames a new cache into place, behind a barrier.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from oapl_jax import distributed
 from oapl_jax.metrics import say, write_json
 
 
@@ -81,7 +85,8 @@ def base_model(config, graphdef, params, task, tokenizer, *, seq_len: int) -> tu
   """The supervised warm-up's (params, info) from `params`; read from / written to
   `warmup.cache_dir` if set."""
   path = cache_path(config, seq_len)
-  if path and os.path.isfile(os.path.join(path, "info.json")):
+  # multi-host: process 0 decides whether the cache is there, for all
+  if path and distributed.broadcast(np.array(os.path.isfile(os.path.join(path, "info.json")))):
     params = ocp.StandardCheckpointer().restore(
         os.path.join(path, "params"), jax.tree.map(ocp.utils.to_shape_dtype_struct, params))
     with open(os.path.join(path, "info.json")) as f:
@@ -93,13 +98,15 @@ def base_model(config, graphdef, params, task, tokenizer, *, seq_len: int) -> tu
   info = {"seconds": time.perf_counter() - t0, "final_loss": loss, "steps": config.warmup.steps}
   say(f"warm-up: {config.warmup.steps} steps, final loss {loss:.3f}, {info['seconds']:.1f}s")
   if path:  # written aside, then renamed: a concurrent or killed writer never leaves half a cache
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = f"{path}.tmp{int(distributed.broadcast(np.array(os.getpid())))}"  # process 0's pid
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.path.join(tmp, "params"), params)
+    ckptr.save(os.path.join(tmp, "params"), params)  # every process (its shards)
     ckptr.wait_until_finished()
-    write_json(os.path.join(tmp, "info.json"), info)
-    try:
-      os.rename(tmp, path)
-    except OSError:  # another run cached the same base first
-      shutil.rmtree(tmp, ignore_errors=True)
+    if distributed.is_writer():
+      write_json(os.path.join(tmp, "info.json"), info)
+      try:
+        os.rename(tmp, path)
+      except OSError:  # another run cached the same base first
+        shutil.rmtree(tmp, ignore_errors=True)
+    distributed.barrier("warmup-cache")  # the cache is in place before any process reads it
   return params, info

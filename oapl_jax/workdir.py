@@ -10,8 +10,9 @@ so the message says how to remove it.
 into a request the training loop reads between steps (`requested`), so the run finishes its
 step, saves a checkpoint and exits with one line. Outside `deferring()` (warm-up, evaluation:
 nothing new to save) and on a second signal, the stop is immediate: `Interrupted` is raised.
-Multi-host runs will need every process to stop at the same step (JAX's
-`multihost_utils.reached_preemption_sync_point`); `requested` is the one place to ask.
+Multi-host runs stop every process at the same step: `oapl_jax.train` asks, after each step,
+whether any process has `requested` set (`distributed.any_process`); process 0 alone holds the
+lock.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 
+from oapl_jax import distributed
 from oapl_jax.eval.passk import default_ks, pass_at_k_table
 from oapl_jax.sampling.sampler import Sampler
 
@@ -23,7 +24,10 @@ def evaluate(sampler: Sampler, params, *, samples_per_problem: int, key: jax.Arr
   problems = sampler.task.eval_problems()
   n = samples_per_problem
   scored = sampler.sample(params, problems, group_size=n, key=key)
-  correct = scored.rewards.reshape(len(problems), n) > 0.5
+  # multi-host: each process sampled and scored its share; every process gets the whole table
+  rewards = distributed.gather_groups(scored.rewards, scored.index, len(problems))
+  lengths = distributed.gather_groups(scored.rollout.lengths, scored.index, len(problems))
+  correct = rewards.reshape(len(problems), n) > 0.5
   return {**pass_at_k_table(correct, default_ks(n)), "num_problems": len(problems),
-          "samples_per_problem": n, "mean_answer_tokens": float(scored.rollout.lengths.mean()),
+          "samples_per_problem": n, "mean_answer_tokens": float(lengths.mean()),
           "correct_per_problem": correct.sum(axis=1).tolist()}  # any pass@k can be recomputed

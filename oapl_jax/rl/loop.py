@@ -17,6 +17,13 @@ asynchronous pipeline), unless older than `rl.max_lag`. Data order and sampling 
 functions of (seed, rollout index), and rollouts are launched at fixed points of the step
 sequence, so a run in either mode is exactly reproducible from its seed and resumes exactly
 from a checkpoint (which holds a rollout in flight, too).
+
+Multi-host (oapl_jax/distributed.py): every process draws the same global problems and samples
+its replicas' share of them (`parallel.Replicas`); its buffer holds its own rows, and a step
+takes `rl.groups_per_step / process_count` groups from each, assembled into one global batch
+(`step.TrainStep.place_batch`). With `rl.groups_per_rollout` and `rl.groups_per_step` multiples
+of the replicas in all, that is the same set of groups a single process with as many replicas
+trains on. Metrics and counters are over all processes (`distributed.concat_rows`, `total`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oapl_jax import config as config_lib
+from oapl_jax import distributed
 from oapl_jax import sharding
 from oapl_jax.checkpoint import Checkpointer
 from oapl_jax.eval.evaluate import eval_key, evaluate
@@ -41,7 +49,7 @@ from oapl_jax.rl.logprobs import make_batch
 from oapl_jax.rl.sources import SOURCES, Drawn
 from oapl_jax.rl.step import Batch, make_optimizer, make_train_step, uses_reference
 from oapl_jax.sampling import SamplingParams
-from oapl_jax.sampling.parallel import request_host_devices
+from oapl_jax.sampling.parallel import global_row_order, request_host_devices
 from oapl_jax.sampling.sampler import Sampler, make_replicas, seq_len
 from oapl_jax.tasks import make_task
 
@@ -109,6 +117,34 @@ def draw_rollout(config, sampler: Sampler, weights, *, index: int, version: int,
                int(scored.rollout.lengths.sum()))
 
 
+def check_processes(config) -> int:
+  """rl.groups_per_step, once checked against the processes (multi-host): whole groups per
+  process and per replica, so every process holds the same number of rows at every step."""
+  n = jax.process_count()
+  if n == 1:
+    return config.rl.groups_per_step
+  if config.rl.mode != "sync":
+    raise config_lib.ConfigError(f"config.rl.mode={config.rl.mode!r}: multi-host runs "
+                                 f"({n} processes) support rl.mode='sync' only, for now")
+  replicas = n * config.sampling.engines
+  for setting in ("rl.groups_per_step", "rl.groups_per_rollout", "sampling.max_slots"):
+    section, name = setting.split(".")
+    value = config[section][name]
+    if value % replicas:
+      raise config_lib.ConfigError(
+          f"config.{setting}={value}: must be a multiple of the engine replicas over all "
+          f"processes ({n} processes x sampling.engines={config.sampling.engines} = {replicas})")
+  per_engine = config.sampling.max_slots // replicas
+  for setting in ("rl.group_size", "eval.samples_per_problem"):
+    section, name = setting.split(".")
+    if per_engine < config[section][name]:
+      raise config_lib.ConfigError(
+          f"config.sampling.max_slots={config.sampling.max_slots}: {per_engine} slots per engine "
+          f"(a total over {replicas} replicas in {n} processes) must be >= {setting}="
+          f"{config[section][name]}: a group is decoded on one engine")
+  return config.rl.groups_per_step
+
+
 def lag_histogram(lags: np.ndarray) -> dict[str, int]:
   values, counts = np.unique(lags, return_counts=True)
   return {str(int(v)): int(c) for v, c in zip(values, counts)}
@@ -154,6 +190,7 @@ class Run:
     self.model_cfg, self.graphdef, params = init_model(config, mesh=self.mesh)  # created sharded
     self.optimizer = make_optimizer(config.train, config.train.steps)
     sampling = SamplingParams.from_config(config.sampling)  # the engine's and the trainer's
+    self.groups_per_step = check_processes(config) // jax.process_count()  # this process's share
     replicas = make_replicas(config, self.model_cfg, self.graphdef, sampling, engine_devices(config))
     self.sampler = Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
     self.source = SOURCES[config.rl.mode](self, workdir)  # offline: may refuse its file here
@@ -241,25 +278,36 @@ class Run:
     self.counters.version += 1
     self.counters.snapshot_step = self.counters.step
     if self.source.empties_buffer_at_refresh:
-      self.counters.groups_dropped += self.buffer.clear()
+      self.counters.groups_dropped += distributed.total(self.buffer.clear())
 
   def _drop_stale(self) -> None:
     """Drops buffered groups whose realised lag at this step would exceed `rl.max_lag`."""
     max_lag = self.config.rl.max_lag
     if max_lag is not None:
-      self.counters.groups_dropped_stale += self.buffer.drop_older_than(self.counters.step - max_lag)
+      self.counters.groups_dropped_stale += distributed.total(
+          self.buffer.drop_older_than(self.counters.step - max_lag))
 
   def _fill_buffer(self) -> int:
     """Takes rollouts until the buffer holds a step's groups; returns the answer tokens taken."""
     answer_tokens = 0
     self._drop_stale()
-    while len(self.buffer) < self.config.rl.groups_per_step:
+    while len(self.buffer) < self.groups_per_step:
       drawn = self.source.next(self._next_job)
       self.buffer.extend(drawn.rows)
-      self.counters.samples_generated += drawn.samples
-      answer_tokens += drawn.answer_tokens
+      self.counters.samples_generated += distributed.total(drawn.samples)
+      answer_tokens += distributed.total(drawn.answer_tokens)
       self._drop_stale()  # a rollout that was in flight may land already too old
     return answer_tokens
+
+  def _global_rows(self, *arrays) -> list[np.ndarray]:
+    """Per-row arrays of this step's batch over all processes, in the order a single process
+    with all the replicas holds them (`parallel.global_row_order`); one process: as given."""
+    out = distributed.concat_rows(*arrays)
+    if jax.process_count() == 1:
+      return out
+    order = global_row_order(self.groups_per_step, self.config.rl.group_size, jax.process_count(),
+                             self.config.sampling.engines)
+    return [x[order] for x in out]
 
   def step(self) -> dict:
     """One trainer step (sampling first if the buffer runs short). Returns its metrics."""
@@ -267,7 +315,7 @@ class Run:
     t0 = time.perf_counter()
     answer_tokens = self._fill_buffer()
     wait_seconds = time.perf_counter() - t0  # with overlapped sampling: only the wait for it
-    rows = self.buffer.take(rl.groups_per_step)
+    rows = self.buffer.take(self.groups_per_step)
     lags = c.step - rows.snapshot_step
     self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, self.snapshot,
                                                      Batch.from_rows(rows), self.reference)
@@ -277,8 +325,9 @@ class Run:
     c.nonfinite_in_a_row = c.nonfinite_in_a_row + 1 if m["step_skipped"] else 0
     elapsed = time.perf_counter() - t0
     c.train_seconds += elapsed
-    metrics = {**m, "reward_mean": float(rows.rewards.mean()),
-               "answer_length": float(rows.answer_lengths.mean()),
+    rewards, answer_lengths, lags = self._global_rows(rows.rewards, rows.answer_lengths, lags)
+    metrics = {**m, "reward_mean": float(rewards.mean()),
+               "answer_length": float(answer_lengths.mean()),
                "lag_mean": float(lags.mean()), "lag_hist": lag_histogram(lags),
                "policy_version": c.version, "samples_generated": c.samples_generated,
                "groups_dropped": c.groups_dropped, "groups_dropped_stale": c.groups_dropped_stale,

@@ -35,6 +35,7 @@ from oapl_jax.models import build
 from oapl_jax.rl import losses
 from oapl_jax.rl.buffer import Rows
 from oapl_jax.rl.logprobs import token_logprobs
+from oapl_jax.sampling.parallel import global_row_order
 from oapl_jax.sampling.processing import SamplingParams
 
 
@@ -151,6 +152,8 @@ class TrainStep:
     self._snapshot = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p),
                              out_shardings=self.param_shardings)
     self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)
+    self.rows_sharding = NamedSharding(mesh, PartitionSpec(sharding_lib.batch_axes(config.sharding.rules)))
+    self._orders = {}  # multi-host: rows -> jitted shuffle into the global order
     self._relayout = jax.jit(lambda b: jax.tree.map(
         lambda x: x.reshape(self.accum, x.shape[0] // self.accum, *x.shape[1:]), b),
         out_shardings=self.batch_sharding)
@@ -163,8 +166,22 @@ class TrainStep:
   def place_batch(self, batch: "Batch") -> "Batch":
     """`batch` `[B, ...]` as `[accum, B / accum, ...]` on the mesh, rows split over the batch
     shards: host arrays by `jax.make_array_from_callback` (each device reads its own block),
-    device arrays by a jitted relayout."""
-    check_batch_divides(self.config, self.mesh, batch.tokens.shape[0])
+    device arrays by a jitted relayout.
+
+    Multi-host: `batch` holds this process's rows (B / process_count of them, the same count on
+    every process: its engine replicas' share of the step's groups, `loop.Run.step`). They
+    become one global array (`jax.make_array_from_process_local_data`: each process's rows on
+    its own devices), and one jitted shuffle puts every row where a single process with all
+    the replicas would have it (`parallel.global_row_order`), so the step computes on exactly
+    that batch."""
+    processes = jax.process_count()
+    check_batch_divides(self.config, self.mesh, batch.tokens.shape[0] * processes)
+    if processes > 1:
+      rows = batch.tokens.shape[0] * processes
+      flat = jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+          self.rows_sharding, np.asarray(x), (rows, *np.shape(x)[1:])), batch)
+      with jax.set_mesh(self.mesh):
+        return self._to_global_order(rows)(flat)
     if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(batch)):
       def place(x):
         x = x.reshape(self.accum, x.shape[0] // self.accum, *x.shape[1:])
@@ -172,6 +189,17 @@ class TrainStep:
       return jax.tree.map(place, batch)
     with jax.set_mesh(self.mesh):
       return self._relayout(batch)
+
+  def _to_global_order(self, rows: int):
+    """Jitted: process-major rows `[rows, ...]` -> the global order, as `[accum, rows / accum, ...]`."""
+    if rows not in self._orders:
+      g = self.config.rl.group_size
+      order = global_row_order(rows // g // jax.process_count(), g, jax.process_count(),
+                               self.config.sampling.engines)
+      self._orders[rows] = jax.jit(lambda b: jax.tree.map(
+          lambda x: x[order].reshape(self.accum, rows // self.accum, *x.shape[1:]), b),
+          out_shardings=self.batch_sharding)
+    return self._orders[rows]
 
   def init_opt_state(self, params):
     """The optimizer state of `params`, created sharded (mu, nu like the weights)."""

@@ -217,7 +217,8 @@ def _source_devices(params) -> list:
   return sorted(devices or {jax.devices()[0]}, key=lambda d: d.id)
 
 
-def staging_mesh(source: list, meshes: list[Mesh], tensor: int) -> Mesh:
+def staging_mesh(source: list, meshes: list[Mesh], tensor: int, *,
+                 in_source_order: bool = False) -> Mesh:
   """A mesh `("replica", "tensor")` over the `source` devices (where pi_theta lies) whose first
   rows are the replicas' own device groups that lie among them, so those replicas' shards are
   made in place. Source devices that do not split into groups of `tensor` give a staging mesh
@@ -232,6 +233,8 @@ def staging_mesh(source: list, meshes: list[Mesh], tensor: int) -> Mesh:
       used |= set(group)
   rest = [d for d in source if d not in used]
   rows += [rest[i:i + tensor] for i in range(0, len(rest), tensor)]
+  if in_source_order:  # multi-host: the devices in pi_theta's order, as jit wants them there
+    rows.sort(key=lambda row: source.index(row[0]))
   return Mesh(np.array(rows), ("replica", "tensor"))
 
 
@@ -281,11 +284,16 @@ def _stamp(version: int, sharding: NamedSharding) -> jax.Array:
 
 
 def load_weights(params: nnx.State, version: int, layout: EngineLayout,
-                 meshes: list[Mesh]) -> list[EngineParams]:
+                 meshes: list[Mesh], groups: list[list] | None = None) -> list[EngineParams]:
   """pi_theta (`params`, an `nnx.State` in any dtype and trainer sharding) as `EngineParams`
-  on each replica mesh in `meshes`, stamped `version`: the refresh (module docstring)."""
+  on each replica mesh in `meshes`, stamped `version`: the refresh (module docstring).
+
+  groups: multi-host, every process's replica device groups (`Replicas.global_groups`), so
+  every process builds the same staging mesh and runs the same re-layout program; each then
+  assembles its own replicas (`meshes`) from its own shards."""
   source = _source_devices(params)
-  stage = staging_mesh(source, meshes, layout.tensor)
+  stage = staging_mesh(source, meshes if groups is None else [engine_mesh(g) for g in groups],
+                       layout.tensor, in_source_order=groups is not None)
   rest_s, decode_s = layout.shardings(params, stage)
   replicated = NamedSharding(stage, PartitionSpec())
   staged_rest, staged_decode = layout.jitted_relayout(stage, (rest_s, decode_s))(params)

@@ -20,6 +20,13 @@ On TPU / GPU the replicas sit on the local accelerator devices they are given.
 Replica i samples with `fold_in(key, i)` (one replica: `key` itself, so a one-replica run is
 exactly a plain `rollout`): answers are deterministic given the key and the number of
 replicas, and differ between replica counts.
+
+Multi-host (oapl_jax/distributed.py): the replicas of all processes are one data axis. Every
+process is handed the same global prompt list; global replica r = process_index x local
+replicas + i takes `prompts[r::R]` (R replicas in all) with `fold_in(key, r)`, and `rollout`
+returns this process's rows only (`local_prompts`: which prompts, in order). So N processes
+x k replicas sample exactly what one process with N x k replicas samples: the same code path,
+`first` = 0 and `total` = the local count on one process.
 """
 
 from __future__ import annotations
@@ -53,7 +60,10 @@ class Replicas:
   """`num` engines built by `make_engine(mesh)`, replica i on the mesh of devices
   `[i * tensor, (i + 1) * tensor)` of `devices` (default: the local devices)."""
 
-  def __init__(self, make_engine, num: int = 1, devices=None, tensor: int = 1):
+  def __init__(self, make_engine, num: int = 1, devices=None, tensor: int = 1, *,
+               first: int = 0, total: int | None = None):
+    self.first = first  # global index of this process's first replica
+    self.total = num if total is None else total  # replicas over all processes
     devices = list(devices or jax.local_devices())
     need = num * tensor
     if need > len(devices):
@@ -81,11 +91,33 @@ class Replicas:
   def load_params(self, params, version: int = -1) -> list[EngineParams]:
     """`params` (pi_theta's `nnx.State`, in any dtype and sharding) in every replica's layout on
     its devices, stamped `version`: one re-layout on device for all (`layout.load_weights`)."""
-    return load_weights(params, version, self.engine.layout, self.meshes)
+    return load_weights(params, version, self.engine.layout, self.meshes, self.global_groups())
+
+  def global_groups(self) -> list[list] | None:
+    """Every process's replica device groups (multi-host: the same list on every process, so
+    the refresh is one program everywhere), assuming alike hosts; None with one process."""
+    if jax.process_count() == 1:
+      return None
+    local = jax.local_devices()
+    where = [[local.index(d) for d in mesh.devices.flat] for mesh in self.meshes]
+    by_process = {}
+    for d in jax.devices():
+      by_process.setdefault(d.process_index, []).append(d)
+    return [[by_process[p][j] for j in group] for p in sorted(by_process) for group in where]
+
+  def replica_ids(self) -> list[int]:
+    """Global indices of this process's replicas."""
+    return [self.first + i for i in range(len(self.engines))]
+
+  def local_prompts(self, num_prompts: int) -> np.ndarray:
+    """Indices (ascending) of the prompts of a `num_prompts` list that this process's replicas
+    sample; all of them on one process."""
+    return np.sort(np.concatenate([np.arange(r, num_prompts, self.total) for r in self.replica_ids()]))
 
   def rollout(self, weights, prompts: list[list[int]], *, group_size: int, key: jax.Array,
               **kwargs) -> Rollout:
-    """`rollout` over the replicas; rows in the order of `prompts`.
+    """`rollout` over the replicas; rows in the order of `prompts` (multi-host: of this
+    process's share of them, `local_prompts`).
 
     weights: from `load_params`, or bare params (loaded here, version -1).
     kwargs: the rest of `rollout`'s arguments (max_new_tokens, eos_id, pad_id, ...);
@@ -93,40 +125,71 @@ class Replicas:
     """
     if not isinstance(weights, list):
       weights = self.load_params(weights)
-    n = len(self.engines)
+    n, total = len(self.engines), self.total
     limits = kwargs.pop("answer_limits", None)
-    keys = [key] if n == 1 else [jax.random.fold_in(key, i) for i in range(n)]
+    ids = self.replica_ids()
+    keys = [key] if total == 1 else [jax.random.fold_in(key, r) for r in ids]
     results: list[Rollout | None] = [None] * n
     errors: list[BaseException] = []
 
     def work(i):
       try:
         with jax.default_device(self.meshes[i].devices.flat[0]):
-          results[i] = rollout(self.engines[i], weights[i], prompts[i::n], group_size=group_size,
+          r = ids[i]
+          results[i] = rollout(self.engines[i], weights[i], prompts[r::total], group_size=group_size,
                                key=keys[i],
-                               answer_limits=None if limits is None else list(limits)[i::n], **kwargs)
+                               answer_limits=None if limits is None else list(limits)[r::total],
+                               **kwargs)
       except BaseException as e:  # re-raised in the caller's thread
         errors.append(e)
 
     if n == 1:
       work(0)  # in the caller's thread
     else:
-      threads = [threading.Thread(target=work, args=(i,)) for i in range(n) if prompts[i::n]]
+      threads = [threading.Thread(target=work, args=(i,)) for i in range(n) if prompts[ids[i]::total]]
       for t in threads:
         t.start()
       for t in threads:
         t.join()
     if errors:
       raise errors[0]
-    return _merge([r for r in results if r is not None], prompts, group_size, kwargs["pad_id"])
+    done = [(r, res) for r, res in zip(ids, results) if res is not None]
+    if not done:  # multi-host, fewer prompts than replicas: this process has none
+      empty = np.zeros((0, 1), np.int32)
+      return Rollout([], group_size, empty, empty.astype(np.float32), empty[:, 0], empty[:, 0],
+                     empty[:, 0])
+    return _merge([res for _, res in done], [r for r, _ in done], total, prompts,
+                  self.local_prompts(len(prompts)), group_size, kwargs["pad_id"])
 
 
-def _merge(parts: list[Rollout], prompts, g: int, pad_id: int) -> Rollout:
-  """One `Rollout` from the replicas' (replica i held prompts i, i + n, i + 2n, ...)."""
-  n, width = len(parts), max(r.answers.shape[1] for r in parts)
-  # replica i's local prompt j is global prompt i + j * n; its rows go to that prompt's G rows
-  rows = np.concatenate([((i + n * np.arange(len(r.prompts)))[:, None] * g + np.arange(g)).ravel()
-                         for i, r in enumerate(parts)])
+def global_row_order(groups_per_process: int, group_size: int, processes: int,
+                     local_replicas: int) -> np.ndarray:
+  """Where the rows of one step's global batch are, in the processes' rows laid end to end
+  (process 0's, then process 1's, ...): entry q is the row that sits at place q of the batch a
+  single process with all the replicas would train on.
+
+  Each process holds its replicas' share of whole windows of R = processes x local_replicas
+  consecutive groups (`rl.loop`: the buffer takes whole windows), in order: its local group j
+  is window j // k, replica p * k + j % k of it (k = local_replicas)."""
+  k, total = local_replicas, processes * local_replicas
+  if groups_per_process % k:
+    raise ValueError(f"{groups_per_process} groups per process is not a whole number of windows "
+                     f"of {k} local replicas")
+  src = np.empty(groups_per_process * processes, np.int64)
+  for p in range(processes):
+    for j in range(groups_per_process):
+      src[(j // k) * total + p * k + j % k] = p * groups_per_process + j
+  return (src[:, None] * group_size + np.arange(group_size)).ravel()
+
+
+def _merge(parts: list[Rollout], ids: list[int], total: int, prompts, local: np.ndarray, g: int,
+           pad_id: int) -> Rollout:
+  """One `Rollout` of the prompts `local` (indices into `prompts`) from the replicas' (replica
+  `ids[i]` held prompts ids[i], ids[i] + total, ...)."""
+  width = max(r.answers.shape[1] for r in parts)
+  # global replica r's j-th prompt is prompt r + j * total, at place p of `local`: rows p*G ..
+  rows = np.concatenate([(np.searchsorted(local, r + total * np.arange(len(res.prompts)))[:, None] * g
+                          + np.arange(g)).ravel() for r, res in zip(ids, parts)])
   pad = lambda x, value: np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=value)  # noqa: E731
   merged = {}
   for name, value in (("answers", pad_id), ("logprobs", 0.0), ("lengths", None),
@@ -136,4 +199,4 @@ def _merge(parts: list[Rollout], prompts, g: int, pad_id: int) -> Rollout:
     merged[name] = np.empty_like(stacked)
     merged[name][rows] = stacked
   stats = {k: sum(r.stats[k] for r in parts) for k in parts[0].stats}
-  return Rollout(list(prompts), g, stats=stats, **merged)
+  return Rollout([prompts[j] for j in local], g, stats=stats, **merged)

@@ -27,9 +27,10 @@ def seq_len(config) -> int:
 
 def make_engine(config, model_cfg, graphdef, sampling: SamplingParams, mesh=None) -> Engine:
   """One engine replica with the config's sampling settings, on `mesh` (`sampling.tensor`
-  devices): `sampling.max_slots / sampling.engines` slots, weights laid out by `sharding.rules`."""
+  devices): `sampling.max_slots / sampling.engines` slots (multi-host: over the replicas of all
+  processes), weights laid out by `sharding.rules`."""
   s = config.sampling
-  return Engine(graphdef, model_cfg, sampling, max_slots=s.max_slots // s.engines,
+  return Engine(graphdef, model_cfg, sampling, max_slots=s.max_slots // (s.engines * jax.process_count()),
                 max_prefill_length=s.max_prompt_len, max_len=seq_len(config),
                 steps_per_call=s.steps_per_call, attn_chunk=s.attn_chunk,
                 cache_bucket=s.cache_bucket, max_prefill_batch=s.max_prefill_batch,
@@ -38,11 +39,13 @@ def make_engine(config, model_cfg, graphdef, sampling: SamplingParams, mesh=None
 
 def make_replicas(config, model_cfg, graphdef, sampling: SamplingParams, devices=None) -> Replicas:
   """`sampling.engines` engine replicas of `sampling.tensor` devices each, on the first of
-  `devices` (default: the local ones; `rl.loop.engine_devices` picks a run's)."""
+  `devices` (default: the local ones; `rl.loop.engine_devices` picks a run's). Multi-host:
+  `sampling.engines` per process, replicas numbered globally (`parallel` module docstring)."""
   s = config.sampling
   check_tensor(model_cfg, s.tensor)  # before any engine is built
   return Replicas(lambda mesh: make_engine(config, model_cfg, graphdef, sampling, mesh), s.engines,
-                  devices, s.tensor)
+                  devices, s.tensor, first=jax.process_index() * s.engines,
+                  total=jax.process_count() * s.engines)
 
 
 def decode_answers(tokenizer, ro: Rollout) -> list[str]:
@@ -66,11 +69,15 @@ def score_rollout(task, tokenizer, problems, ro: Rollout) -> np.ndarray:
 
 @dataclasses.dataclass
 class Scored:
-  """G answers to each of P problems, with their rewards (row p * G + g answers problems[p])."""
+  """G answers to each of P problems, with their rewards (row p * G + g answers problems[p]).
+
+  Multi-host: this process's share of the problems asked for (`index`: their places in that
+  list); on one process all of them (index 0 .. P - 1)."""
 
   problems: list
   rollout: Rollout
   rewards: np.ndarray  # [P*G] float32
+  index: np.ndarray | None = None  # [P] places of `problems` in the list sampled
 
 
 class Sampler:
@@ -93,12 +100,15 @@ class Sampler:
     return weights
 
   def sample(self, weights, problems: list, *, group_size: int, key: jax.Array) -> Scored:
-    """G = `group_size` answers per problem. weights: from `load`, or bare params (version -1)."""
+    """G = `group_size` answers per problem (multi-host: to this process's share of them, each
+    host scoring its own). weights: from `load`, or bare params (version -1)."""
     prompts = [self.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
     ro = self.replicas.rollout(weights, prompts, group_size=group_size,
                                max_new_tokens=self.max_new_tokens, eos_id=self.tokenizer.eos_id,
                                pad_id=self.tokenizer.pad_id, key=key)
-    return Scored(problems, ro, score_rollout(self.task, self.tokenizer, problems, ro))
+    index = self.replicas.local_prompts(len(problems))
+    mine = [problems[j] for j in index]
+    return Scored(mine, ro, score_rollout(self.task, self.tokenizer, mine, ro), index)
 
   def decode(self, ro: Rollout) -> list[str]:
     return decode_answers(self.tokenizer, ro)

@@ -50,7 +50,7 @@ class CodeTask(RowTask):
     :data:`CODE_INSTRUCTION_CALL` for call-based tests), through the chat template.
   * Eval problems: the first ``num_eval`` rows of ``eval_path`` (all if None or 0), ids
     ``0 ..``. Train problems: the rows of ``train_path`` whose statement is no eval statement,
-    this host's share of them, ids ``(number of eval problems) + (index among those rows)``.
+    all of them on every host, ids ``(number of eval problems) + (index among those rows)``.
   * ``sandbox``: keyword arguments of :func:`oapl_jax.rewards.code.score_batch`.
 
   Raises:

@@ -5,7 +5,7 @@ sent as one user turn through the model's chat template (:meth:`HFTokenizer.chat
 
 Data: any source :func:`oapl_jax.data.read_rows` reads (a JSONL / JSON / Parquet file, or
 ``tfds:NAME[/CONFIG]`` with a split) whose rows have string ``question`` / ``answer`` fields
-(names configurable); reading, bad rows, removing eval questions and host sharding are
+(names configurable); reading, bad rows and removing eval questions are
 :class:`oapl_jax.tasks.rows.RowTask`'s.
 """
 
@@ -58,8 +58,8 @@ class MathTask(RowTask):
   * Eval problems: the first ``num_eval`` rows of ``eval_path`` (all if None), ids
     ``0 .. num_eval - 1``.
   * Train problems: the rows of ``train_path`` whose question is no eval question (all eval
-    rows count, not only the first ``num_eval``; ``num_train_dropped`` counts the others), this
-    host's share of them. A train problem's id is ``len(eval file) + its row index`` in the
+    rows count, not only the first ``num_eval``; ``num_train_dropped`` counts the others), all
+    of them on every host. A train problem's id is ``len(eval file) + its row index`` in the
     train file: stable across draws, disjoint from eval ids.
   * :meth:`score_batch` scores a rollout on ``reward_workers`` processes.
 

@@ -9,8 +9,9 @@
 * Eval questions never train: a train row whose normalised question
   (:func:`oapl_jax.data.normalize_text`) is the question of any eval row is dropped
   (:func:`without_eval_questions`).
-* Host sharding: on a pod each host draws from its own disjoint share of the train rows
-  (:func:`oapl_jax.data.sources.host_shard`); on one host, from all of them.
+* No host sharding: on a pod every host holds all the train rows and draws the same global
+  problems; each samples its engine replicas' share of them (:mod:`oapl_jax.sampling.parallel`),
+  so N hosts sample exactly what one host with all the replicas samples.
 * Drawing: ``train_problems(rng, n)`` draws uniformly with replacement, deterministic given ``rng``.
 """
 
@@ -21,7 +22,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from oapl_jax.data.sources import host_shard, normalize_text, read_rows
+from oapl_jax.data.sources import normalize_text, read_rows
 from oapl_jax.tasks.base import Problem
 from oapl_jax.tasks.limits import too_long
 
@@ -61,7 +62,7 @@ class RowTask:
     self._data_dir = data_dir  # TFDS folder (None: TFDS's default)
     self._skip_bad_rows = skip_bad_rows
     self._eval: tuple[Problem, ...] = ()
-    self._train: tuple[Problem, ...] = ()  # this host's share
+    self._train: tuple[Problem, ...] = ()  # all of them, on every host
 
   def _fields(self, row: dict) -> dict:
     """``{"question", "answer" (text), "prompt"}`` of a row that has the required fields;
@@ -95,8 +96,9 @@ class RowTask:
     self._eval = problems_of(enumerate(eval_rows))
 
   def _set_train(self, indexed_rows: list[tuple[int, dict]], id_offset: int) -> None:
-    """Train problems: this host's share of ``(index, row)`` pairs, ids ``id_offset + index``."""
-    self._train = problems_of(host_shard(indexed_rows), id_offset)
+    """Train problems: the ``(index, row)`` pairs (all of them on every host: problems are
+    drawn globally), ids ``id_offset + index``."""
+    self._train = problems_of(indexed_rows, id_offset)
 
   @property
   def num_train(self) -> int:
