@@ -5,7 +5,7 @@
 #   bash launch/local_multihost.sh 2 configs/tiny.py --workdir=/tmp/oapl_mh
 #   DEVICES=4 bash launch/local_multihost.sh 2 configs/tiny.py:smoke --workdir=/tmp/oapl_mh8
 #
-# Each process runs `python -m oapl_jax.main --config=CONFIG [overrides...]` with
+# Each process runs `python -m oapl_jax.main --config=$CONFIG [overrides...]` with
 # --config.distributed.{coordinator_address,num_processes,process_id} set (a free port on
 # 127.0.0.1) and DEVICES CPU devices of its own (default 1; JAX_NUM_CPU_DEVICES). Process 0's
 # output is shown here and kept, with every other process's, in LOG_DIR/process_<i>.log
