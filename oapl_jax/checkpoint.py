@@ -336,3 +336,24 @@ def _row_target(shape, dtype):
   if distributed.process_count() == 1:
     return np.zeros(shape, dtype)
   return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=distributed.rows_sharding())
+
+
+POLICIES = {"theta": "params", "snapshot": "snapshot"}  # a policy's name -> its checkpoint item
+
+
+def restore_policy(config, workdir: str, policy: str):
+  """One policy of the newest good checkpoint under `workdir/checkpoints`, and nothing else (not
+  the optimizer or the buffer): "theta" (pi_theta, saved in model.param_dtype: the master
+  weights) or "snapshot" (pi_old, saved in model.dtype). Returns (step, weights, meta,
+  model_cfg, graphdef); a UserError if there is no checkpoint."""
+  import dataclasses  # noqa: PLC0415
+  from oapl_jax.models.build import abstract_model  # noqa: PLC0415
+  name = POLICIES[policy]
+  model_cfg, graphdef, abstract = abstract_model(
+      config, dtype=config.model.dtype if policy == "snapshot" else None)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+  found = ckpt.restore_latest({name: abstract}, dataclasses.asdict(model_cfg), partial=True)
+  if found is None:
+    raise UserError(f"no checkpoint under {ckpt.directory}")
+  step, state, meta = found
+  return step, state[name], meta, model_cfg, graphdef

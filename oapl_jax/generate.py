@@ -59,26 +59,17 @@ def base_policy(config):
 
 def checkpoint_policy(config, workdir: str, policy: str):
   """The same of the newest good checkpoint in `workdir` (`policy`: "theta" or "snapshot")."""
-  import dataclasses  # noqa: PLC0415
-  from oapl_jax.checkpoint import Checkpointer  # noqa: PLC0415
-  from oapl_jax.models.build import abstract_model  # noqa: PLC0415
+  from oapl_jax.checkpoint import restore_policy  # noqa: PLC0415
   from oapl_jax.tasks import make_task  # noqa: PLC0415
   task, tokenizer = make_task(config)
-  name = {"theta": "params", "snapshot": "snapshot"}[policy]
-  model_cfg, graphdef, abstract = abstract_model(
-      config, dtype=config.model.dtype if policy == "snapshot" else None)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
-  found = ckpt.restore_latest({name: abstract}, dataclasses.asdict(model_cfg), partial=True)
-  if found is None:
-    raise errors.UserError(f"no checkpoint under {ckpt.directory}")
-  step, state, meta = found
+  step, params, meta, model_cfg, graphdef = restore_policy(config, workdir, policy)
   c = meta["counters"]
   # pi_theta at step S is the snapshot a refresh at S would take (version + 1 unless just refreshed).
   version, snap_step = ((c["version"], c["snapshot_step"]) if policy == "snapshot" or c["snapshot_step"] == step
                         else (c["version"] + 1, step))
   record = {"version": version, "snapshot_step": snap_step,
             "source": f"{'pi_theta' if policy == 'theta' else 'pi_old'} of {workdir} at step {step}"}
-  return state[name], graphdef, model_cfg, task, tokenizer, record
+  return params, graphdef, model_cfg, task, tokenizer, record
 
 
 def generate(config, out: str, workdir: str | None = None, policy: str = "theta") -> dict:

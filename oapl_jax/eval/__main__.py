@@ -33,29 +33,19 @@ def evaluate_checkpoint(config, workdir: str, policy: str = "theta") -> dict:
   Reads only that policy's weights (not the optimizer or the buffer) into engines built from
   the config; the draws are the run's own evaluation draws (`evaluate.eval_key(seed)`).
   """
-  import dataclasses  # noqa: PLC0415
   import jax  # noqa: PLC0415
-  from oapl_jax.checkpoint import Checkpointer  # noqa: PLC0415 (after validation: TensorFlow logs)
+  from oapl_jax.checkpoint import restore_policy  # noqa: PLC0415 (after validation: TensorFlow logs)
   from oapl_jax.eval.evaluate import eval_key, evaluate  # noqa: PLC0415
-  from oapl_jax.models.build import abstract_model  # noqa: PLC0415
   from oapl_jax.sampling import SamplingParams  # noqa: PLC0415
   from oapl_jax.sampling.parallel import request_host_devices  # noqa: PLC0415
   from oapl_jax.sampling.sampler import Sampler, make_replicas  # noqa: PLC0415
   from oapl_jax.tasks import make_task  # noqa: PLC0415
   request_host_devices(config.sampling.engines)
   task, tokenizer = make_task(config)
-  name = {"theta": "params", "snapshot": "snapshot"}[policy]
-  # pi_theta is saved in model.param_dtype (master weights), the snapshot in model.dtype.
-  model_cfg, graphdef, abstract = abstract_model(
-      config, dtype=config.model.dtype if policy == "snapshot" else None)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
-  found = ckpt.restore_latest({name: abstract}, dataclasses.asdict(model_cfg), partial=True)
-  if found is None:
-    raise errors.UserError(f"no checkpoint under {ckpt.directory}")
-  step, state, _ = found
+  step, params, _, model_cfg, graphdef = restore_policy(config, workdir, policy)
   replicas = make_replicas(config, model_cfg, graphdef, SamplingParams.from_config(config.sampling))
   sampler = Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
-  weights = jax.tree.map(lambda x: x.astype(config.model.dtype), state[name])  # as the engines compute
+  weights = jax.tree.map(lambda x: x.astype(config.model.dtype), params)  # as the engines compute
   out = evaluate(sampler, weights, samples_per_problem=config.eval.samples_per_problem,
                  key=eval_key(config.seed))
   return {"step": step, "policy": policy, **out}
