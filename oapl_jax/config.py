@@ -60,7 +60,14 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   # them (split over their product) or None (replicated). A sharded dimension must divide over
   # its mesh axes. Reference: MaxText's configs/base.yml logical_axis_rules.
   c.sharding.rules = (
-      ("vocab", "tensor"),  # Vocabulary V of the embedding and LM head (MaxText: tensor).
+      # Vocabulary V of the embedding and LM head, split over every model-parallel device and
+      # their hidden size E ("vocab_embed") kept whole: the head's [tile, V] logits and its
+      # gradient stay vocab-parallel, and no device gathers the [V, E] table in float32, which
+      # on Qwen3-0.6B (V = 151,936) was half of a train step's scratch (docs/memory.md).
+      # MaxText splits V over tensor and E over fsdp; that layout is ("vocab", "tensor"),
+      # ("vocab_embed", "fsdp"). V must divide over tensor x fsdp.
+      ("vocab", ("tensor", "fsdp")),
+      ("vocab_embed", None),
       ("embed", "fsdp"),  # Hidden size E of every matrix: ZeRO-3, gathered per layer (MaxText: fsdp).
       ("mlp", "tensor"),  # MLP width F: gate/up columns, down rows (Megatron; MaxText: tensor).
       ("q_heads", "tensor"),  # Query heads N of q_proj, o_proj, q_bias (MaxText: tensor).

@@ -204,11 +204,13 @@ def micro_batch_rows(config) -> int:
 
 def train_dims(config, mesh_shape: dict) -> Dims:
   """The `Dims` of config's train micro-batch on one device of a trainer mesh `mesh_shape`."""
-  m, tp = config.model, mesh_shape["tensor"]
-  return Dims(b=_ceil(micro_batch_rows(config), sharding.batch_shards(mesh_shape, config.sharding.rules)),
-              t=seq_len(config) - 1, e=m.hidden_size, n=_ceil(m.num_heads, tp),
-              k=_ceil(m.num_kv_heads, tp), d=m.head_dim, f=_ceil(m.mlp_dim, tp),
-              v=_ceil(m.vocab_size, tp), layers=m.num_layers, c=np.dtype(m.dtype).itemsize)
+  m = config.model
+  split = lambda logical: sharding.axis_shards(mesh_shape, config.sharding.rules, logical)  # noqa: E731
+  return Dims(b=_ceil(micro_batch_rows(config), split("batch")),
+              t=seq_len(config) - 1, e=m.hidden_size, n=_ceil(m.num_heads, split("q_heads")),
+              k=_ceil(m.num_kv_heads, split("kv_heads")), d=m.head_dim,
+              f=_ceil(m.mlp_dim, split("mlp")), v=_ceil(m.vocab_size, split("vocab")),
+              layers=m.num_layers, c=np.dtype(m.dtype).itemsize)
 
 
 def layer_bytes(x: Dims, policy: str) -> int:

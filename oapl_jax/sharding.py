@@ -71,8 +71,14 @@ def batch_axes(rules: Rules | None) -> MeshAxes:
 def batch_shards(mesh: Mesh | Mapping[str, int], rules: Rules | None) -> int:
   """How many shards the rows of a batch are split into on `mesh` (a Mesh, or its axis sizes
   `{"data": 2, ...}`): the product of `batch_axes`."""
+  return axis_shards(mesh, rules, "batch")
+
+
+def axis_shards(mesh: Mesh | Mapping[str, int], rules: Rules | None, logical: str) -> int:
+  """How many shards a dimension with logical axis `logical` is split into on `mesh` (a Mesh,
+  or its axis sizes): the product of the sizes of its rule's mesh axes (1: replicated)."""
   sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
-  return int(np.prod([sizes[n] for n in _spec_names(batch_axes(rules))]))
+  return int(np.prod([sizes.get(n, 1) for n in _spec_names(rules_dict(rules).get(logical))]))
 
 
 def _mesh_axes(value: Any) -> MeshAxes:

@@ -24,9 +24,10 @@ from oapl_jax.models.build import init_model, init_params
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every kind of weight -> its PartitionSpec under the default rules (fsdp over E, tensor over
-# V, F and heads; head width and norms replicated).
+# F and heads, the vocabulary over both with the embedding's E whole; head width and norms
+# replicated).
 EXPECTED = {
-    "embed": ("tensor", "fsdp"), "lm_head": ("fsdp", "tensor"),
+    "embed": (("tensor", "fsdp"), None), "lm_head": (None, ("tensor", "fsdp")),
     "q_proj": ("fsdp", "tensor", None), "k_proj": ("fsdp", "tensor", None),
     "v_proj": ("fsdp", "tensor", None), "o_proj": ("tensor", None, "fsdp"),
     "q_bias": ("tensor", None), "k_bias": ("tensor", None), "v_bias": ("tensor", None),
@@ -107,10 +108,12 @@ def test_default_rules_cover_every_logical_axis_and_are_valid():
 
 def test_a_rule_naming_an_unknown_mesh_axis_is_refused():
   rules = tiny.get_config().sharding.rules
-  _refused(((rules[0]), ("embed", "fsdpp")) + rules[2:],
-           r"config\.sharding\.rules\[1\]=\('embed', 'fsdpp'\): mesh axes 'fsdpp'")
-  _refused(rules + (("cache", ("data", "model")),), r"config\.sharding\.rules\[8\]=.*'model'")
-  _refused(rules + (("cache", ("data", "data")),), r"config\.sharding\.rules\[8\]=.*distinct")
+  i = [logical for logical, _ in rules].index("embed")
+  _refused(rules[:i] + (("embed", "fsdpp"),) + rules[i + 1:],
+           rf"config\.sharding\.rules\[{i}\]=\('embed', 'fsdpp'\): mesh axes 'fsdpp'")
+  n = len(rules)  # the index of a rule appended to the table
+  _refused(rules + (("cache", ("data", "model")),), rf"config\.sharding\.rules\[{n}\]=.*'model'")
+  _refused(rules + (("cache", ("data", "data")),), rf"config\.sharding\.rules\[{n}\]=.*distinct")
 
 
 def test_every_logical_axis_needs_a_rule_or_none():
@@ -123,8 +126,8 @@ def test_every_logical_axis_needs_a_rule_or_none():
 
 def test_malformed_or_repeated_rules_are_refused():
   rules = tiny.get_config().sharding.rules
-  _refused(rules + (("embed", None),), r"config\.sharding\.rules\[8\]=.*'embed' already has a rule")
-  _refused(rules + (("cache",),), r"config\.sharding\.rules\[8\]=\('cache',\): must be a pair")
+  _refused(rules + (("embed", None),), rf"config\.sharding\.rules\[{len(rules)}\]=.*'embed' already has a rule")
+  _refused(rules + (("cache",),), rf"config\.sharding\.rules\[{len(rules)}\]=\('cache',\): must be a pair")
 
 
 def _todays_init_model(config):
@@ -196,7 +199,8 @@ EIGHT_DEVICES = textwrap.dedent("""
       for (path, x), (same_path, y) in zip(flat(sharded), flat(plain)):
         spec = PartitionSpec(*expected[kind(path)])
         assert path == same_path and x.sharding.spec == spec, (path, x.sharding)
-        split = [mesh.shape[a] if a else 1 for a in spec]
+        split = [int(np.prod([mesh.shape[n] for n in ((a,) if isinstance(a, str) else a or ())]))
+                 for a in spec]
         assert x.addressable_shards[0].data.shape == tuple(d // s for d, s in zip(x.shape, split))
         assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)), path
       tokens = np.arange(12).reshape(2, 6)

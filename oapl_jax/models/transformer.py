@@ -58,8 +58,9 @@ ROPE_SCALING_TYPES = (None, "llama3")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # Weight / compute dtypes the model supports.
 # Every logical axis name a weight carries (`logical_axes` metadata); `config.sharding.rules`
 # needs a rule for each (oapl_jax/sharding.py). V vocabulary, E hidden size, F MLP width,
-# N query heads, K key/value heads, D head width; "norm" is the hidden-size RMSNorm weights.
-LOGICAL_AXES = ("vocab", "embed", "mlp", "q_heads", "kv_heads", "head_dim", "norm")
+# N query heads, K key/value heads, D head width; "norm" is the hidden-size RMSNorm weights;
+# "vocab_embed" is E of the embedding table and LM head (a rule of its own: see config.py).
+LOGICAL_AXES = ("vocab", "embed", "vocab_embed", "mlp", "q_heads", "kv_heads", "head_dim", "norm")
 
 
 def dtype_name(value: Any, argument: str = "dtype") -> str:
@@ -503,11 +504,11 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype, scale=0.02)
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "vocab_embed"), cfg.param_dtype, scale=0.02)
     self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
     if not cfg.tie_embeddings:
-      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
+      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("vocab_embed", "vocab"), cfg.param_dtype)
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
     return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.dtype)  # [B, T, E]

@@ -186,7 +186,7 @@ class EngineLayout:
     layers = [{"qkv": named(f"layers/{i}/qkv", (e, t, (n + 2 * k) // t * d), ("embed", "kv_heads", None)),
                "gate_up": named(f"layers/{i}/gate_up", (e, t, 2 * f // t), ("embed", "mlp", None))}
               for i in range(cfg.num_layers)]
-    head = named("head", (e, cfg.vocab_size), ("embed", "vocab"))
+    head = named("head", (e, cfg.vocab_size), ("vocab_embed", "vocab"))
     return nnx.from_flat_state(rest), {"layers": layers, "head": head}
 
   def jitted_relayout(self, stage: Mesh, out_shardings):
