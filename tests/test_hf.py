@@ -147,7 +147,8 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     folder = {folder!r}
     tokens = np.random.RandomState(0).randint(0, {vocab}, (2, {seq}))
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-    rules = {{"embed": "data", "q_heads": "model", "mlp": "model", "vocab": "model"}}
+    rules = {{"embed": "data", "vocab_embed": "data", "q_heads": "model", "mlp": "model",
+             "vocab": "model"}}
     plain = from_hf(folder)
     sharded = from_hf(folder, mesh=mesh, rules=rules)
     q = sharded.layers[0].attn.q_proj[...]
