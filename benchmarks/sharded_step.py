@@ -14,7 +14,9 @@ them show the cost of the sharded program (collectives, partitioning), not a spe
 float32 master weights, bfloat16 compute, 2 rows x 2048 tokens) on 8 host devices
 (fsdp 2 x tensor 4: 2 rows cannot split over more batch shards), printing the step time and the
 process's peak RSS (`resource.getrusage(...).ru_maxrss`). It sets train.remat=full,
-attn_block=512, logprob_tile=512 and says which of them the code in this checkout honours.
+attn_block=512, logprob_tile=128 and says which of them the code in this checkout honours; the
+child runs with XLA:CPU's memory-minded scheduler (`CPU_MEMORY_FLAGS`; `--concurrency_scheduler`
+keeps the default) and is stopped once its RSS passes `--rss_limit_gib` (default 16 GB).
 """
 
 from __future__ import annotations
