@@ -28,6 +28,7 @@ scores its own rows' tiles); a per-device block is `[B/shards, tile, V]`.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,9 @@ from flax import nnx
 from oapl_jax.rl.buffer import Rows
 from oapl_jax.sampling.processing import (NEG_INF, SamplingParams, entropy, keep_threshold,
                                           process_logits, truncates)
-from oapl_jax.sampling.rollout import FINISH_LENGTH, Rollout
+
+if TYPE_CHECKING:  # the engine's module imports JetStream (and TensorFlow): only make_batch needs it
+  from oapl_jax.sampling.rollout import Rollout
 
 
 def token_logprobs(model: nnx.Module, tokens: jax.Array, sampling: SamplingParams, *,
@@ -176,6 +179,7 @@ def make_batch(rollout: Rollout, rewards: np.ndarray, *, seq_len: int, pad_id: i
   With `count_truncated=False`, answers cut at the length limit get mask 0 (they are in their
   group's V_hat but out of the loss).
   """
+  from oapl_jax.sampling.engine import FINISH_LENGTH  # noqa: PLC0415 (see TYPE_CHECKING above)
   n, g = rollout.num_samples, rollout.group_size
   tokens = np.full((n, seq_len), pad_id, np.int32)
   mask = np.zeros((n, seq_len - 1), np.float32)

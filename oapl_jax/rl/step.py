@@ -35,7 +35,6 @@ from oapl_jax.models import build
 from oapl_jax.rl import losses
 from oapl_jax.rl.buffer import Rows
 from oapl_jax.rl.logprobs import token_logprobs
-from oapl_jax.sampling.parallel import global_row_order
 from oapl_jax.sampling.processing import SamplingParams
 
 
@@ -194,6 +193,7 @@ class TrainStep:
     """Jitted: process-major rows `[rows, ...]` -> the global order, as `[accum, rows / accum, ...]`."""
     if rows not in self._orders:
       g = self.config.rl.group_size
+      from oapl_jax.sampling.parallel import global_row_order  # noqa: PLC0415 (imports the engine)
       order = global_row_order(rows // g // jax.process_count(), g, jax.process_count(),
                                self.config.sampling.engines)
       self._orders[rows] = jax.jit(lambda b: jax.tree.map(

@@ -1,11 +1,28 @@
-"""Sampling: the JetStream engine, its logit processing, and group rollouts."""
+"""Sampling: the JetStream engine, its logit processing, and group rollouts.
 
-from oapl_jax.sampling import jetstream_compat  # noqa: F401  (before any JetStream orchestrator)
-from oapl_jax.sampling.engine import (FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Engine, EngineParams,
-                                      SampledTokens, Steps, TokenizerAdapter)
+The engine's names (`Engine`, `rollout`, ...) load on first use: the engine imports
+JetStream, whose `token_utils` imports TensorFlow (about 0.6 GiB resident and seconds of
+start-up), which the trainer's step, the memory planner and `--dry_run` do not need.
+"""
+
+import importlib
+
 from oapl_jax.sampling.processing import SamplingParams, process_logits, sample
-from oapl_jax.sampling.rollout import Rollout, rollout
+
+_LAZY = {name: "oapl_jax.sampling.engine" for name in (
+    "Engine", "EngineParams", "FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "SampledTokens",
+    "Steps", "TokenizerAdapter")}
+_LAZY.update({"Rollout": "oapl_jax.sampling.rollout", "rollout": "oapl_jax.sampling.rollout"})
 
 __all__ = ["Engine", "EngineParams", "FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rollout",
            "SampledTokens", "SamplingParams", "Steps", "TokenizerAdapter", "process_logits",
            "rollout", "sample"]
+
+
+def __getattr__(name: str):
+  """The engine's names, imported on first use (PEP 562)."""
+  if name not in _LAZY:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  value = getattr(importlib.import_module(_LAZY[name]), name)
+  globals()[name] = value
+  return value

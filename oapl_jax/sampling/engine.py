@@ -51,6 +51,7 @@ import numpy as np
 from flax import nnx
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
+from oapl_jax.sampling import jetstream_compat  # noqa: F401  (before any JetStream orchestrator)
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from oapl_jax.models.transformer import ModelConfig, init_cache, write_prefix
