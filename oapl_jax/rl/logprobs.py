@@ -95,6 +95,9 @@ def _is_target(targets: jax.Array, vocab: int) -> jax.Array:
   return jnp.arange(vocab) == targets[..., None]
 
 
+HEAD_GRAD_ROWS = 128  # The backward adds the head gradient [E, V] this many rows of E at a time.
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _tiles(h, head, y, sampling):
   """(logprobs, entropy) `[n, B, tile]` of tiles h `[n, B, tile, E]`, targets y `[n, B, tile]`."""
@@ -148,7 +151,14 @@ def _tiles_bwd(sampling, residuals, cotangents):
     # as one [E, B*tile] x [B*tile, V] matmul: XLA:CPU has no bf16 x bf16 -> f32 kernel for
     # a dot contracting two dimensions
     flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731  [B*tile, E|V]
-    dw = dw + jnp.dot(flat(h_tile).T, flat(dlogits), preferred_element_type=jnp.float32)
+    hf, dl = flat(h_tile), flat(dlogits)
+    # added HEAD_GRAD_ROWS hidden rows at a time, in place: XLA:CPU does not fuse a dot into
+    # the add that accumulates it, so `dw + dot` held three float32 [E, V] buffers at once
+    for e0 in range(0, dw.shape[0], HEAD_GRAD_ROWS):
+      rows = min(HEAD_GRAD_ROWS, dw.shape[0] - e0)
+      part = jnp.dot(hf[:, e0:e0 + rows].T, dl, preferred_element_type=jnp.float32)  # [rows, V]
+      dw = jax.lax.dynamic_update_slice_in_dim(
+          dw, jax.lax.dynamic_slice_in_dim(dw, e0, rows) + part, e0, axis=0)
     return dw, dh  # [E, V] float32, [B, tile, E]
 
   xs = (h, y, threshold, top, total, g)
