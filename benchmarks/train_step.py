@@ -27,9 +27,10 @@ gradient-norm clipping; lr 1e-6):
   second forward pass), its jitted step called on the placed batch (params and AdamW state
   donated), `train.remat` / `train.attn_block` / `train.logprob_tile` at the config defaults
   unless `--ours-remat` says otherwise.
-* tunix: Tunix's GRPO loss (`tunix.rl.grpo.grpo_learner.grpo_loss_fn`, beta 0.04, epsilon 0.2)
-  on its Qwen3, `nnx.value_and_grad` + an `nnx.Optimizer` (optax AdamW behind clipping) under
-  one `nnx.jit`, as its trainer's step runs; "tunix+ref" adds the reference model's forward
+* tunix: Tunix's GRPO loss (`tunix.rl.algo_core.grpo_loss_fn`, `GrpoConfig` defaults: beta
+  0.04, epsilon 0.2) on its Qwen3, `nnx.value_and_grad` + an `nnx.Optimizer` (optax AdamW
+  behind clipping) under one `nnx.jit` (optimizer donated), as its trainer's step
+  (`tunix.sft.peft_trainer`) runs; "tunix+ref" adds the reference model's forward
   pass (`tunix.rl.common.compute_per_token_logps`, jitted) that a GRPO step with a KL penalty
   needs for every batch.
 * torch: transformers' Qwen3 (`AutoModelForCausalLM`, float32, its default attention
@@ -242,39 +243,40 @@ class Tunix:
     return grpo_learner.TrainExample(**ex), prompt_ids, completion_ids
 
   def setup(self, shape: str) -> dict:
-    import inspect
-    nnx, jax = self.nnx, self.jax
-    from tunix.rl import common
+    import optax
+    nnx = self.nnx
+    from tunix.rl import algo_core, common
     from tunix.rl.grpo import grpo_learner
     model = self.load()
     optimizer = nnx.Optimizer(model, self.tx, wrt=nnx.Param)
     example, prompt_ids, completion_ids = self._example(shape)
-    loss_params = inspect.signature(grpo_learner.grpo_loss_fn).parameters
-    kwargs = {k: v for k, v in dict(beta=0.04, epsilon=0.2, loss_algo="grpo", pad_id=0,
-                                    eos_id=-1).items() if k in loss_params}
+    algo = grpo_learner.GrpoConfig(num_generations=GROUP, beta=0.04, epsilon=0.2)
+    algo.temperature = 1.0  # as GrpoLearner sets it from the rollout config
 
-    @nnx.jit(donate_argnums=(0, 1))
-    def train_step(model, optimizer, example):
-      grad_fn = nnx.value_and_grad(lambda m: grpo_learner.grpo_loss_fn(m, example, **kwargs),
-                                   has_aux=True)
-      (loss, aux), grads = grad_fn(model)
+    def train_step(model, optimizer, example):  # as tunix.sft.peft_trainer's train_step
+      grad_fn = nnx.value_and_grad(
+          lambda m: algo_core.grpo_loss_fn(m, example, algo, pad_id=0, eos_id=-1), has_aux=True)
+      (loss, _), grads = grad_fn(model)
+      grad_norm = optax.global_norm(grads)
       optimizer.update(model, grads)
-      return loss
+      return loss, grad_norm
 
-    ref_params = {k: v for k, v in dict(pad_id=0, eos_id=-1).items()
-                  if k in inspect.signature(common.compute_per_token_logps).parameters}
+    # one jitted step per batch structure (with / without the reference log-probs): nnx.jit
+    # retraced on every call when one function alternated between the two
+    steps = {ref: nnx.jit(train_step, donate_argnames=("optimizer",)) for ref in (False, True)}
 
     @nnx.jit
-    def ref_forward(ref, prompt_ids, completion_ids):
-      return common.compute_per_token_logps(ref, prompt_tokens=prompt_ids,
-                                            completion_tokens=completion_ids, **ref_params)
+    def ref_forward(ref, prompt_ids, completion_ids):  # GRPO's reference log-probs
+      graphdef, state = nnx.split(ref)
+      return common.compute_per_token_logps(graphdef, state, prompt_tokens=prompt_ids,
+                                            completion_tokens=completion_ids, pad_id=0, eos_id=-1)
 
-    self.steps[shape] = dict(model=model, opt=optimizer, example=example, step=train_step,
+    self.steps[shape] = dict(model=model, opt=optimizer, example=example, steps=steps,
                              ref=ref_forward, ids=(prompt_ids, completion_ids))
     t0 = time.perf_counter()
-    first = self.rep(shape, with_ref=True)
+    first = [self.rep(shape, with_ref=ref) for ref in (False, True)]
     return {"compile_s": time.perf_counter() - t0, "first": first,
-            "loss_kwargs": sorted(kwargs)}
+            "loss_agg_mode": algo.loss_agg_mode}
 
   def rep(self, shape: str, with_ref: bool = False) -> dict:
     s, jax = self.steps[shape], self.jax
@@ -284,8 +286,8 @@ class Tunix:
       if with_ref:
         ref = s["ref"](self.ref, *s["ids"])
         example = example.replace(ref_per_token_logps=ref)
-      loss = s["step"](s["model"], s["opt"], example)
-      return {"loss": float(jax.block_until_ready(loss))}
+      loss, grad_norm = s["steps"][with_ref](s["model"], s["opt"], example)
+      return {"loss": float(jax.block_until_ready(loss)), "grad_norm": float(grad_norm)}
     return _timed(run)
 
   def peak(self) -> dict:
