@@ -6,7 +6,7 @@ alternates their repetitions so that all see the same machine load.
 
   python benchmarks/train_step.py --reps 5 \
       [--tunix-python tunix-venv/bin/python] [--torch-python torch-venv/bin/python] \
-      [--shapes 32x32+128,8x32+128,8x32+512,8x32+2048,8x32+8192] [--hf-dir DIR]
+      [--shapes 32x32+128,8x32+128,8x32+512,8x32+2048] [--memory-only 8x32+8192] [--hf-dir DIR]
 
 The venvs (each pins its own packages; the project's own venv runs the driver and our side):
 
@@ -47,7 +47,9 @@ per position the q/k/v/o, MLP and LM-head weights, plus attention's q.k and p.v 
 causal half (position t attends to t+1 keys); a train step = 3 x the forward pass (forward,
 backward w.r.t. activations and weights), Tunix's reference forward = 1 x more.
 Tunix is skipped at answers above `--tunix-max-answer` (default 2048): its dense attention
-materialises `[B, N, T, T]` float32 scores per layer.
+materialises `[B, N, T, T]` float32 scores per layer. `--memory-only` shapes (8 x 8192-token
+answers: minutes per step on 2 cores) are compiled, not run: XLA's figures for our step
+(arguments + outputs - donated aliases + scratch = the step's peak device memory).
 """
 
 from __future__ import annotations
@@ -150,7 +152,12 @@ class Ours:
       c.train.remat = self.remat
     return c
 
-  def setup(self, shape: str) -> dict:
+  def memory(self, shape: str) -> dict:
+    """XLA's memory figures of the compiled step (GiB), without running it."""
+    out = self.setup(shape, run=False)
+    return {k: out[k] for k in ("compile_s", "xla_gib", "remat", "attn_block", "logprob_tile")}
+
+  def setup(self, shape: str, run: bool = True) -> dict:
     import jax
     from oapl_jax.rl.step import Batch, make_optimizer, make_train_step
     from oapl_jax.sampling import SamplingParams
@@ -170,10 +177,11 @@ class Ours:
     state = {"step": step, "compiled": compiled, "params": params, "opt": opt_state,
              "snapshot": snapshot, "batch": batch}
     self.steps[shape] = state
-    first = self.rep(shape)
-    return {"compile_s": compile_s, "first": first, "remat": c.train.remat,
-            "attn_block": c.train.attn_block, "logprob_tile": c.train.logprob_tile,
-            "xla_temp_gib": mem.temp_size_in_bytes / 2**30 if mem else None}
+    xla = {k: getattr(mem, f"{k}_size_in_bytes") / 2**30 for k in ("argument", "output", "alias", "temp")}
+    xla["peak"] = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
+    return {"compile_s": compile_s, "first": self.rep(shape) if run else None,
+            "remat": c.train.remat, "attn_block": c.train.attn_block,
+            "logprob_tile": c.train.logprob_tile, "xla_gib": xla}
 
   def rep(self, shape: str) -> dict:
     s = self.steps[shape]
@@ -365,6 +373,8 @@ def worker(name: str, hf_dir: str, remat: str | None) -> None:
     cmd, *args = line.split()
     if cmd == "setup":
       out = side.setup(args[0])
+    elif cmd == "memory":
+      out = side.memory(args[0])
     elif cmd == "rep":
       out = side.rep(args[0], with_ref=True) if args[1:] == ["ref"] else side.rep(args[0])
     else:
@@ -414,12 +424,14 @@ def write_weights(hf_dir: str) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--reps", type=int, default=5)
-  parser.add_argument("--shapes", default="32x32+128,8x32+128,8x32+512,8x32+2048,8x32+8192")
+  parser.add_argument("--shapes", default="32x32+128,8x32+128,8x32+512,8x32+2048")
   parser.add_argument("--hf-dir", default=None, help="where the weights go (default: a temp dir)")
   parser.add_argument("--tunix-python", default=None, help="a venv's python with google-tunix")
   parser.add_argument("--torch-python", default=None, help="a venv's python with torch + transformers")
   parser.add_argument("--tunix-max-answer", type=int, default=2048)
   parser.add_argument("--ours-remat", default=None, help="train.remat for our side (default: config's)")
+  parser.add_argument("--memory-only", default="",
+                      help="shapes whose compiled step (ours) only reports XLA's memory figures, not run")
   parser.add_argument("--worker", default=None, choices=sorted(WORKERS), help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:
@@ -468,6 +480,10 @@ def main() -> None:
                + ("" if n == "ours" else f"  -> ours is {ratio:.2f}x faster"))
     print(line, flush=True)
   peaks += [w.ask("peak")["gflops"] for w in workers.values() if w.name != "tunix"]
+  for shape in filter(None, args.memory_only.split(",")):
+    result.setdefault("memory_only", {})[shape] = m = workers["ours"].ask("memory", shape)
+    print(f"{shape}: ours compiled ({m['compile_s']:.0f} s), XLA memory GiB: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in m["xla_gib"].items()), flush=True)
   peak = max(peaks)
   result["config"].update(matmul_peak_gflops=peak, matmul_peaks=peaks, loadavg_end=os.getloadavg())
   for shape, figures in result["shapes"].items():

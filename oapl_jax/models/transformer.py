@@ -218,7 +218,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = DEFA
   q: `[B, T, N, D]` ALREADY SCALED by 1/sqrt(D) (in the compute dtype, as the decode path
   scales it); k, v: `[B, T, K, D]`, N a multiple of K. Returns `[B, T, N, D]` in q's dtype.
 
-  Query and key blocks of `C = min(block, T)` positions (T padded up to a multiple of C):
+  Query and key blocks of `C = min(block, T)` positions (the last one shorter if C does not divide T):
   query block i visits key blocks 0..i only (blocks above the diagonal are skipped, not
   masked; a `[C, C]` causal mask only inside the diagonal block), with the engine's
   `decode_attend` arithmetic: scores `q k` with float32 accumulation, a float32 online
@@ -236,15 +236,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = DEFA
   if fused and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
     return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="cudnn")
   c = min(block, t)
-  pad = -t % c
   # head-major once per layer (the blocks' products then need no transposes; below)
   q = q.reshape(b, t, kv, n // kv, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
   k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-  if pad:
-    q = jnp.pad(q, [(0, 0)] * 3 + [(0, pad), (0, 0)])
-    k, v = (jnp.pad(x, [(0, 0)] * 2 + [(0, pad), (0, 0)]) for x in (k, v))
-  out = _flash(q, k, v, c)  # [B, K, G, Tp, D]
-  return out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
+  out = _flash(q, k, v, c)  # [B, K, G, T, D]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
 
 
 def _online_update(carry, s: jax.Array, pv):
@@ -261,7 +257,7 @@ def _online_update(carry, s: jax.Array, pv):
   return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv(p)
 
 
-# The blockwise kernels work head-major: q `[B, K, G, Tp, D]`, k, v `[B, K, Tp, D]` (positions
+# The blockwise kernels work head-major: q `[B, K, G, T, D]`, k, v `[B, K, T, D]` (positions
 # on the second-minor axis), so every block product is a plain batched matmul over (B, K) and
 # a block is a contiguous slice. (Position-major blocks, `[B, C, K, G, D]`, made XLA:CPU
 # transpose q, k, v and the probabilities inside every block pair: the whole train step at
@@ -280,28 +276,41 @@ def _scores(qi: jax.Array, kj: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 
 def _flash_forward(q, k, v, c: int):
-  """q `[B, K, G, Tp, D]`, k, v `[B, K, Tp, D]`, Tp = nb * c. Returns out `[B, K, G, Tp, D]`
-  (q's dtype) and the float32 log-sum-exp of each query's scores `[nb, B, K, G, c]`."""
-  b, kv, g, tp, d = q.shape
-  diagonal = jnp.tril(jnp.ones((c, c), bool))  # [Cq, Ck]: the only mask there is
+  """q `[B, K, G, T, D]`, k, v `[B, K, T, D]`. Returns out `[B, K, G, T, D]` (q's dtype) and
+  the float32 log-sum-exp of each query's scores `[B, K, G, T]`.
 
-  def query_block(i):
-    qi = _block(q, i, c)  # [B, K, G, C, D]
+  T = nb * c + r: nb whole blocks of c positions, then (r > 0) one short last block of r
+  positions, whose queries see the nb whole key blocks and an r x r diagonal block (nothing
+  padded: padding T up to a multiple of c cost up to twice the pairs, e.g. 2080 -> 2560)."""
+  b, kv, g, t, d = q.shape
+  nb, r = divmod(t, c)
 
-    def key_block(j, carry, mask=None):
-      vj = _block(v, j, c)  # [B, K, C, D]
+  def attend(qi, i, kd, vd):
+    """Queries qi `[B, K, G, Q, D]` against key blocks 0..i-1 (whole) and the Q diagonal
+    keys kd, vd `[B, K, Q, D]` (causal mask). -> out `[B, K, G, Q, D]`, lse `[B, K, G, Q]`."""
+    def step(carry, kj, vj, mask=None):
       pv = lambda p: jnp.einsum("bkgqc,bkcd->bkgqd", p.astype(vj.dtype), vj,
                                 preferred_element_type=jnp.float32)
-      return _online_update(carry, _scores(qi, _block(k, j, c), mask), pv)
+      return _online_update(carry, _scores(qi, kj, mask), pv)
 
-    init = (jnp.full((b, kv, g, c), -jnp.inf), jnp.zeros((b, kv, g, c)), jnp.zeros((b, kv, g, c, d)))
-    carry = jax.lax.fori_loop(0, i, key_block, init)  # key blocks below the diagonal, unmasked
-    m, l, acc = key_block(i, carry, diagonal)
-    out = (acc / l[..., None]).astype(q.dtype)  # [B, K, G, C, D]
-    return out, m + jnp.log(l)
+    rows = qi.shape[3]
+    init = (jnp.full((b, kv, g, rows), -jnp.inf), jnp.zeros((b, kv, g, rows)),
+            jnp.zeros((b, kv, g, rows, d)))
+    carry = jax.lax.fori_loop(0, i, lambda j, cr: step(cr, _block(k, j, c), _block(v, j, c)), init)
+    m, l, acc = step(carry, kd, vd, jnp.tril(jnp.ones((rows, rows), bool)))
+    return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
-  out, lse = jax.lax.map(query_block, jnp.arange(tp // c))  # [nb, B, K, G, C, D], [nb, B, K, G, C]
-  return jnp.moveaxis(out, 0, 3).reshape(b, kv, g, tp, d), lse
+  outs, lses = [], []
+  if nb:
+    out, lse = jax.lax.map(lambda i: attend(_block(q, i, c), i, _block(k, i, c), _block(v, i, c)),
+                           jnp.arange(nb))  # [nb, B, K, G, C, D], [nb, B, K, G, C]
+    outs.append(jnp.moveaxis(out, 0, 3).reshape(b, kv, g, nb * c, d))
+    lses.append(jnp.moveaxis(lse, 0, 3).reshape(b, kv, g, nb * c))
+  if r:
+    out, lse = attend(q[:, :, :, nb * c:], nb, k[:, :, nb * c:], v[:, :, nb * c:])
+    outs.append(out)
+    lses.append(lse)
+  return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -317,35 +326,47 @@ def _flash_fwd(q, k, v, c: int):
 
 def _flash_bwd(c: int, res, d_out):
   """FlashAttention-2's backward: probabilities recomputed block by block from the saved
-  log-sum-exp; dq per query block, dk / dv accumulated in float32 over query blocks."""
+  log-sum-exp; dq per query block, dk / dv accumulated in float32 over query blocks (the
+  forward pass's blocks: nb whole ones, then the short last one)."""
   q, k, v, out, lse = res
-  diagonal = jnp.tril(jnp.ones((c, c), bool))
-  delta = jnp.einsum("bkgtd,bkgtd->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))  # [B, K, G, Tp]
+  t = q.shape[3]
+  nb, r = divmod(t, c)
+  delta = jnp.einsum("bkgtd,bkgtd->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))  # [B, K, G, T]
 
-  def query_block(i, grads):
-    dq, dk, dv = grads
-    qi, doi = _block(q, i, c), _block(d_out, i, c)  # [B, K, G, C, D]
-    lse_i = lse[i][..., None]  # [B, K, G, C, 1]
-    delta_i = jax.lax.dynamic_slice_in_dim(delta, i * c, c, axis=3)[..., None]  # [B, K, G, C, 1]
+  def grads(lo, rows, i, dk, dv):
+    """Queries [lo, lo + rows) against key blocks 0..i-1 and their diagonal block: dq of those
+    rows `[B, K, G, rows, D]` float32, dk and dv `[B, K, T, D]` float32 accumulated."""
+    part = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, rows, axis=3)  # noqa: E731
+    qi, doi = part(q), part(d_out)  # [B, K, G, rows, D]
+    lse_i, delta_i = part(lse)[..., None], part(delta)[..., None]  # [B, K, G, rows, 1]
 
-    def key_block(j, carry, mask=None):
+    def step(carry, k_lo, n, mask=None):  # keys [k_lo, k_lo + n)
       dqi, dk, dv = carry
-      kj, vj = _block(k, j, c), _block(v, j, c)  # [B, K, C, D]
-      p = jnp.exp(_scores(qi, kj, mask) - lse_i)  # [B, K, G, Cq, Ck]
+      keys = lambda x: jax.lax.dynamic_slice_in_dim(x, k_lo, n, axis=2)  # noqa: E731
+      kj, vj = keys(k), keys(v)  # [B, K, n, D]
+      p = jnp.exp(_scores(qi, kj, mask) - lse_i)  # [B, K, G, rows, n]
       dp = jnp.einsum("bkgqd,bkcd->bkgqc", doi, vj, preferred_element_type=jnp.float32)
       ds = (p * (dp - delta_i)).astype(q.dtype)
       dv_j = jnp.einsum("bkgqc,bkgqd->bkcd", p.astype(v.dtype), doi, preferred_element_type=jnp.float32)
       dk_j = jnp.einsum("bkgqc,bkgqd->bkcd", ds, qi, preferred_element_type=jnp.float32)
       dqi = dqi + jnp.einsum("bkgqc,bkcd->bkgqd", ds, kj, preferred_element_type=jnp.float32)
-      add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(acc, _block(acc, j, c) + x, j * c, axis=2)
+      add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(acc, keys(acc) + x, k_lo, axis=2)  # noqa: E731
       return dqi, add(dk, dk_j), add(dv, dv_j)
 
-    carry = jax.lax.fori_loop(0, i, key_block, (jnp.zeros(qi.shape, jnp.float32), dk, dv))
-    dqi, dk, dv = key_block(i, carry, diagonal)
+    carry = jax.lax.fori_loop(0, i, lambda j, cr: step(cr, j * c, c),
+                              (jnp.zeros(qi.shape, jnp.float32), dk, dv))
+    return step(carry, lo, rows, jnp.tril(jnp.ones((rows, rows), bool)))
+
+  def whole_block(i, acc):
+    dq, dk, dv = acc
+    dqi, dk, dv = grads(i * c, c, i, dk, dv)
     return jax.lax.dynamic_update_slice_in_dim(dq, dqi, i * c, axis=3), dk, dv
 
-  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  dq, dk, dv = jax.lax.fori_loop(0, q.shape[3] // c, query_block, (zeros(q), zeros(k), zeros(v)))
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+  dq, dk, dv = jax.lax.fori_loop(0, nb, whole_block, (zeros(q), zeros(k), zeros(v)))
+  if r:
+    dqi, dk, dv = grads(nb * c, r, nb, dk, dv)
+    dq = jax.lax.dynamic_update_slice_in_dim(dq, dqi, nb * c, axis=3)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
