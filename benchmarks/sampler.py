@@ -10,7 +10,8 @@ loaded by `AutoModelForCausalLM` (PyTorch CPU) for the reference.
    EOS; transformers: do_sample=True, min_new_tokens=max_new_tokens). Generated tokens/s of
    the whole call (prefill, decode, host work), median of `--reps`, and the ratios. Three
    sides alternate repetition by repetition, so that all see the same machine load:
-   transformers (a child process of its own, torch using every core), our engine alone (one
+   transformers (a child process of its own, torch using every core, OpenMP threads waiting
+   passively: `OMP_WAIT_POLICY=PASSIVE`), our engine alone (one
    `Engine`, 32 slots), and our engine as the trainer runs it with `sampling.engines=N`
    (`oapl_jax.sampling.parallel.Replicas`: N engines of 32 / N slots, one per host device,
    every N-th prompt each; N = `--engines`, default the number of cores; this script asks JAX
@@ -225,7 +226,10 @@ def bench_continuous(graphdef, params, reps: int) -> dict:
 
 def hf_child(model_dir: str, requests, replies) -> None:
   """transformers' generate on the exported checkpoint, one repetition per request (its own
-  process: its own threads and peak memory)."""
+  process: its own threads and peak memory). OpenMP threads wait passively (set before torch
+  loads): spinning threads on a shared 2-core machine made torch's times erratic (one
+  `generate` took 41 s, then 12 s, then 1.6 s)."""
+  os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
   import numpy as np
   import torch
   import transformers
@@ -246,6 +250,7 @@ def hf_child(model_dir: str, requests, replies) -> None:
     assert out.shape == (BATCH, PROMPT_LEN + NEW_TOKENS)
     replies.put(seconds)
   replies.put({"torch_threads": torch.get_num_threads(), "peak_rss_mb": peak_rss_mb(),
+               "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
                "transformers": transformers.__version__, "torch": torch.__version__})
 
 
