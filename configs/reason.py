@@ -1,0 +1,58 @@
+"""The built-in reasoning task: addition answered by a chain of steps (42-83 tokens), on CPU.
+
+Same run as configs/tiny.py (supervised warm-up on clean then noisy demonstrations, whose
+noise here is a dropped carry: oapl_jax/tasks/chain.py -> eval before -> OAPL -> eval after),
+with answers ten to twenty times longer, so the summed log-ratios OAPL regresses are large and
+a lagged sampler drifts over many tokens. pass@k is measured to k = 256.
+
+  python -m oapl_jax.main --config=configs/reason.py --workdir=/tmp/oapl_reason
+  python -m oapl_jax.main --config=configs/reason.py:smoke --workdir=/tmp/oapl_reason_smoke  # CI
+
+Variants through the arg string: `smoke` (a few steps, for tests and CI).
+Every setting and its comment: oapl_jax/config.py `defaults`; this file overrides a few.
+"""
+
+import ml_collections
+
+from oapl_jax import config as config_lib
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  args = config_lib.parse_arg(arg, smoke=bool)
+  c = config_lib.defaults("tiny_addition")  # model: 2 layers, width 128, 32-token vocabulary
+
+  c.task = config_lib.task_section("chain_addition")  # oapl_jax/tasks/chain.py
+  c.task.min_digits = 4  # Fewest digits per operand (a column is 9 answer tokens).
+  c.task.max_digits = 8  # Most digits per operand: chains of up to 83 tokens with EOS.
+  c.task.num_eval = 128  # Held-out problems (never drawn for training).
+
+  c.warmup.steps = 1500  # Clean demonstrations, then the last noisy_steps noisy ones.
+  c.warmup.noisy_steps = 300
+  c.warmup.digit_noise = 0.5  # Chance each carry of a noisy demonstration is dropped.
+  c.sampling.max_prompt_len = 24  # "<bos>99999999+99999999=" is 19 tokens.
+  c.sampling.max_new_tokens = 84  # The longest chain is 83 tokens with EOS.
+  c.sampling.max_slots = 256  # >= eval.samples_per_problem: a problem's samples decode together.
+  c.rl.beta2 = 0.1  # As configs/tiny.py (README, "Tiny-task betas").
+  c.rl.lag = 10
+  c.rl.groups_per_step = 16
+  c.rl.groups_per_rollout = 16  # One fresh rollout per step: equal answers per step for every L.
+  c.train.steps = 300
+  c.train.lr = 3e-4
+  c.eval.samples_per_problem = 256  # pass@k for k = 1, 2, 4, ..., 256.
+  c.checkpoint.every = 100
+
+  if args["smoke"]:
+    c.task.min_digits = 2
+    c.task.max_digits = 3
+    c.sampling.max_new_tokens = 34
+    c.warmup.steps = 30
+    c.warmup.noisy_steps = 10
+    c.task.num_eval = 4
+    c.eval.samples_per_problem = 8
+    c.train.steps = 4
+    c.rl.lag = 2
+    c.rl.groups_per_step = 2
+    c.rl.groups_per_rollout = 2
+    c.sampling.max_slots = 16
+    c.checkpoint.every = 2
+  return c
