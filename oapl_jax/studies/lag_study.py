@@ -627,7 +627,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(command_file, "w") as f:
       f.write(command + "\n")
-    deadline = (time.perf_counter() + 60 * args.budget_minutes) if args.budget_minutes else None
+    deadline = (time.perf_counter() + 60 * args.budget_minutes) if args.budget_minutes is not None else None
     common = dict(methods=args.methods, reduced=args.reduced, study=args.study, deadline=deadline)
     try:
       lrs = (sweep(args.out, lrs=args.sweep_lrs, lag=args.sweep_lag, seed=args.sweep_seed, **common)
