@@ -63,21 +63,20 @@ REDUCED = {"warmup.steps": 30, "warmup.noisy_steps": 10, "task.num_eval": 8, "tr
 REASON_FULL = {"rl.groups_per_step": 16, "rl.groups_per_rollout": 16, "task.num_eval": 64,
                "eval.samples_per_problem": 256, "eval.every": 100, "checkpoint.every": 25,
                "log.progress": False}
-REASON_REDUCED = {"task.min_digits": 2, "task.max_digits": 3, "sampling.max_new_tokens": 34,
-                  "warmup.steps": 30, "warmup.noisy_steps": 10, "task.num_eval": 4,
-                  "train.steps": 4, "rl.groups_per_step": 2, "rl.groups_per_rollout": 2,
-                  "eval.samples_per_problem": 8, "eval.every": 2, "sampling.max_slots": 16,
-                  "checkpoint.every": 1000, "log.progress": False}
+# CI-sized: configs/reason.py:smoke (2-3-digit chains, 4 steps) with an evaluation mid-run.
+REASON_REDUCED = {"eval.every": 2, "checkpoint.every": 1000, "log.progress": False}
 
 
 @dataclasses.dataclass(frozen=True)
 class Study:
-  """A study's task: its config file, the settings of a full and a CI-sized run, a description."""
+  """A study's task: its config file (and its CI-sized variant), the settings of a full and of
+  a CI-sized run on top, a description."""
   config: str
   full: dict
   reduced: dict
   title: str
   about: str
+  reduced_config: str | None = None  # None: `config`
 
 
 STUDIES = {
@@ -89,7 +88,7 @@ STUDIES = {
                     "`configs/reason.py` (4-8-digit addition answered by a chain of column steps, "
                     "42-83 tokens; a 2-layer width-128 model whose base, shared by all runs of a "
                     "seed, is made by a supervised warm-up ending on demonstrations with dropped "
-                    "carries)"),
+                    "carries)", reduced_config="reason.py:smoke"),
 }
 
 
@@ -109,7 +108,7 @@ def study_config(method: str, lag: int, seed: int, *, reduced: bool = False,
   if study not in STUDIES:
     raise ValueError(f"unknown study {study!r}; known: {sorted(STUDIES)}")
   spec = STUDIES[study]
-  c = config_lib.repo_config(spec.config)
+  c = config_lib.repo_config(spec.reduced_config or spec.config if reduced else spec.config)
   for k, v in {**(spec.reduced if reduced else spec.full), **METHODS[method][1],
                **(overrides or {})}.items():
     _set(c, k, v)
