@@ -492,7 +492,7 @@ def _extra_tables(out: str, rows) -> list[str]:
   keys = [k for k in (f"maj@{n}", "distinct_answers", "distinct_correct_chains", "entropy_per_token")
           if all(f"{k}_before" in r for r in rows)]
   if rows and keys:
-    lines += ["## Votes and diversity on the held-out problems (mean ± sd over seeds; before -> after)", "",
+    lines += ["## Held-out votes, diversity and entropy (mean ± sd over seeds; before -> after)", "",
               "| method | L | lr | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
     for r in rows:
       lines.append(f"| {METHODS[r['method']][0]} | {r['lag']} | {', '.join(f'{x:g}' for x in r['lr'])} | "
