@@ -491,7 +491,7 @@ def _extra_tables(out: str, rows) -> list[str]:
   n = rows[0]["passk_n"] if rows else 0
   keys = [k for k in (f"maj@{n}", "distinct_answers", "distinct_correct_chains", "entropy_per_token")
           if all(f"{k}_before" in r for r in rows)]
-  if rows and keys:
+  if rows and f"maj@{n}" in keys:  # tasks with final answers (chain_addition)
     lines += ["## Held-out votes, diversity and entropy (mean ± sd over seeds; before -> after)", "",
               "| method | L | lr | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
     for r in rows:
