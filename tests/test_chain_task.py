@@ -87,11 +87,11 @@ def test_config_builds_the_task_and_refuses_short_answers():
   c = config_lib.repo_config("reason.py")
   config_lib.validate(c)
   task, tok = make_task(c)
-  assert isinstance(task, ChainAdditionTask) and task.longest_answer_tokens() == 83
+  assert isinstance(task, ChainAdditionTask) and task.longest_answer_tokens() == 53
   longest = max(len(tok.encode(chain(*operands(p)))) + 1 for p in task.eval_problems())
-  assert 42 <= longest <= c.sampling.max_new_tokens == 84
-  c.sampling.max_new_tokens = 60
-  with pytest.raises(config_lib.ConfigError, match="sampling.max_new_tokens=60"):
+  assert 30 <= longest <= c.sampling.max_new_tokens == 54
+  c.sampling.max_new_tokens = 40
+  with pytest.raises(config_lib.ConfigError, match="sampling.max_new_tokens=40"):
     make_task(c)
 
 

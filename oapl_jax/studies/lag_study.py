@@ -4,7 +4,7 @@ The paper ran GRPO+IS only at lag 1 and OAPL at lag 50-100. This study runs both
 with the paper's betas) at each L, from one shared base model per seed, with the same number
 of generated answers per run, and writes a report with plots. `--study` picks the task
 (`STUDIES`): "tiny" (configs/tiny.py, two-digit addition: docs/lag_study.md) or "reason"
-(configs/reason.py, addition answered by a 42-83-token chain of steps, pass@k to k = 256).
+(configs/reason.py, addition answered by a 52-53-token chain of steps, pass@k to k = 256).
 
     python -m oapl_jax.studies.lag_study --out=/tmp/lag_study                 # the full study
     python -m oapl_jax.studies.lag_study --out=/tmp/ls --reduced --lags 1 2 --seeds 0   # seconds
@@ -85,8 +85,8 @@ STUDIES = {
                   "made by a supervised warm-up shared by all runs of a seed)"),
     "reason": Study("reason.py", REASON_FULL, REASON_REDUCED,
                     "Reasoning study: OAPL vs GRPO+IS at engine lags L on chain-of-steps addition",
-                    "`configs/reason.py` (4-8-digit addition answered by a chain of column steps, "
-                    "42-83 tokens; a 2-layer width-128 model whose base, shared by all runs of a "
+                    "`configs/reason.py` (5-digit addition answered by a chain of column steps, "
+                    "52-53 tokens; a 2-layer width-128 model whose base, shared by all runs of a "
                     "seed, is made by a supervised warm-up ending on demonstrations with dropped "
                     "carries)", reduced_config="reason.py:smoke"),
 }
