@@ -19,8 +19,9 @@ The base policy's mistakes (`demonstration`, used by the supervised warm-up's no
 probability ``digit_noise`` (the warm-up's setting), and the chain goes on consistently from
 there, so its final answer is wrong. A model fitted to such demonstrations forgets carries at
 that rate, so a problem with K carries is solved with probability about (1 - noise)^K: easy
-problems (few carries) almost always, hard ones (many) almost never, even in 256 tries. That
-spread is what keeps pass@256 below 1 and leaves RL something to fix at every k.
+problems (few carries) almost always, hard ones (many) rarely. That spread is meant to keep
+pass@256 below 1, leaving RL something to fix at every k (how far it does depends on the noise:
+README, "Calibration").
 
 Pure Python/numpy; no JAX is needed here.
 """
