@@ -77,12 +77,12 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
       ("batch", ("data", "fsdp")),  # Batch rows of a train step's activations (MaxText: data x fsdp).
   )
 
-  c.warmup = ml_collections.ConfigDict()  # Supervised warm-up (embedded addition task only).
+  c.warmup = ml_collections.ConfigDict()  # Supervised warm-up (the embedded tasks: addition, chain_addition).
   c.warmup.steps = 0  # Supervised steps that make the base model (clean, then noisy demos); 0 = none.
   c.warmup.noisy_steps = 0  # The last this many warm-up steps use noisy demonstrations.
   c.warmup.batch_size = 128  # Demonstrations per step.
   c.warmup.lr = 1e-2  # AdamW peak learning rate (cosine decay, 5% linear warm-up).
-  c.warmup.digit_noise = 0.3  # In noisy demos, chance each answer digit is replaced by a wrong one.
+  c.warmup.digit_noise = 0.3  # In noisy demos, chance each answer digit is replaced by a wrong one (chain_addition: each carry is dropped).
   # Folder caching warmed-up base models, keyed by seed + model + task + warm-up settings, so
   # runs that differ only in RL settings (a study's methods and lags) share one base; None = off.
   c.warmup.cache_dir = placeholder(str)
@@ -322,18 +322,19 @@ def parse_arg(arg: str | None, **known: type) -> dict:
 
 
 FILE_TASKS = ("math", "code")  # Tasks that read their problems from files (train/eval_path).
+WARMUP_TASKS = ("addition", "chain_addition")  # Embedded tasks (character tokenizer, demonstrations: warmup.*).
 
 
 def task_section(name: str) -> ml_collections.ConfigDict:
   """A config file's `task` section, holding the settings tasks of its kind share: `name`; for
-  every task with a Hugging Face tokenizer (all but addition) `tokenizer_path`; for FILE_TASKS
+  every task with a Hugging Face tokenizer (all but the embedded WARMUP_TASKS) `tokenizer_path`; for FILE_TASKS
   their sources, `question_field` and `num_eval`. The config file adds the task's own settings.
   """
   if name not in TASKS:
     raise ValueError(f"unknown task {name!r}; known: {tuple(TASKS)}")
   t = ml_collections.ConfigDict()
   t.name = name  # Task in oapl_jax.tasks: how prompts are made and answers scored.
-  if name != "addition":
+  if name not in WARMUP_TASKS:
     t.tokenizer_path = placeholder(str)  # Tokenizer + chat template folder; None = model.path.
   if name in FILE_TASKS:
     # Sources: a .jsonl/.json/.parquet file or tfds:NAME[/CONFIG] (docs/datasets.md converts the
@@ -385,8 +386,8 @@ def validate(c, *, dry_run: bool = False) -> None:
            "with `python launch/make_tiny_hf.py`")
   _validate_model(c)
   _validate_sharding(c)
-  _check(c.warmup.steps == 0 or c.task.name == "addition", "warmup.steps", c.warmup.steps,
-         "the supervised warm-up exists only for the embedded addition task")
+  _check(c.warmup.steps == 0 or c.task.name in WARMUP_TASKS, "warmup.steps", c.warmup.steps,
+         f"the supervised warm-up exists only for the embedded tasks {WARMUP_TASKS}")
 
   rl = c.rl
   _check(rl.loss in losses.LOSSES, "rl.loss", rl.loss, f"unknown loss; known: {sorted(losses.LOSSES)}")

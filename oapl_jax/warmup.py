@@ -1,8 +1,8 @@
-"""Supervised warm-up that makes the base policy of the embedded task.
+"""Supervised warm-up that makes the base policy of an embedded task (addition, chain_addition).
 
 Cross-entropy on answer tokens, in two phases: clean demonstrations first (the model learns
 the task), then, for the last `warmup.noisy_steps` steps, *noisy* demonstrations (each digit
-wrong with probability `warmup.digit_noise`). The second phase flattens the answer
+wrong with probability `warmup.digit_noise`; chain_addition: each carry dropped, `task.demonstration`). The second phase flattens the answer
 distribution, so the base model knows the right answer but is calibrated and imperfect: its
 pass@1 is about (1 - noise)^digits, and RL with the verifiable reward has errors to fix.
 

@@ -1,6 +1,9 @@
 """The lag-study launcher, CI-sized: every method at two lags, its report and plots."""
 
+import json
 import os
+
+import numpy as np
 
 import pytest
 
@@ -61,3 +64,65 @@ def test_bad_arguments_are_refused():
     lag_study.study_config("ppo", 1, 0)
   with pytest.raises(SystemExit):
     lag_study.main(["--out", "/tmp/x", "--lags", "0"])
+
+
+# --- the reasoning study (configs/reason.py): budgeted pieces, maj@k and diversity, the lr sweep --
+
+
+@pytest.fixture(scope="module")
+def reason_study(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("reason_study"))
+  args = ["--study", "reason", "--out", out, "--reduced", "--methods", "oapl", "grpo_tis",
+          "--lags", "2", "--seeds", "0"]
+  # a piece with no budget left stops before its first run, saying more is left
+  assert lag_study.main(args + ["--budget-minutes", "0"]) == 3
+  assert not lag_study.load_runs(out)
+  assert lag_study.main(args) == 0
+  return out
+
+
+def test_reason_study_runs_the_chain_task_and_measures_votes_and_diversity(reason_study):
+  runs = lag_study.load_runs(reason_study)
+  assert sorted(r.method for r in runs) == ["grpo_tis", "oapl"]
+  for r in runs:
+    cfg = r.summary["config"]
+    assert cfg["task"]["name"] == "chain_addition" and cfg["seed"] == 0 and cfg["rl"]["lag"] == 2
+    for when in ("before", "after"):
+      e = r.summary[f"eval_{when}"]
+      n = e["samples_per_problem"]
+      assert {f"pass@{n}", f"maj@{n}", "distinct_answers", "distinct_correct_chains",
+              "entropy_per_token"} <= set(e)
+      assert np.array(e["answer_ids"]).shape == (e["num_problems"], n)
+      assert e["entropy_per_token"] > 0 and e["mean_answer_tokens"] > 4
+  assert runs[0].summary["samples_generated"] == runs[1].summary["samples_generated"]
+  report = os.path.join(reason_study, "report.md")
+  lag_study.write_report(reason_study, report, command="cmd", study="reason")
+  text = open(report).read()
+  assert text.startswith("# Reasoning study") and "configs/reason.py" in text
+  assert "maj@8" in text and "distinct_correct_chains" in text and "* sample efficiency, L=2" in text
+
+
+def test_sweep_picks_each_methods_best_lr_and_the_study_uses_it(reason_study, capsys):
+  # finished sweep runs are read, not rerun: fake three lrs per method with known pass@1
+  scores = {"oapl": {1e-4: 0.2, 3e-4: 0.5, 1e-3: 0.5}, "grpo_tis": {1e-4: 0.4, 3e-4: 0.1, 1e-3: 0.3}}
+  for method, table in scores.items():
+    for lr, p1 in table.items():
+      d = lag_study.run_dir(reason_study, method, 2, 7, lr)
+      os.makedirs(d)
+      json.dump({"eval_after": {"pass@1": p1}}, open(os.path.join(d, "summary.json"), "w"))
+  chosen = lag_study.sweep(reason_study, methods=("oapl", "grpo_tis"), lrs=(1e-4, 3e-4, 1e-3),
+                           lag=2, seed=7)
+  assert chosen == {"oapl": 3e-4, "grpo_tis": 1e-4}  # ties: the smaller lr
+  assert json.load(open(os.path.join(reason_study, "sweep", "chosen.json")))["lr"] == chosen
+  c = lag_study.study_config("oapl", 2, 0, study="reason", overrides={"train.lr": chosen["oapl"]})
+  assert c.train.lr == 3e-4 and c.task.name == "chain_addition"
+  lag_study.write_report(reason_study, os.path.join(reason_study, "r2.md"), command="c", study="reason")
+  text = open(os.path.join(reason_study, "r2.md")).read()
+  assert "## Learning-rate sweep" in text and "| 0.0003 |" in text
+
+
+def test_sweep_seed_must_differ_from_the_study_seeds():
+  with pytest.raises(SystemExit):
+    lag_study.main(["--out", "/tmp/x", "--seeds", "0", "--sweep-lrs", "1e-3", "--sweep-seed", "0"])
+  with pytest.raises(ValueError, match="unknown study"):
+    lag_study.study_config("oapl", 1, 0, study="nope")

@@ -1,14 +1,23 @@
-"""The lag study: OAPL and GRPO+IS at several engine lags L, several seeds, on the tiny task.
+"""The lag study: OAPL and GRPO+IS at several engine lags L, several seeds, on an embedded task.
 
 The paper ran GRPO+IS only at lag 1 and OAPL at lag 50-100. This study runs both (and OAPL
-with the paper's betas) on the embedded addition task at each L, from one shared base model
-per seed, with the same number of generated answers per run, and writes a report with plots.
+with the paper's betas) at each L, from one shared base model per seed, with the same number
+of generated answers per run, and writes a report with plots. `--study` picks the task
+(`STUDIES`): "tiny" (configs/tiny.py, two-digit addition: docs/lag_study.md) or "reason"
+(configs/reason.py, addition answered by a 52-53-token chain of steps, pass@k to k = 256).
 
     python -m oapl_jax.studies.lag_study --out=/tmp/lag_study                 # the full study
     python -m oapl_jax.studies.lag_study --out=/tmp/ls --reduced --lags 1 2 --seeds 0   # seconds
+    python -m oapl_jax.studies.lag_study --study=reason --out=/tmp/rs --sweep-lrs 1e-4 3e-4 1e-3 \
+        --lags 1 10 50 100 --seeds 0 1 2 3 4 --budget-minutes=45             # one piece
 
-Runs already finished under `--out` (a `summary.json`) are skipped, so an interrupted study
-resumes. From Python: `run_study(...)`, then `write_report(...)`; `load_runs` reads results.
+Learning-rate sweep (`--sweep-lrs`): before the study's runs, each method is run at every lr
+at lag `--sweep-lag` on seed `--sweep-seed` (not one of the study's seeds), under
+`<out>/sweep/`; the lr with the best final pass@1 is each method's lr for the study
+(`<out>/sweep/chosen.json`, reported). Runs already finished under `--out` (a `summary.json`)
+are skipped and an unfinished one resumes from its checkpoints, so a study runs in pieces:
+`--budget-minutes` starts no run after that many minutes (then exit code 3 says more is left:
+run the same command again). From Python: `run_study(...)`, then `write_report(...)`.
 """
 
 from __future__ import annotations
@@ -48,6 +57,39 @@ FULL = {"rl.groups_per_step": 16, "rl.groups_per_rollout": 16, "eval.samples_per
 REDUCED = {"warmup.steps": 30, "warmup.noisy_steps": 10, "task.num_eval": 8, "train.steps": 4,
            "rl.groups_per_step": 2, "rl.groups_per_rollout": 2, "eval.samples_per_problem": 8,
            "eval.every": 2, "sampling.max_slots": 32, "checkpoint.every": 1000, "log.progress": False}
+# The reasoning study (configs/reason.py): 256 samples per held-out problem (pass@k, maj@k to
+# k = 256) on 64 problems; one eval.samples_per_problem serves every evaluation, so those during
+# training (the pass@1 curve, sample efficiency) are every 100 steps.
+REASON_FULL = {"rl.groups_per_step": 16, "rl.groups_per_rollout": 16, "task.num_eval": 64,
+               "eval.samples_per_problem": 256, "eval.every": 100, "checkpoint.every": 25,
+               "log.progress": False}
+# CI-sized: configs/reason.py:smoke (2-3-digit chains, 4 steps) with an evaluation mid-run.
+REASON_REDUCED = {"eval.every": 2, "checkpoint.every": 1000, "log.progress": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """A study's task: its config file (and its CI-sized variant), the settings of a full and of
+  a CI-sized run on top, a description."""
+  config: str
+  full: dict
+  reduced: dict
+  title: str
+  about: str
+  reduced_config: str | None = None  # None: `config`
+
+
+STUDIES = {
+    "tiny": Study("tiny.py", FULL, REDUCED, "Lag study: OAPL vs GRPO+IS at engine lags L on the tiny task",
+                  "`configs/tiny.py` (two-digit addition, a 2-layer width-128 model whose base is "
+                  "made by a supervised warm-up shared by all runs of a seed)"),
+    "reason": Study("reason.py", REASON_FULL, REASON_REDUCED,
+                    "Reasoning study: OAPL vs GRPO+IS at engine lags L on chain-of-steps addition",
+                    "`configs/reason.py` (5-digit addition answered by a chain of column steps, "
+                    "52-53 tokens; a 2-layer width-128 model whose base, shared by all runs of a "
+                    "seed, is made by a supervised warm-up ending on demonstrations with dropped "
+                    "carries)", reduced_config="reason.py:smoke"),
+}
 
 
 def _set(config, dotted: str, value) -> None:
@@ -59,47 +101,98 @@ def _set(config, dotted: str, value) -> None:
 
 
 def study_config(method: str, lag: int, seed: int, *, reduced: bool = False,
-                 cache_dir: str | None = None, overrides: dict | None = None):
-  """configs/tiny.py with the study's settings, the method's, `rl.lag=lag` and `seed`."""
+                 cache_dir: str | None = None, overrides: dict | None = None, study: str = "tiny"):
+  """The study's config file with its settings, the method's, `rl.lag=lag` and `seed`."""
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; known: {sorted(METHODS)}")
-  c = config_lib.repo_config("tiny.py")
-  for k, v in {**(REDUCED if reduced else FULL), **METHODS[method][1], **(overrides or {})}.items():
+  if study not in STUDIES:
+    raise ValueError(f"unknown study {study!r}; known: {sorted(STUDIES)}")
+  spec = STUDIES[study]
+  c = config_lib.repo_config(spec.reduced_config or spec.config if reduced else spec.config)
+  for k, v in {**(spec.reduced if reduced else spec.full), **METHODS[method][1],
+               **(overrides or {})}.items():
     _set(c, k, v)
   c.rl.lag, c.seed = lag, seed
   c.warmup.cache_dir = cache_dir
   return c
 
 
-def run_dir(out: str, method: str, lag: int, seed: int) -> str:
-  return os.path.join(out, "runs", f"{method}_lag{lag}_seed{seed}")
+def run_dir(out: str, method: str, lag: int, seed: int, lr: float | None = None) -> str:
+  """`<out>/runs/<method>_lag<L>_seed<S>`; a sweep run: `<out>/sweep/<...>_lr<lr>`."""
+  if lr is None:
+    return os.path.join(out, "runs", f"{method}_lag{lag}_seed{seed}")
+  return os.path.join(out, "sweep", f"{method}_lag{lag}_seed{seed}_lr{lr:g}")
 
 
-def run_study(out: str, *, methods=tuple(METHODS), lags=DEFAULT_LAGS, seeds=DEFAULT_SEEDS,
-              reduced: bool = False, overrides: dict | None = None, echo=print) -> list[str]:
-  """Runs every (seed, lag, method) not finished yet; returns the run folders.
+class BudgetSpent(Exception):
+  """`--budget-minutes` ran out with runs left (the study resumes where it stopped)."""
 
-  Seeds outermost, so a study stopped early has every method and lag for its first seeds.
-  All runs of a seed share one warmed-up base model (`<out>/base_models`).
-  """
+
+def _run_all(out: str, todo: list, *, reduced: bool, overrides: dict | None, study: str,
+             deadline: float | None, echo, in_sweep: bool = False) -> list[str]:
+  """Runs each (seed, lag, method, lr) of `todo` not finished yet; a run left unfinished by an
+  earlier piece resumes from its checkpoints. Raises `BudgetSpent` past `deadline`."""
   from oapl_jax import train  # heavy import, only when running
-  todo = [(s, l, m) for s in seeds for l in lags for m in methods]
   dirs = []
-  for i, (seed, lag, method) in enumerate(todo, 1):
-    d = run_dir(out, method, lag, seed)
+  for i, (seed, lag, method, lr) in enumerate(todo, 1):
+    d = run_dir(out, method, lag, seed, lr if in_sweep else None)
     dirs.append(d)
     if os.path.isfile(os.path.join(d, "summary.json")):
       echo(f"[{i}/{len(todo)}] {os.path.basename(d)}: done already")
       continue
+    if deadline is not None and time.perf_counter() > deadline:
+      raise BudgetSpent(f"budget spent: {len(todo) - i + 1} of {len(todo)} runs left "
+                        f"(next: {os.path.basename(d)}); run the same command again to go on")
     t0 = time.perf_counter()
-    config = study_config(method, lag, seed, reduced=reduced, overrides=overrides,
+    config = study_config(method, lag, seed, reduced=reduced, study=study,
+                          overrides={**(overrides or {}), **({"train.lr": lr} if lr else {})},
                           cache_dir=os.path.join(out, "base_models"))
     s = train.run(config, d)
-    with open(os.path.join(d, "study_wall_seconds.json"), "w") as f:
-      json.dump(time.perf_counter() - t0, f)
+    wall_path = os.path.join(d, "study_wall_seconds.json")
+    with open(wall_path + ".part", "a") as f:  # pieces of a resumed run add up
+      f.write(f"{time.perf_counter() - t0}\n")
+    with open(wall_path, "w") as f:
+      json.dump(sum(float(x) for x in open(wall_path + ".part")), f)
     echo(f"[{i}/{len(todo)}] {os.path.basename(d)}: pass@1 {s['eval_before']['pass@1']:.3f} -> "
          f"{s['eval_after']['pass@1']:.3f} ({time.perf_counter() - t0:.0f}s)")
   return dirs
+
+
+def sweep(out: str, *, methods, lrs, lag: int, seed: int, reduced: bool = False,
+          overrides: dict | None = None, study: str = "tiny", deadline: float | None = None,
+          echo=print) -> dict[str, float]:
+  """Each method at each lr (lag `lag`, seed `seed`); returns and writes `<out>/sweep/chosen.json`:
+  per method the lr of the best final pass@1 (ties: the smaller lr)."""
+  todo = [(seed, lag, m, float(lr)) for m in methods for lr in lrs]
+  _run_all(out, todo, reduced=reduced, overrides=overrides, study=study, deadline=deadline,
+           echo=echo, in_sweep=True)
+  chosen, table = {}, {}
+  for method in methods:
+    scores = []
+    for lr in sorted(float(x) for x in lrs):
+      with open(os.path.join(run_dir(out, method, lag, seed, lr), "summary.json")) as f:
+        scores.append((json.load(f)["eval_after"]["pass@1"], -lr, lr))
+    table[method] = {f"{lr:g}": p for p, _, lr in scores}
+    chosen[method] = max(scores)[2]
+  with open(os.path.join(out, "sweep", "chosen.json"), "w") as f:
+    json.dump({"lag": lag, "seed": seed, "pass1_after": table, "lr": chosen}, f, indent=1)
+  echo("sweep: " + ", ".join(f"{m} lr={lr:g}" for m, lr in chosen.items()))
+  return chosen
+
+
+def run_study(out: str, *, methods=tuple(METHODS), lags=DEFAULT_LAGS, seeds=DEFAULT_SEEDS,
+              reduced: bool = False, overrides: dict | None = None, echo=print,
+              study: str = "tiny", lrs: dict[str, float] | None = None,
+              deadline: float | None = None) -> list[str]:
+  """Runs every (seed, lag, method) not finished yet; returns the run folders.
+
+  Seeds outermost, so a study stopped early has every method and lag for its first seeds.
+  All runs of a seed share one warmed-up base model (`<out>/base_models`). lrs: a method's
+  train.lr (from `sweep`); others keep the config's.
+  """
+  todo = [(s, l, m, (lrs or {}).get(m)) for s in seeds for l in lags for m in methods]
+  return _run_all(out, todo, reduced=reduced, overrides=overrides, study=study,
+                  deadline=deadline, echo=echo)
 
 
 # --- results -----------------------------------------------------------------------------------
@@ -300,6 +393,11 @@ def summarise(results) -> list[dict]:
         "train_seconds": [r.summary["train_seconds"] for r in runs],
     }.items():
       row[name] = _mean_sd(values)
+    for key in (f"maj@{n}", "distinct_answers", "distinct_correct_chains", "entropy_per_token"):
+      if all(key in r.summary["eval_before"] and key in r.summary["eval_after"] for r in runs):
+        for when in ("before", "after"):
+          row[f"{key}_{when}"] = _mean_sd([r.summary[f"eval_{when}"][key] for r in runs])
+    row["lr"] = sorted({r.summary["config"]["train"]["lr"] for r in runs})
     ks = np.arange(1, n + 1)
     gaps = np.mean([r.passk("after", ks) - r.passk("before", ks) for r in runs], axis=0)
     row["passk_not_up"] = [int(k) for k, g in zip(ks, gaps) if g < 0]
@@ -345,6 +443,66 @@ def findings(rows) -> list[str]:
   return out
 
 
+def first_reaching(r: RunResult, target: float) -> float | None:
+  """Answers generated when `r`'s held-out pass@1 (at its evaluations) first reaches `target`."""
+  xs, ys = r.pass1_curve()
+  hits = np.nonzero(ys >= target - 1e-12)[0]
+  return float(xs[hits[0]]) if len(hits) else None
+
+
+def efficiency_findings(results) -> list[str]:
+  """Sample efficiency, per lag and seed: answers until OAPL reaches GRPO+IS's final pass@1,
+  and until GRPO+IS reaches OAPL's (at the evaluation points; None: never)."""
+  by = {(r.method, r.lag, r.seed): r for r in results}
+  out = []
+  for lag in sorted({r.lag for r in results}):
+    parts, total = [], None
+    for seed in sorted({r.seed for r in results}):
+      a, g = by.get(("oapl", lag, seed)), by.get(("grpo_tis", lag, seed))
+      if not (a and g):
+        continue
+      fa, fg = a.summary["eval_after"]["pass@1"], g.summary["eval_after"]["pass@1"]
+      na, ng = first_reaching(a, fg), first_reaching(g, fa)
+      fmt = lambda x: "never" if x is None else f"{x:.0f}"  # noqa: E731
+      total = a.summary["samples_generated"]
+      parts.append(f"seed {seed}: OAPL reaches GRPO+IS's final {fg:.3f} after {fmt(na)} answers, "
+                   f"GRPO+IS reaches OAPL's final {fa:.3f} after {fmt(ng)}")
+    if parts:
+      out.append(f"* sample efficiency, L={lag} (answers generated, read at the evaluations; "
+                 f"{total} per run): " + "; ".join(parts) + ".")
+  return out
+
+
+def _extra_tables(out: str, rows) -> list[str]:
+  """The lr sweep (if run) and maj@k / diversity / eval entropy (tasks with final answers)."""
+  lines = []
+  chosen_path = os.path.join(out, "sweep", "chosen.json")
+  if os.path.isfile(chosen_path):
+    chosen = json.load(open(chosen_path))
+    lines += ["## Learning-rate sweep", "",
+              f"Each method at each lr, L={chosen['lag']}, seed {chosen['seed']} (not a study "
+              "seed); the best final pass@1 picks the method's lr for every run above.", "",
+              "| method | " + " | ".join(f"lr {lr}" for lr in next(iter(chosen['pass1_after'].values()))) + " | chosen |",
+              "|---|" + "---|" * (len(next(iter(chosen['pass1_after'].values()))) + 1)]
+    for method, table in chosen["pass1_after"].items():
+      lines.append(f"| {METHODS[method][0]} | " + " | ".join(f"{v:.3f}" for v in table.values())
+                   + f" | {chosen['lr'][method]:g} |")
+    lines.append("")
+  n = rows[0]["passk_n"] if rows else 0
+  keys = [k for k in (f"maj@{n}", "distinct_answers", "distinct_correct_chains", "entropy_per_token")
+          if all(f"{k}_before" in r for r in rows)]
+  if rows and f"maj@{n}" in keys:  # tasks with final answers (chain_addition)
+    lines += ["## Held-out votes, diversity and entropy (mean ± sd over seeds; before -> after)", "",
+              "| method | L | lr | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
+    for r in rows:
+      lines.append(f"| {METHODS[r['method']][0]} | {r['lag']} | {', '.join(f'{x:g}' for x in r['lr'])} | "
+                   + " | ".join(f"{_fmt(r[f'{k}_before'], 2)} -> {_fmt(r[f'{k}_after'], 2)}" for k in keys) + " |")
+    lines += ["", "maj@k: majority vote over k answers' final answers; distinct_answers / "
+              "distinct_correct_chains: per problem among its samples; entropy_per_token: mean "
+              "-log pi_theta of its own sampled tokens.", ""]
+  return lines
+
+
 def _ranges(ks) -> str:
   parts, start = [], ks[0]
   for prev, k in zip(ks, ks[1:] + [None]):
@@ -357,7 +515,7 @@ def _ranges(ks) -> str:
 NOTES_BEGIN, NOTES_END = "<!-- notes: kept when the report is regenerated -->", "<!-- end notes -->"
 
 
-def write_report(out: str, report: str, *, command: str) -> str:
+def write_report(out: str, report: str, *, command: str, study: str = "tiny") -> str:
   """Writes `report` (markdown) and its PNGs (in `<report without .md>/`) from the runs in `out`.
 
   Text between the notes markers of an existing report is kept, so a hand-written reading of
@@ -380,7 +538,7 @@ def write_report(out: str, report: str, *, command: str) -> str:
   wall_seconds = sum(walls) if len(walls) == len(results) else None
   n = rows[0]["passk_n"]
   lines = [
-      "# Lag study: OAPL vs GRPO+IS at engine lags L on the tiny task",
+      f"# {STUDIES[study].title}",
       "",
       "Produced by (from the repository root; `bash launch/lag_study.sh` runs the same):",
       "",
@@ -389,10 +547,10 @@ def write_report(out: str, report: str, *, command: str) -> str:
       f"{len(results)} runs: methods {', '.join(sorted({r.method for r in results}))}; "
       f"L = {', '.join(map(str, sorted({r.lag for r in results})))}; "
       f"seeds {', '.join(map(str, sorted({r.seed for r in results})))}. "
-      f"Each run: `configs/tiny.py` (two-digit addition, a 2-layer width-128 model whose base is "
-      f"made by a supervised warm-up shared by all runs of a seed), "
+      f"Each run: {STUDIES[study].about}, "
       f"{first['train']['steps']} trainer steps of {first['rl']['groups_per_step']} groups x "
-      f"G={first['rl']['group_size']} fresh answers, lr {first['train']['lr']}, "
+      f"G={first['rl']['group_size']} fresh answers, lr "
+      f"{', '.join(sorted({format(r.summary['config']['train']['lr'], 'g') for r in results}))}, "
       f"pass@k on {first['task']['num_eval']} held-out problems with "
       f"{first['eval']['samples_per_problem']} samples each (unbiased estimator)."
       + (f" Wall time of all runs: {wall_seconds / 60:.0f} min (2-core CPU)." if wall_seconds else ""),
@@ -409,6 +567,7 @@ def write_report(out: str, report: str, *, command: str) -> str:
         f"{_fmt(r['entropy_end'])} | {r['samples'][0]:.0f} | {r['train_seconds'][0]:.0f} |")
   lines += [
       "",
+      *_extra_tables(out, rows),
       "## Plots",
       "",
       f"![pass@1 vs generated answers]({rel(paths['pass1'])})",
@@ -420,6 +579,7 @@ def write_report(out: str, report: str, *, command: str) -> str:
       "## The paper's findings, checked (computed from the runs)",
       "",
       *findings(rows),
+      *efficiency_findings(results),
       "",
       "## Reading",
       "",
@@ -439,14 +599,25 @@ def main(argv=None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True, help="folder for the runs (resumable)")
   p.add_argument("--report", default=None, help="markdown report to write (default: <out>/lag_study.md)")
+  p.add_argument("--study", default="tiny", choices=list(STUDIES), help="the task (STUDIES)")
   p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
   p.add_argument("--lags", nargs="+", type=int, default=list(DEFAULT_LAGS))
   p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
+  p.add_argument("--sweep-lrs", nargs="+", type=float, default=None,
+                 help="pick each method's train.lr among these first (on --sweep-seed)")
+  p.add_argument("--sweep-lag", type=int, default=10, help="the lag of the sweep's runs")
+  p.add_argument("--sweep-seed", type=int, default=100, help="the sweep's seed (not a study seed)")
+  p.add_argument("--budget-minutes", type=float, default=None,
+                 help="start no run after this many minutes (exit 3: run again to go on)")
   p.add_argument("--reduced", action="store_true", help="CI-sized runs (a few steps each)")
   p.add_argument("--report-only", action="store_true", help="write the report from finished runs")
   args = p.parse_args(argv)
-  if any(l < 1 for l in args.lags):
-    p.error("--lags must be >= 1")
+  if any(l < 1 for l in args.lags + [args.sweep_lag]):
+    p.error("--lags and --sweep-lag must be >= 1")
+  if args.sweep_lrs and args.sweep_seed in args.seeds:
+    p.error(f"--sweep-seed={args.sweep_seed} is one of --seeds: the sweep needs a separate seed")
+  if args.sweep_lrs and any(lr <= 0 for lr in args.sweep_lrs):
+    p.error("--sweep-lrs must be > 0")
   command = "python -m oapl_jax.studies.lag_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
   command_file = os.path.join(args.out, "study_command.txt")
   if args.report_only and os.path.isfile(command_file):  # the command that ran the study
@@ -455,9 +626,17 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(command_file, "w") as f:
       f.write(command + "\n")
-    run_study(args.out, methods=args.methods, lags=args.lags, seeds=args.seeds, reduced=args.reduced)
+    deadline = (time.perf_counter() + 60 * args.budget_minutes) if args.budget_minutes is not None else None
+    common = dict(methods=args.methods, reduced=args.reduced, study=args.study, deadline=deadline)
+    try:
+      lrs = (sweep(args.out, lrs=args.sweep_lrs, lag=args.sweep_lag, seed=args.sweep_seed, **common)
+             if args.sweep_lrs else None)
+      run_study(args.out, lags=args.lags, seeds=args.seeds, lrs=lrs, **common)
+    except BudgetSpent as e:
+      print(e)
+      return 3
   report = args.report or os.path.join(args.out, "lag_study.md")
-  print(f"report: {write_report(args.out, report, command=command)}")
+  print(f"report: {write_report(args.out, report, command=command, study=args.study)}")
   return 0
 
 

@@ -5,6 +5,7 @@
                     host shard, check prompt lengths, draw)
   limits.py         prompt lengths against sampling.max_prompt_len
   arithmetic.py     addition (embedded, procedural) and its character tokenizer
+  chain.py          chain_addition: addition answered by a chain of column steps (embedded)
   math.py, code.py  row-based tasks (code tests are read by oapl_jax/data/code_tests.py)
   reasoning_gym.py  procedural tasks of the reasoning_gym package
   hf_tokenizer.py   a Hugging Face tokenizer with its chat template

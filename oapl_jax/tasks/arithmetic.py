@@ -37,17 +37,19 @@ class CharTokenizer:
   """Character-level tokenizer over a fixed, small vocabulary.
 
   Ids: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, then the characters
-  ``"0123456789+-*="`` and space (vocabulary size 18).
+  ``"0123456789+-*="`` and space (vocabulary size 18), then ``extra`` characters (a task that
+  writes more symbols, e.g. the chain-of-steps task's ``">"``; the first 18 ids are unchanged).
   """
 
-  def __init__(self) -> None:
-    self._id_to_char = {len(_SPECIALS) + i: c for i, c in enumerate(_CHARS)}
+  def __init__(self, extra: str = "") -> None:
+    chars = _CHARS + "".join(c for c in dict.fromkeys(extra) if c not in _CHARS)
+    self._id_to_char = {len(_SPECIALS) + i: c for i, c in enumerate(chars)}
     self._char_to_id = {c: i for i, c in self._id_to_char.items()}
 
   @property
   def vocab_size(self) -> int:
     """Number of token ids (specials plus characters)."""
-    return len(_SPECIALS) + len(_CHARS)
+    return len(_SPECIALS) + len(self._id_to_char)
 
   @property
   def pad_id(self) -> int:
