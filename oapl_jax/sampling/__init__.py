@@ -6,6 +6,8 @@ start-up), which the trainer's step, the memory planner and `--dry_run` do not n
 """
 
 import importlib
+import sys
+import types
 
 from oapl_jax.sampling.processing import SamplingParams, process_logits, sample
 
@@ -26,3 +28,17 @@ def __getattr__(name: str):
   value = getattr(importlib.import_module(_LAZY[name]), name)
   globals()[name] = value
   return value
+
+
+class _Package(types.ModuleType):
+  """This package, with `rollout` always the function: importing the submodule
+  `oapl_jax.sampling.rollout` makes Python set the package's attribute `rollout` to the
+  module, which the eager `from ... import rollout` used to overwrite again."""
+
+  def __setattr__(self, name, value):
+    if name == "rollout" and isinstance(value, types.ModuleType):
+      value = value.rollout
+    super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
