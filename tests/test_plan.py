@@ -144,7 +144,8 @@ def test_activation_settings_move_the_plan_the_right_way():
   tile = lambda t: _item(plan_lib.make_plan(_config(math, "v5p-64", sampling__engines=8,  # noqa: E731
                                                     sampling__tensor=4, train__logprob_tile=t)),
                          "log-prob kernel")
-  assert tile(2048) - tile(512) == plan_lib.LOGPROB_TILE_COPIES * 1536 * base.model.vocab_size * 4
+  vocab_shard = base.model.vocab_size // 32  # the vocabulary over tensor 1 x fsdp 32 (v5p-64)
+  assert tile(2048) - tile(512) == plan_lib.LOGPROB_TILE_COPIES * 1536 * vocab_shard * 4
 
 
 def test_mesh_axes_resolve_against_the_topology():
