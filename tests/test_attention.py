@@ -151,6 +151,32 @@ def test_scanned_blocks_give_the_loop_s_kv_and_numbers():
       np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=tol,
                                  rtol=tol, err_msg=dtype)
 
+def test_full_remat_scan_keeps_weights_as_bits():
+  """remat "full" without keys/values (the trainer's pass) runs `_full_remat_scan`, which
+  stacks the weights and their gradient as the compute dtype's bits: bf16 compute on float32
+  master weights gives the same loss and bit-equal gradients as the `jax.checkpoint` scan
+  over stacked bf16 weights (still run when keys/values are returned), in less scratch memory
+  (XLA:CPU keeps stacked bf16 in float32)."""
+  cfg = dataclasses.replace(CFG, num_layers=4, param_dtype="float32", dtype="bfloat16")
+  graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  tokens = jax.random.randint(jax.random.key(3), (2, 40), 0, cfg.vocab_size)
+
+  def loss(p, return_kv):
+    m = nnx.merge(graphdef, p)
+    x, _ = m._hidden(tokens, None, 8, "full", None, return_kv)
+    return jnp.sum(m.final_norm(x).astype(jnp.float32) ** 2)
+
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  (loss_bits, g_bits), (loss_stack, g_stack) = grad(params, False), grad(params, True)
+  assert float(loss_bits) == float(loss_stack)
+  for a, b in zip(jax.tree.leaves(g_bits), jax.tree.leaves(g_stack)):
+    assert a.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  temp = {kv: grad.lower(params, kv).compile().memory_analysis().temp_size_in_bytes
+          for kv in (False, True)}
+  assert temp[False] < temp[True], temp
+
+
 
 def test_remat_policy_changes_what_is_saved():
   """"full" keeps fewer residuals than "none" (the policy is really applied)."""

@@ -12,7 +12,9 @@ Entry points (all share every weight and every layer):
   each transformer block runs under a remat policy (`REMAT_POLICIES`: "none" / "dots" /
   "full", `config.train.remat`); with remat, the blocks are one `lax.scan` over the layers'
   weights stacked in the compute dtype (`_scan_blocks`: on XLA:CPU only a scan keeps the
-  saved activations to one input per layer).
+  saved activations to one input per layer; with "full" and no keys/values, the trainer's
+  pass, the stack holds the compute dtype's bits and the backward is written out:
+  `_full_remat_scan`).
 * `model.prefill(tokens, lengths)` — the forward pass with the LM head only at each prompt's
   last token, plus every layer's keys and values (the sampling engine's prefill).
 * The one-token decode step is `oapl_jax.sampling.decode.decode`, over the engine's weight
@@ -523,6 +525,9 @@ def _scan_blocks(layers: list[Block], x, rope_cs, attn_block: int, remat: str, r
   Returns (x `[B, T, E]`, list over layers of (k, v) `[B, T, K, D]`; empty unless return_kv).
   """
   graphdef = nnx.graphdef(layers[0])
+  if remat == "full" and not return_kv:  # the trainer's memory-lean path (below)
+    return _full_remat_scan((graphdef, attn_block, rows), x, [nnx.state(l) for l in layers],
+                            rope_cs), []
   states = [jax.tree.map(lambda w: w.astype(x.dtype), nnx.state(layer)) for layer in layers]
   stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *states)  # [L, ...] per weight
 
@@ -534,6 +539,69 @@ def _scan_blocks(layers: list[Block], x, rope_cs, attn_block: int, remat: str, r
   if not return_kv:
     return x, []
   return x, [(kvs[0][i], kvs[1][i]) for i in range(len(layers))]  # [L, B, T, K, D] -> per layer
+
+
+# remat "full" without keys/values (the trainer's pass): the scan above with its backward
+# written out. XLA:CPU keeps a stacked bfloat16 array in float32 (it normalises bf16 copies and
+# dynamic slices to f32), so `_scan_blocks`' `[L, ...]` weights and their stacked gradient cost
+# float32 bytes per layer; here both are stacked as the compute dtype's bits (unsigned ints,
+# which no pass widens) and each layer's slice is viewed as the compute dtype again inside the
+# scan. The forward scan keeps each block's input; the backward scan recomputes one block at
+# a time from it (`jax.vjp`), as `jax.checkpoint(policy=nothing_saveable)` does. Same
+# arithmetic as `_scan_blocks`; see docs/memory.md for the bytes.
+
+
+def _as_bits(w: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(w, jnp.dtype(f"uint{8 * w.dtype.itemsize}"))
+
+
+def _stack_bits(states, dtype) -> Any:
+  """List over layers of weight pytrees -> one pytree of `[L, ...]` bits of the weights in `dtype`."""
+  return jax.tree.map(lambda *ws: jnp.stack([_as_bits(w.astype(dtype)) for w in ws]), *states)
+
+
+def _from_bits(bits, dtype) -> Any:
+  return jax.tree.map(lambda b: jax.lax.bitcast_convert_type(b, dtype), bits)
+
+
+def _apply_block(static, x, state, rope_cs):
+  graphdef, attn_block, rows = static
+  return nnx.merge(graphdef, state)(x, rope_cs, attn_block, rows)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _full_remat_scan(static, x, states, rope_cs):
+  """x `[B, T, E]` through the blocks `states` (a list over layers of weight states, any dtype,
+  used in x's dtype); static: (graphdef, attn_block, rows). Returns x after the last block."""
+  return _full_remat_fwd(static, x, states, rope_cs)[0]
+
+
+def _full_remat_fwd(static, x, states, rope_cs):
+  bits = _stack_bits(states, x.dtype)
+  step = lambda x, b: (_apply_block(static, x, _from_bits(b, x.dtype), rope_cs), x)  # noqa: E731
+  y, inputs = jax.lax.scan(step, x, bits)  # inputs: [L, B, T, E], each block's input
+  dtypes = jax.tree.map(lambda w: jnp.zeros((), w.dtype), states[0])  # the master dtypes
+  return y, (bits, inputs, rope_cs, dtypes)
+
+
+def _full_remat_bwd(static, residuals, dy):
+  bits, inputs, rope_cs, dtypes = residuals
+  dtype = inputs.dtype
+
+  def step(dy, xs):
+    b, x = xs
+    _, vjp = jax.vjp(lambda x, w: _apply_block(static, x, w, rope_cs), x, _from_bits(b, dtype))
+    dx, dw = vjp(dy)
+    return dx, jax.tree.map(_as_bits, dw)
+
+  dx, dbits = jax.lax.scan(step, dy, (bits, inputs), reverse=True)
+  layers = inputs.shape[0]
+  dstates = [jax.tree.map(lambda g, z: jax.lax.bitcast_convert_type(g[i], dtype).astype(z.dtype),
+                          dbits, dtypes) for i in range(layers)]
+  return dx, dstates, jax.tree.map(jnp.zeros_like, rope_cs)
+
+
+_full_remat_scan.defvjp(_full_remat_fwd, _full_remat_bwd)
 
 
 class Transformer(nnx.Module):
