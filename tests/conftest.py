@@ -2,8 +2,18 @@
 
 import os
 import shutil
+import tempfile
 
-import jax
+# One persistent XLA compilation cache for the whole test session, fresh per session, inherited
+# by the runs tests start as subprocesses: the many tests that run the same tiny configs
+# compile each program once. (Loaded executables run the same code and keep their
+# memory_analysis; jit's in-process caches, which the no-recompile tests count, are unchanged.)
+# OAPL_TEST_COMPILE_CACHE=0 turns it off.
+if os.environ.get("OAPL_TEST_COMPILE_CACHE", "1") != "0":
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="oapl_jax_test_xla_cache_"))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+import jax  # noqa: E402 (after the cache settings, which jax reads at import)
 import pytest
 from flax import nnx
 
