@@ -151,6 +151,7 @@ def test_scanned_blocks_give_the_loop_s_kv_and_numbers():
       np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=tol,
                                  rtol=tol, err_msg=dtype)
 
+
 def test_full_remat_scan_keeps_weights_as_bits():
   """remat "full" without keys/values (the trainer's pass) runs `_full_remat_scan`, which
   stacks the weights and their gradient as the compute dtype's bits: bf16 compute on float32
@@ -175,7 +176,6 @@ def test_full_remat_scan_keeps_weights_as_bits():
   temp = {kv: grad.lower(params, kv).compile().memory_analysis().temp_size_in_bytes
           for kv in (False, True)}
   assert temp[False] < temp[True], temp
-
 
 
 def test_remat_policy_changes_what_is_saved():

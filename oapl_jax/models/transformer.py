@@ -595,9 +595,9 @@ def _full_remat_bwd(static, residuals, dy):
     return dx, jax.tree.map(_as_bits, dw)
 
   dx, dbits = jax.lax.scan(step, dy, (bits, inputs), reverse=True)
-  layers = inputs.shape[0]
-  dstates = [jax.tree.map(lambda g, z: jax.lax.bitcast_convert_type(g[i], dtype).astype(z.dtype),
-                          dbits, dtypes) for i in range(layers)]
+  grads = _from_bits(dbits, dtype)  # [L, ...] per weight, in the compute dtype
+  dstates = [jax.tree.map(lambda g, z: g[i].astype(z.dtype), grads, dtypes)
+             for i in range(inputs.shape[0])]
   return dx, dstates, jax.tree.map(jnp.zeros_like, rope_cs)
 
 
