@@ -81,6 +81,35 @@ def cache_path(config, seq_len: int) -> str | None:
   return os.path.join(os.path.abspath(config.warmup.cache_dir), f"seed{config.seed}-{digest}")
 
 
+def eval_cache_path(config, seq_len: int) -> str | None:
+  """`<base's cache>.eval-<hash>.json`: the base's "eval before", keyed by everything the
+  evaluation adds to the base (the seed's held-out draws and sampling keys, `eval` and
+  `sampling` settings). Runs that share a base and these (a study's methods and lags) share
+  the evaluation: it is a function of them alone (the same numbers in every run, checked on
+  the reasoning study's runs)."""
+  base = cache_path(config, seq_len)
+  if base is None:
+    return None
+  key = {"eval": config.eval.to_dict(), "sampling": config.sampling.to_dict()}
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+  return f"{base}.eval-{digest}.json"
+
+
+def cached_eval(config, seq_len: int, evaluate) -> dict:
+  """`evaluate()` of the warmed-up base, read from / written to `eval_cache_path` if set
+  (process 0 decides whether the file is there, for all, and writes it)."""
+  path = eval_cache_path(config, seq_len)
+  if path and distributed.broadcast(np.array(os.path.isfile(path))):
+    with open(path) as f:
+      out = json.load(f)
+    say(f"eval before: read from {path}")
+    return out
+  out = evaluate()
+  if path and distributed.is_writer():
+    write_json(path, out)  # written aside, then renamed
+  return out
+
+
 def base_model(config, graphdef, params, task, tokenizer, *, seq_len: int) -> tuple[dict, dict]:
   """The supervised warm-up's (params, info) from `params`; read from / written to
   `warmup.cache_dir` if set."""

@@ -21,7 +21,8 @@ def test_runs_every_method_and_lag_from_one_base(study):
   runs = lag_study.load_runs(study)
   assert sorted((r.method, r.lag) for r in runs) == sorted(
       (m, l) for m in lag_study.METHODS for l in (1, 2))
-  assert len(os.listdir(os.path.join(study, "base_models"))) == 1  # one warm-up for the seed
+  cache = os.listdir(os.path.join(study, "base_models"))  # one warm-up for the seed, and its eval
+  assert len(cache) == 2 and sum(".eval-" in name for name in cache) == 1
   befores = {str(r.summary["eval_before"]) for r in runs}
   assert len(befores) == 1  # every method starts from the same base and is evaluated the same way
   for r in runs:

@@ -82,17 +82,28 @@ def test_checkpoint_of_another_model_is_refused(smoke_config, tmp_path):
     raise AssertionError("restoring a checkpoint of another architecture did not fail")
 
 
-def test_warmup_cache_shares_one_base_model(smoke_config, tmp_path):
-  """Runs that differ only in RL settings read the same warmed-up base from the cache."""
+def test_warmup_cache_shares_one_base_model(smoke_config, tmp_path, capsys):
+  """Runs that differ only in RL settings read the same warmed-up base, and its eval before,
+  from the cache; the cached evaluation is what a fresh one of that base gives."""
   c = smoke_config
   c.warmup.cache_dir = str(tmp_path / "cache")
   c.train.steps = 1
   first = train.run(c, str(tmp_path / "a"))
+  evals = list((tmp_path / "cache").glob("*.eval-*.json"))
+  assert len(evals) == 1
+  evals[0].unlink()  # the next run evaluates the cached base afresh (and caches it again)
   c.rl.loss = "grpo"  # an RL setting: same base
   second = train.run(c, str(tmp_path / "b"))
   assert "cached" not in first["warmup"] and second["warmup"]["cached"].startswith(str(tmp_path))
   assert first["eval_before"] == second["eval_before"]
+  capsys.readouterr()
+  c.rl.lag = 1  # another RL setting: the evaluation is read
+  assert train.run(c, str(tmp_path / "b2"))["eval_before"] == first["eval_before"]
+  assert "eval before: read from" in capsys.readouterr().out
+  c.eval.samples_per_problem *= 2  # an eval setting: same base, evaluated again
+  assert "eval before: read from" not in (train.run(c, str(tmp_path / "b3")), capsys.readouterr().out)[1]
   c.warmup.digit_noise = 0.1  # a warm-up setting: another base
   third = train.run(c, str(tmp_path / "c"))
   assert "cached" not in third["warmup"]
-  assert len(list((tmp_path / "cache").iterdir())) == 2
+  assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 2
+  assert len(list((tmp_path / "cache").glob("*.eval-*.json"))) == 3
