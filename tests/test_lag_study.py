@@ -127,3 +127,16 @@ def test_sweep_seed_must_differ_from_the_study_seeds():
     lag_study.main(["--out", "/tmp/x", "--seeds", "0", "--sweep-lrs", "1e-3", "--sweep-seed", "0"])
   with pytest.raises(ValueError, match="unknown study"):
     lag_study.study_config("oapl", 1, 0, study="nope")
+
+
+def test_a_signal_ends_the_command_with_one_line(tmp_path, monkeypatch, capsys):
+  """A run stopped by SIGTERM (its checkpoint saved) ends the study command with one line on
+  stderr and exit code 128 + 15, not a traceback; the same command resumes."""
+  from oapl_jax.workdir import Interrupted
+
+  def stopped(*args, **kwargs):
+    raise Interrupted(15, "stopped by SIGTERM at step 7: checkpoint saved in X; run the same command again to resume")
+  monkeypatch.setattr(lag_study, "run_study", stopped)
+  assert lag_study.main(["--out", str(tmp_path), "--reduced", "--lags", "1", "--seeds", "0"]) == 143
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("error: stopped by SIGTERM at step 7")

@@ -17,7 +17,8 @@ at lag `--sweep-lag` on seed `--sweep-seed` (not one of the study's seeds), unde
 (`<out>/sweep/chosen.json`, reported). Runs already finished under `--out` (a `summary.json`)
 are skipped and an unfinished one resumes from its checkpoints, so a study runs in pieces:
 `--budget-minutes` starts no run after that many minutes (then exit code 3 says more is left:
-run the same command again). From Python: `run_study(...)`, then `write_report(...)`.
+run the same command again; SIGTERM / SIGINT stop the run in progress with a checkpoint and
+exit 128 + the signal number, one line on stderr). From Python: `run_study(...)`, then `write_report(...)`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import time
 import numpy as np
 
 from oapl_jax import config as config_lib
+from oapl_jax.errors import UserError, one_line
 from oapl_jax.eval.passk import pass_at_k
 from oapl_jax.metrics import read_metrics
 
@@ -635,6 +637,9 @@ def main(argv=None) -> int:
     except BudgetSpent as e:
       print(e)
       return 3
+    except UserError as e:  # a refused setting, or a signal (checkpoint saved): one line
+      print(f"error: {one_line(e)}", file=sys.stderr)
+      return e.exit_code
   report = args.report or os.path.join(args.out, "lag_study.md")
   print(f"report: {write_report(args.out, report, command=command, study=args.study)}")
   return 0
