@@ -140,3 +140,9 @@ def test_a_signal_ends_the_command_with_one_line(tmp_path, monkeypatch, capsys):
   assert lag_study.main(["--out", str(tmp_path), "--reduced", "--lags", "1", "--seeds", "0"]) == 143
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and err.startswith("error: stopped by SIGTERM at step 7")
+
+
+def test_report_only_without_finished_runs_is_one_line(tmp_path, capsys):
+  assert lag_study.main(["--out", str(tmp_path), "--report-only"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "no finished runs under" in err

@@ -641,7 +641,11 @@ def main(argv=None) -> int:
       print(f"error: {one_line(e)}", file=sys.stderr)
       return e.exit_code
   report = args.report or os.path.join(args.out, "lag_study.md")
-  print(f"report: {write_report(args.out, report, command=command, study=args.study)}")
+  try:
+    print(f"report: {write_report(args.out, report, command=command, study=args.study)}")
+  except FileNotFoundError as e:  # --report-only before any run finished
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   return 0
 
 
