@@ -330,47 +330,54 @@ def _flash_fwd(q, k, v, c: int):
 def _flash_bwd(c: int, res, d_out):
   """FlashAttention-2's backward: probabilities recomputed block by block from the saved
   log-sum-exp; dq per query block, dk / dv accumulated in float32 over query blocks (the
-  forward pass's blocks: nb whole ones, then the short last one)."""
+  forward pass's blocks: nb whole ones, then the short last one).
+
+  dk and dv are accumulated transposed, `[B, K, D, T]`: their block products then contract
+  the probabilities `[B, K, G, Q, C]` over (G, Q) where they lie (`d_out^T p`), and XLA:CPU
+  transposes the small `[G*Q, D]` operand instead of copying p and ds in every block pair;
+  one transpose of dk, dv at the end (the train step 10-14% faster at 8 x 2080 tokens and
+  about 10% at 8 x 544, unchanged within noise at 160; equal to float32 rounding)."""
   q, k, v, out, lse = res
   t = q.shape[3]
   nb, r = divmod(t, c)
   delta = jnp.einsum("bkgtd,bkgtd->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))  # [B, K, G, T]
 
-  def grads(lo, rows, i, dk, dv):
+  def grads(lo, rows, i, dkt, dvt):
     """Queries [lo, lo + rows) against key blocks 0..i-1 and their diagonal block: dq of those
-    rows `[B, K, G, rows, D]` float32, dk and dv `[B, K, T, D]` float32 accumulated."""
+    rows `[B, K, G, rows, D]` float32, dk and dv transposed `[B, K, D, T]` float32 accumulated."""
     part = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, rows, axis=3)  # noqa: E731
     qi, doi = part(q), part(d_out)  # [B, K, G, rows, D]
     lse_i, delta_i = part(lse)[..., None], part(delta)[..., None]  # [B, K, G, rows, 1]
 
     def step(carry, k_lo, n, mask=None):  # keys [k_lo, k_lo + n)
-      dqi, dk, dv = carry
-      keys = lambda x: jax.lax.dynamic_slice_in_dim(x, k_lo, n, axis=2)  # noqa: E731
-      kj, vj = keys(k), keys(v)  # [B, K, n, D]
+      dqi, dkt, dvt = carry
+      kj, vj = (jax.lax.dynamic_slice_in_dim(x, k_lo, n, axis=2) for x in (k, v))  # [B, K, n, D]
       p = jnp.exp(_scores(qi, kj, mask) - lse_i)  # [B, K, G, rows, n]
       dp = jnp.einsum("bkgqd,bkcd->bkgqc", doi, vj, preferred_element_type=jnp.float32)
       ds = (p * (dp - delta_i)).astype(q.dtype)
-      dv_j = jnp.einsum("bkgqc,bkgqd->bkcd", p.astype(v.dtype), doi, preferred_element_type=jnp.float32)
-      dk_j = jnp.einsum("bkgqc,bkgqd->bkcd", ds, qi, preferred_element_type=jnp.float32)
+      dvt_j = jnp.einsum("bkgqd,bkgqc->bkdc", doi, p.astype(v.dtype), preferred_element_type=jnp.float32)
+      dkt_j = jnp.einsum("bkgqd,bkgqc->bkdc", qi, ds, preferred_element_type=jnp.float32)
       dqi = dqi + jnp.einsum("bkgqc,bkcd->bkgqd", ds, kj, preferred_element_type=jnp.float32)
-      add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(acc, keys(acc) + x, k_lo, axis=2)  # noqa: E731
-      return dqi, add(dk, dk_j), add(dv, dv_j)
+      add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+          acc, jax.lax.dynamic_slice_in_dim(acc, k_lo, n, axis=3) + x, k_lo, axis=3)
+      return dqi, add(dkt, dkt_j), add(dvt, dvt_j)
 
     carry = jax.lax.fori_loop(0, i, lambda j, cr: step(cr, j * c, c),
-                              (jnp.zeros(qi.shape, jnp.float32), dk, dv))
+                              (jnp.zeros(qi.shape, jnp.float32), dkt, dvt))
     return step(carry, lo, rows, jnp.tril(jnp.ones((rows, rows), bool)))
 
   def whole_block(i, acc):
-    dq, dk, dv = acc
-    dqi, dk, dv = grads(i * c, c, i, dk, dv)
-    return jax.lax.dynamic_update_slice_in_dim(dq, dqi, i * c, axis=3), dk, dv
+    dq, dkt, dvt = acc
+    dqi, dkt, dvt = grads(i * c, c, i, dkt, dvt)
+    return jax.lax.dynamic_update_slice_in_dim(dq, dqi, i * c, axis=3), dkt, dvt
 
-  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-  dq, dk, dv = jax.lax.fori_loop(0, nb, whole_block, (zeros(q), zeros(k), zeros(v)))
+  transposed = lambda x: jnp.zeros((*x.shape[:2], x.shape[3], x.shape[2]), jnp.float32)  # noqa: E731
+  dq, dkt, dvt = jax.lax.fori_loop(0, nb, whole_block,
+                                   (jnp.zeros(q.shape, jnp.float32), transposed(k), transposed(v)))
   if r:
-    dqi, dk, dv = grads(nb * c, r, nb, dk, dv)
+    dqi, dkt, dvt = grads(nb * c, r, nb, dkt, dvt)
     dq = jax.lax.dynamic_update_slice_in_dim(dq, dqi, nb * c, axis=3)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return dq.astype(q.dtype), dkt.swapaxes(2, 3).astype(k.dtype), dvt.swapaxes(2, 3).astype(v.dtype)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
