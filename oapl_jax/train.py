@@ -71,10 +71,7 @@ def _start(r: Run, config, workdir: str) -> tuple[dict, dict]:
     r.params, warmup_info = warmup.base_model(config, r.graphdef, r.params, r.sampler.task,
                                               r.sampler.tokenizer, seq_len=seq_len(config))
   r.start_from(r.params)  # optimizer state, snapshot and reference of the warmed-up base
-  if config.warmup.steps:  # a cached base's evaluation is cached next to it
-    eval_before = warmup.cached_eval(config, seq_len(config), lambda: r.evaluate(r.params, "before"))
-  else:
-    eval_before = r.evaluate(r.params, "before")
+  eval_before = warmup.cached_eval(config, seq_len(config), lambda: r.evaluate(r.params, "before"))
   if distributed.is_writer():
     write_json(before_path, {"eval": eval_before, "warmup": warmup_info})
   r.save()  # every process; the file above exists before any checkpoint does

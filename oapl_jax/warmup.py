@@ -77,8 +77,11 @@ def cache_path(config, seq_len: int) -> str | None:
   key = {"seed": config.seed, "model": config.model.to_dict(), "task": config.task.to_dict(),
          "warmup": {k: v for k, v in config.warmup.items() if k != "cache_dir"},
          "seq_len": seq_len}
-  digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-  return os.path.join(os.path.abspath(config.warmup.cache_dir), f"seed{config.seed}-{digest}")
+  return os.path.join(os.path.abspath(config.warmup.cache_dir), f"seed{config.seed}-{_digest(key)}")
+
+
+def _digest(key: dict) -> str:
+  return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def eval_cache_path(config, seq_len: int) -> str | None:
@@ -90,15 +93,13 @@ def eval_cache_path(config, seq_len: int) -> str | None:
   base = cache_path(config, seq_len)
   if base is None:
     return None
-  key = {"eval": config.eval.to_dict(), "sampling": config.sampling.to_dict()}
-  digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-  return f"{base}.eval-{digest}.json"
+  return f"{base}.eval-{_digest({'eval': config.eval.to_dict(), 'sampling': config.sampling.to_dict()})}.json"
 
 
 def cached_eval(config, seq_len: int, evaluate) -> dict:
-  """`evaluate()` of the warmed-up base, read from / written to `eval_cache_path` if set
-  (process 0 decides whether the file is there, for all, and writes it)."""
-  path = eval_cache_path(config, seq_len)
+  """`evaluate()` of the base, read from / written to `eval_cache_path` when the base is a
+  (cacheable) warmed-up one (process 0 decides whether the file is there, for all, and writes it)."""
+  path = eval_cache_path(config, seq_len) if config.warmup.steps else None
   if path and distributed.broadcast(np.array(os.path.isfile(path))):
     with open(path) as f:
       out = json.load(f)
