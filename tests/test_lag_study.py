@@ -48,11 +48,21 @@ def test_report_has_table_plots_findings_and_keeps_notes(study):
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert f"(report/{png})" in text
   assert "pass@k after >= before" in text and "entropy," in text and "pass@1 after, L=2" in text
+  assert "no interval from one seed" in text  # the reduced study has one seed
   # a hand-written reading survives regeneration
   text = text.replace("_(no notes yet)_", "My reading.")
   open(report, "w").write(text)
   lag_study.write_report(study, report, command="again")
   assert "My reading." in open(report).read()
+
+
+def test_paired_interval_is_students_t_on_the_per_seed_differences():
+  mean, lo, hi = lag_study.paired_interval([0.1, 0.2, 0.3])
+  half = 4.302652729749464 * 0.1 / np.sqrt(3)  # t(0.975, 2 dof) x sd / sqrt(n)
+  assert mean == pytest.approx(0.2) and (lo, hi) == pytest.approx((0.2 - half, 0.2 + half))
+  assert lag_study.paired_interval([0.1, 0.2, 0.3], level=0.5)[2] - 0.2 < half / 4
+  mean, lo, hi = lag_study.paired_interval([0.4])
+  assert mean == 0.4 and np.isnan(lo) and np.isnan(hi)
 
 
 def test_finished_runs_are_skipped(study, capsys):

@@ -266,6 +266,27 @@ def _mean_sd(values) -> tuple[float, float]:
   return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
 
 
+def paired_interval(diffs, level: float = 0.95) -> tuple[float, float, float]:
+  """Mean of per-seed paired differences and its Student-t interval at `level` (two-sided).
+
+  With one seed there is no spread to estimate: the interval is (nan, nan).
+  """
+  d = np.asarray(diffs, float)
+  mean = float(d.mean())
+  if len(d) < 2:
+    return mean, float("nan"), float("nan")
+  from scipy import stats  # a dependency of jax
+  half = float(stats.t.ppf(0.5 + level / 2, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))
+  return mean, mean - half, mean + half
+
+
+def _paired_text(diffs) -> str:
+  mean, lo, hi = paired_interval(diffs)
+  interval = "no interval from one seed" if np.isnan(lo) else f"95% t-interval [{lo:+.3f}, {hi:+.3f}]"
+  return (", ".join(f"{d:+.3f}" for d in diffs) + f"; mean {mean:+.3f}, {interval}"
+          f" (OAPL higher in {sum(d > 0 for d in diffs)} of {len(diffs)})")
+
+
 def _smooth(y: np.ndarray, window: int) -> np.ndarray:
   if len(y) < window or window <= 1:
     return y
@@ -383,7 +404,8 @@ def summarise(results) -> list[dict]:
   for (method, lag), runs in sorted(_group(results).items(), key=lambda kv: (list(METHODS).index(kv[0][0]), kv[0][1])):
     n = min(r.summary["eval_after"]["samples_per_problem"] for r in runs)
     row = {"method": method, "lag": lag, "seeds": sorted(r.seed for r in runs),
-           "pass1_after_by_seed": {r.seed: r.summary["eval_after"]["pass@1"] for r in runs}}
+           "pass1_after_by_seed": {r.seed: r.summary["eval_after"]["pass@1"] for r in runs},
+           "passn_after_by_seed": {r.seed: r.summary["eval_after"][f"pass@{n}"] for r in runs}}
     for name, values in {
         "pass1_before": [r.summary["eval_before"]["pass@1"] for r in runs],
         "pass1_after": [r.summary["eval_after"]["pass@1"] for r in runs],
@@ -429,10 +451,14 @@ def findings(rows) -> list[str]:
       # paired by seed: both runs of a seed start from the same base and see the same prompts
       seeds = sorted(set(a["pass1_after_by_seed"]) & set(g["pass1_after_by_seed"]))
       paired = [a["pass1_after_by_seed"][s] - g["pass1_after_by_seed"][s] for s in seeds]
-      wins = sum(d > 0 for d in paired)
       out.append(f"* pass@1 after, L={lag}: {METHODS[oapl_name][0]} {ma:.3f} vs GRPO+IS {mg:.3f} -> "
                  f"{verdict} by {abs(diff):.3f}; per seed (OAPL - GRPO+IS, same base): "
-                 + ", ".join(f"{d:+.3f}" for d in paired) + f" (OAPL higher in {wins} of {len(paired)}).")
+                 + _paired_text(paired) + ".")
+      n = a["passk_n"]
+      if n > 1 and g["passk_n"] == n:
+        paired = [a["passn_after_by_seed"][s] - g["passn_after_by_seed"][s] for s in seeds]
+        out.append(f"* pass@{n} after, L={lag}: {METHODS[oapl_name][0]} {a[f'pass{n}_after'][0]:.3f} vs "
+                   f"GRPO+IS {g[f'pass{n}_after'][0]:.3f}; per seed: " + _paired_text(paired) + ".")
   for r in rows:
     (e0, _), (e1, _) = r["entropy_start"], r["entropy_end"]
     change = (e1 - e0) / e0 if e0 else float("nan")
@@ -465,10 +491,10 @@ def efficiency_findings(results) -> list[str]:
         continue
       fa, fg = a.summary["eval_after"]["pass@1"], g.summary["eval_after"]["pass@1"]
       na, ng = first_reaching(a, fg), first_reaching(g, fa)
-      fmt = lambda x: "never" if x is None else f"{x:.0f}"  # noqa: E731
+      fmt = lambda x: "never" if x is None else f"after {x:.0f} answers"  # noqa: E731
       total = a.summary["samples_generated"]
-      parts.append(f"seed {seed}: OAPL reaches GRPO+IS's final {fg:.3f} after {fmt(na)} answers, "
-                   f"GRPO+IS reaches OAPL's final {fa:.3f} after {fmt(ng)}")
+      parts.append(f"seed {seed}: OAPL reaches GRPO+IS's final {fg:.3f} {fmt(na)}, "
+                   f"GRPO+IS reaches OAPL's final {fa:.3f} {fmt(ng)}")
     if parts:
       out.append(f"* sample efficiency, L={lag} (answers generated, read at the evaluations; "
                  f"{total} per run): " + "; ".join(parts) + ".")
