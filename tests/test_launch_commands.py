@@ -178,8 +178,21 @@ def test_every_command_in_launch_and_readme_parses_against_its_config():
   assert not problems, "\n".join(problems)
   assert counts["README.md"] >= 10
   for script in ("launch/tpu_pod.sh", "launch/slurm_gpu.sbatch", "launch/tiny_seeds.sh",
-                 "launch/lag_study.sh"):
+                 "launch/lag_study.sh", "launch/reasoning_study.sh"):
     assert counts[script] >= 1, f"{script}: no python -m oapl_jax command found"
+
+
+def test_the_reasoning_study_launcher_splits_the_seeds_over_two_halves():
+  p = subprocess.run(["bash", "launch/reasoning_study.sh", "--dry-run", "/tmp/rs", "--budget-minutes=30"],
+                     cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert p.returncode == 0, p.stderr
+  n, problems = check_text(p.stdout, "reasoning_study.sh --dry-run")
+  assert n == 3 and not problems, (p.stdout, problems)
+  lines = [l for l in p.stdout.splitlines() if "oapl_jax" in l]
+  assert "--seeds 0 1 2 --budget-minutes=30 &" in lines[0] and "--seeds 3 4 --budget-minutes=30" in lines[1]
+  assert lines[2].endswith("--seeds 0 1 2 3 4 --budget-minutes=30 --report-only")
+  assert all("--out=/tmp/rs" in l for l in lines) and "--report=docs/reasoning_study.md" in lines[2]
+  assert "--report=/tmp/rs/half_a.md" in lines[0] and "--report=/tmp/rs/half_b.md" in lines[1]
 
 
 def test_the_tpu_launcher_dry_run_prints_commands_that_parse():

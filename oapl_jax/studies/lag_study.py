@@ -78,19 +78,20 @@ class Study:
   reduced: dict
   title: str
   about: str
+  launcher: str  # the script in launch/ that runs the full study and writes its report
   reduced_config: str | None = None  # None: `config`
 
 
 STUDIES = {
     "tiny": Study("tiny.py", FULL, REDUCED, "Lag study: OAPL vs GRPO+IS at engine lags L on the tiny task",
                   "`configs/tiny.py` (two-digit addition, a 2-layer width-128 model whose base is "
-                  "made by a supervised warm-up shared by all runs of a seed)"),
+                  "made by a supervised warm-up shared by all runs of a seed)", "launch/lag_study.sh"),
     "reason": Study("reason.py", REASON_FULL, REASON_REDUCED,
                     "Reasoning study: OAPL vs GRPO+IS at engine lags L on chain-of-steps addition",
                     "`configs/reason.py` (5-digit addition answered by a chain of column steps, "
                     "52-53 tokens; a 2-layer width-128 model whose base, shared by all runs of a "
                     "seed, is made by a supervised warm-up ending on demonstrations with dropped "
-                    "carries)", reduced_config="reason.py:smoke"),
+                    "carries)", "launch/reasoning_study.sh", reduced_config="reason.py:smoke"),
 }
 
 
@@ -568,7 +569,8 @@ def write_report(out: str, report: str, *, command: str, study: str = "tiny") ->
   lines = [
       f"# {STUDIES[study].title}",
       "",
-      "Produced by (from the repository root; `bash launch/lag_study.sh` runs the same):",
+      "Produced by (from the repository root"
+      + ("):" if command.startswith("bash ") else f"; `bash {STUDIES[study].launcher}` runs the same):"),
       "",
       f"    {command}",
       "",
