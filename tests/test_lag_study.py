@@ -49,6 +49,7 @@ def test_report_has_table_plots_findings_and_keeps_notes(study):
     assert f"(report/{png})" in text
   assert "pass@k after >= before" in text and "entropy," in text and "pass@1 after, L=2" in text
   assert "no interval from one seed" in text  # the reduced study has one seed
+  assert "* the paper's setting, OAPL at L=2 vs GRPO+IS at L=1 (per seed, OAPL - GRPO+IS): pass@1 " in text
   # a hand-written reading survives regeneration
   text = text.replace("_(no notes yet)_", "My reading.")
   open(report, "w").write(text)

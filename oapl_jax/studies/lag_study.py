@@ -472,6 +472,28 @@ def findings(rows) -> list[str]:
   return out
 
 
+def paper_setting_findings(results, ks=(1, 2, 4, 8)) -> list[str]:
+  """The paper's own comparison: OAPL at a long lag (each L > 1 run) vs GRPO+IS at L = 1,
+  pass@k for k = 1..8 (its math table), paired by seed."""
+  by = {(r.method, r.lag, r.seed): r for r in results}
+  out = []
+  for lag in sorted({r.lag for r in results if r.method == "oapl" and r.lag > 1}):
+    seeds = sorted(s for (m, l, s) in by if m == "oapl" and l == lag and ("grpo_tis", 1, s) in by)
+    if not seeds:
+      continue
+    parts = []
+    for k in ks:
+      if k > min(by[(m, l, s)].summary["eval_after"]["samples_per_problem"]
+                 for s in seeds for (m, l) in (("oapl", lag), ("grpo_tis", 1))):
+        continue
+      diffs = [float(by[("oapl", lag, s)].passk("after", [k])[0] - by[("grpo_tis", 1, s)].passk("after", [k])[0])
+               for s in seeds]
+      parts.append(f"pass@{k} " + _paired_text(diffs))
+    out.append(f"* the paper's setting, OAPL at L={lag} vs GRPO+IS at L=1 (per seed, OAPL - GRPO+IS): "
+               + "; ".join(parts) + ".")
+  return out
+
+
 def first_reaching(r: RunResult, target: float) -> float | None:
   """Answers generated when `r`'s held-out pass@1 (at its evaluations) first reaches `target`."""
   xs, ys = r.pass1_curve()
@@ -609,6 +631,7 @@ def write_report(out: str, report: str, *, command: str, study: str = "tiny") ->
       "## The paper's findings, checked (computed from the runs)",
       "",
       *findings(rows),
+      *paper_setting_findings(results),
       *efficiency_findings(results),
       "",
       "## Reading",
