@@ -24,7 +24,7 @@ from oapl_jax import distributed
 from oapl_jax import plan as plan_lib
 from oapl_jax import warmup
 from oapl_jax.errors import UserError
-from oapl_jax.metrics import MetricsLog, say, write_json
+from oapl_jax.metrics import MetricsLog, read_metrics, say, write_json
 from oapl_jax.rl.loop import Run, devices_wanted
 from oapl_jax.sampling.parallel import request_host_devices
 from oapl_jax.sampling.sampler import seq_len
@@ -107,7 +107,9 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
   metrics_log = MetricsLog(workdir, resume_step=r.counters.step) if writer else None
   bar = tqdm.tqdm(total=config.train.steps, initial=r.counters.step,
                   disable=not (config.log.progress and writer), desc=config.rl.loss, unit="step")
-  evals = []
+  # evaluations of a resumed run's earlier steps come back from its metrics (each is logged)
+  evals = [{"step": row["step"], **row["eval"]} for row in read_metrics(workdir)
+           if "eval" in row] if writer and r.counters.step > 0 else []
   with stop.deferring():  # a signal here ends the run after the current step, with a checkpoint
     while r.counters.step < config.train.steps:
       m = r.step()
@@ -115,7 +117,7 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
       if config.eval.every and s % config.eval.every == 0 and s < config.train.steps:
         m["eval"] = r.evaluate(r.params, f"step {s}")
         evals.append({"step": s, **m["eval"]})
-      if s % config.log.every == 0 and writer:
+      if (s % config.log.every == 0 or "eval" in m) and writer:  # an evaluation is always logged
         metrics_log.write(s, m)
       bar.set_postfix(reward=f"{m['reward_mean']:.3f}", loss=f"{m['loss']:.4f}", lag=f"{m['lag_mean']:.1f}")
       bar.update(1)

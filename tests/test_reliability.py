@@ -141,7 +141,7 @@ def test_max_lag_below_the_lag_is_refused(smoke_config):
 # --- kill -9, SIGTERM, SIGINT in the middle of RL: the resumed run is the straight run --------
 
 _CONFIG = ["--config=configs/tiny.py:smoke", "--config.train.steps=14", "--config.checkpoint.every=4",
-           "--config.log.progress=False"]
+           "--config.log.progress=False", "--config.eval.every=3"]
 _TIMING = ("step_seconds", "train_seconds", "sample_wait_seconds", "sample_tokens_per_s")
 
 
@@ -178,6 +178,8 @@ def test_kill_sigterm_sigint_mid_rl_resume_to_the_straight_run(tmp_path):
   assert rc == 0, err[-3000:]
   want = _rows(straight)
   final = json.loads((straight / "summary.json").read_text())["eval_after"]
+  during = json.loads((straight / "summary.json").read_text())["evals_during"]
+  assert [e["step"] for e in during] == [3, 6, 9, 12]
 
   for sig, code in ((signal.SIGKILL, -9), (signal.SIGTERM, 143), (signal.SIGINT, 130)):
     workdir = tmp_path / sig.name
@@ -202,3 +204,5 @@ def test_kill_sigterm_sigint_mid_rl_resume_to_the_straight_run(tmp_path):
     assert rc == 0, err[-3000:]
     assert _rows(workdir) == want, sig
     assert json.loads((workdir / "summary.json").read_text())["eval_after"] == final, sig
+    # the evaluations before the stop come back with the resumed run (from its metrics)
+    assert json.loads((workdir / "summary.json").read_text())["evals_during"] == during, sig
