@@ -217,16 +217,19 @@ class RunResult:
     counts, problems = np.unique(e["correct_per_problem"], return_counts=True)  # each c once
     return np.array([np.dot(problems, [pass_at_k(n, c, k) for c in counts]) / problems.sum() for k in ks])
 
-  def pass1_curve(self) -> tuple[np.ndarray, np.ndarray]:
-    """(generated answers, pass@1): before, every eval during training, after."""
+  def eval_curve(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(generated answers, the held-out figure `key`): before, every eval during training, after."""
     samples_at = {m["step"]: m["samples_generated"] for m in self.metrics}
-    xs, ys = [0], [self.summary["eval_before"]["pass@1"]]
+    xs, ys = [0], [self.summary["eval_before"][key]]
     for e in self.summary["evals_during"]:
       xs.append(samples_at[e["step"]])
-      ys.append(e["pass@1"])
+      ys.append(e[key])
     xs.append(self.summary["samples_generated"])
-    ys.append(self.summary["eval_after"]["pass@1"])
+    ys.append(self.summary["eval_after"][key])
     return np.array(xs, float), np.array(ys, float)
+
+  def pass1_curve(self) -> tuple[np.ndarray, np.ndarray]:
+    return self.eval_curve("pass@1")
 
   def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
     rows = [m for m in self.metrics if key in m]
@@ -302,9 +305,9 @@ def _entropy_window(r: RunResult, first: bool, n: int = 20) -> float:
 # --- the report ---------------------------------------------------------------------------------
 
 
-def _pass1_curves(runs):
-  """(generated answers `[n]`, pass@1 `[seeds, n]`) over the runs' evaluations."""
-  curves = [r.pass1_curve() for r in runs]
+def _eval_curves(runs, key: str = "pass@1"):
+  """(generated answers `[n]`, held-out `key` `[seeds, n]`) over the runs' evaluations."""
+  curves = [r.eval_curve(key) for r in runs]
   n = min(len(c[0]) for c in curves)
   return np.mean([c[0][:n] for c in curves], axis=0), np.array([c[1][:n] for c in curves])
 
@@ -341,7 +344,7 @@ def _passk_panel(ax, runs_by_method: dict, n_max: int) -> None:
 
 
 def plot(results, fig_dir: str) -> dict[str, str]:
-  """Writes the three figures as PNG; returns {name: path}."""
+  """Writes the figures as PNG (three; five with held-out diversity and entropy); returns {name: path}."""
   import matplotlib  # figures built without pyplot: the caller's backend (a notebook's) is untouched
   from matplotlib.figure import Figure
 
@@ -379,9 +382,21 @@ def plot(results, fig_dir: str) -> dict[str, str]:
     axes[0][0].legend(fontsize=8)
     return fig
 
-  paths["pass1"] = save(per_method(_pass1_curves, "generated answers", "held-out pass@1", "o-"),
+  paths["pass1"] = save(per_method(_eval_curves, "generated answers", "held-out pass@1", "o-"),
                         "pass1_vs_samples.png",
                         "pass@1 vs generated answers (mean over seeds; band: min-max)")
+  evals = [e for r in results for e in [r.summary["eval_before"], r.summary["eval_after"], *r.summary["evals_during"]]]
+  if all("distinct_answers" in e for e in evals):  # tasks with final answers (chain_addition)
+    paths["diversity"] = save(
+        per_method(lambda runs: _eval_curves(runs, "distinct_answers"), "generated answers",
+                   "distinct final answers per problem", "o-"),
+        "diversity_vs_samples.png",
+        "held-out diversity: distinct final answers among a problem's samples (mean over seeds; band: min-max)")
+    paths["eval_entropy"] = save(
+        per_method(lambda runs: _eval_curves(runs, "entropy_per_token"), "generated answers",
+                   "mean -log pi per sampled token (nats)", "o-"),
+        "eval_entropy_vs_samples.png",
+        "held-out entropy: pi_theta on its own samples of held-out problems (mean over seeds; band: min-max)")
   paths["entropy"] = save(per_method(_entropy_curves, "trainer step",
                                      "entropy of pi_theta on sampled answers (nats/token)"),
                           "entropy_vs_step.png",
@@ -628,6 +643,9 @@ def write_report(out: str, report: str, *, command: str, study: str = "tiny") ->
       "",
       f"![pass@k before and after]({rel(paths['passk'])})",
       "",
+      *[line for name, alt in (("diversity", "held-out diversity vs generated answers"),
+                               ("eval_entropy", "held-out entropy vs generated answers"))
+        if name in paths for line in (f"![{alt}]({rel(paths[name])})", "")],
       "## The paper's findings, checked (computed from the runs)",
       "",
       *findings(rows),
