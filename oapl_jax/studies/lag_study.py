@@ -529,10 +529,10 @@ def efficiency_findings(results) -> list[str]:
         continue
       fa, fg = a.summary["eval_after"]["pass@1"], g.summary["eval_after"]["pass@1"]
       na, ng = first_reaching(a, fg), first_reaching(g, fa)
-      fmt = lambda x: "never" if x is None else f"after {x:.0f} answers"  # noqa: E731
+      fmt = lambda x: "never" if x is None else f"{x:.0f} answers"  # noqa: E731
       total = a.summary["samples_generated"]
-      parts.append(f"seed {seed}: OAPL reaches GRPO+IS's final {fg:.3f} {fmt(na)}, "
-                   f"GRPO+IS reaches OAPL's final {fa:.3f} {fmt(ng)}")
+      parts.append(f"seed {seed}: OAPL to GRPO+IS's final {fg:.3f}: {fmt(na)}, "
+                   f"GRPO+IS to OAPL's final {fa:.3f}: {fmt(ng)}")
     if parts:
       out.append(f"* sample efficiency, L={lag} (answers generated, read at the evaluations; "
                  f"{total} per run): " + "; ".join(parts) + ".")
