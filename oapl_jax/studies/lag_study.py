@@ -496,13 +496,11 @@ def paper_setting_findings(results, ks=(1, 2, 4, 8)) -> list[str]:
     seeds = sorted(s for (m, l, s) in by if m == "oapl" and l == lag and ("grpo_tis", 1, s) in by)
     if not seeds:
       continue
+    pairs = [(by[("oapl", lag, s)], by[("grpo_tis", 1, s)]) for s in seeds]
+    n = min(r.summary["eval_after"]["samples_per_problem"] for pair in pairs for r in pair)
     parts = []
-    for k in ks:
-      if k > min(by[(m, l, s)].summary["eval_after"]["samples_per_problem"]
-                 for s in seeds for (m, l) in (("oapl", lag), ("grpo_tis", 1))):
-        continue
-      diffs = [float(by[("oapl", lag, s)].passk("after", [k])[0] - by[("grpo_tis", 1, s)].passk("after", [k])[0])
-               for s in seeds]
+    for k in (k for k in ks if k <= n):
+      diffs = [float(a.passk("after", [k])[0] - g.passk("after", [k])[0]) for a, g in pairs]
       parts.append(f"pass@{k} " + _paired_text(diffs))
     out.append(f"* the paper's setting, OAPL at L={lag} vs GRPO+IS at L=1 (per seed, OAPL - GRPO+IS): "
                + "; ".join(parts) + ".")
