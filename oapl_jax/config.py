@@ -15,7 +15,7 @@ import os
 import ml_collections
 from ml_collections.config_dict import placeholder
 
-from oapl_jax.errors import UserError
+from oapl_jax.errors import ConfigError
 from oapl_jax.models.presets import PRESETS  # names and numbers only: no JAX, no Flax
 from oapl_jax.tasks.base import TASKS  # the task registry (names -> builders): no JAX either
 
@@ -222,10 +222,6 @@ def repo_config(name: str) -> ml_collections.ConfigDict:
 OLD_LOGPROB_SOURCES = ("sampler", "snapshot")
 MODES = ("sync", "async", "offline")
 REMAT_POLICIES = ("none", "dots", "full")  # train.remat
-
-
-class ConfigError(UserError, ValueError):
-  """A setting has a value the run cannot use."""
 
 
 def _check(ok: bool, setting: str, value, why: str):

@@ -18,6 +18,10 @@ class UserError(Exception):
   exit_code = 2
 
 
+class ConfigError(UserError, ValueError):
+  """A setting has a value the run cannot use (the message names it: `config.rl.lag=0: ...`)."""
+
+
 def one_line(message: str) -> str:
   r"""`message` on one line: "a:\n  b\n  c" -> "a: b; c"."""
   lines = [line.strip() for line in str(message).splitlines() if line.strip()]

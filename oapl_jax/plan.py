@@ -47,7 +47,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from oapl_jax import sharding
-from oapl_jax.config import ConfigError
+from oapl_jax.errors import ConfigError
 from oapl_jax.errors import UserError
 from oapl_jax.models.transformer import ModelConfig, Transformer
 from oapl_jax.sharding import MESH_AXES

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from oapl_jax.config import ConfigError
+from oapl_jax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")  # The mesh axes a rule may name (config.sharding.rules).
 

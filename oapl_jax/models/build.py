@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from oapl_jax import sharding
-from oapl_jax.config import ConfigError
+from oapl_jax.errors import ConfigError
 from oapl_jax.models.hf import from_hf
 from oapl_jax.models.transformer import ModelConfig, Transformer
 

@@ -25,7 +25,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from oapl_jax.config import ConfigError
+from oapl_jax.errors import ConfigError
 from oapl_jax.metrics import say
 from oapl_jax.rl import offline
 from oapl_jax.rl.buffer import Rows

@@ -30,7 +30,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from oapl_jax import sharding as sharding_lib
-from oapl_jax.config import ConfigError
+from oapl_jax.errors import ConfigError
 from oapl_jax.models import build
 from oapl_jax.rl import losses
 from oapl_jax.rl.buffer import Rows

@@ -49,7 +49,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from oapl_jax import sharding as sharding_lib
-from oapl_jax.config import ConfigError
+from oapl_jax.errors import ConfigError
 from oapl_jax.models.transformer import ModelConfig
 
 FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # held in `decode`, not `params`

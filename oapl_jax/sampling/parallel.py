@@ -37,7 +37,7 @@ import threading
 import jax
 import numpy as np
 
-from oapl_jax.config import ConfigError
+from oapl_jax.errors import ConfigError
 from oapl_jax.sampling.engine import Engine, EngineParams
 from oapl_jax.sampling.layout import engine_mesh, load_weights
 from oapl_jax.sampling.rollout import Rollout, rollout

@@ -24,6 +24,7 @@ from typing import Iterable
 
 import numpy as np
 
+from oapl_jax.errors import ConfigError
 from oapl_jax.tasks.base import Problem
 from oapl_jax.tasks.limits import SETTING, prompt_tokens
 
@@ -241,7 +242,6 @@ def check_addition_prompts(task: AdditionTask, tokenizer, max_prompt_len: int) -
   failure to the first rollout. (Once the prompts fit, the warm-up's sequences,
   `max_prompt_len + max_new_tokens` long, hold every prompt and at least one answer token.)
   """
-  from oapl_jax.config import ConfigError  # noqa: PLC0415 (config imports this package)
   prompt = task.longest_prompt()
   need = prompt_tokens(tokenizer, prompt)
   if max_prompt_len < need:

@@ -32,6 +32,7 @@ import re
 
 import numpy as np
 
+from oapl_jax.errors import ConfigError
 from oapl_jax.tasks.arithmetic import AdditionTask, CharTokenizer, check_addition_prompts
 from oapl_jax.tasks.base import Problem
 
@@ -113,7 +114,6 @@ def make_chain_task(config) -> tuple[ChainAdditionTask, CharTokenizer]:
   """The chain-of-steps task of `config.task` (seeded by `config.seed`) and its tokenizer
   (the addition task's characters plus ``>``); refuses a `sampling.max_prompt_len` its
   prompts do not fit in, or a `sampling.max_new_tokens` its longest chain does not."""
-  from oapl_jax.config import ConfigError  # noqa: PLC0415 (config imports this package)
   settings = config.task
   task = ChainAdditionTask(settings.min_digits, settings.max_digits, settings.num_eval, config.seed)
   tokenizer = CharTokenizer(extra=ANSWER_MARK)

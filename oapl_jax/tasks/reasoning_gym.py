@@ -27,6 +27,7 @@ import re
 
 import numpy as np
 
+from oapl_jax.errors import ConfigError
 from oapl_jax.data.sources import normalize_text
 from oapl_jax.tasks.base import Problem
 from oapl_jax.tasks.limits import SETTING, prompt_tokens
@@ -126,7 +127,6 @@ class ReasoningGymTask:
     prompt = self.make_prompt(entry["question"])
     n = None if self.max_prompt_len is None else prompt_tokens(self.tokenizer, prompt)
     if n is not None and n > self.max_prompt_len:
-      from oapl_jax.config import ConfigError  # noqa: PLC0415 (config imports this package)
       raise ConfigError(f"config.{SETTING}={self.max_prompt_len}: reasoning_gym "
                         f"{self.dataset_name} {which} has a prompt of {n} tokens (chat template "
                         f"and BOS included); raise {SETTING} or make the questions shorter "
