@@ -30,7 +30,7 @@ def main(argv=None) -> int:
   from oapl_jax import config as config_lib
   from oapl_jax import warmup
   from oapl_jax.rl.loop import Run
-  from oapl_jax.sampling.sampler import seq_len
+  from oapl_jax.placement import seq_len
   from oapl_jax.studies.lag_study import _set
 
   c = config_lib.repo_config(args.config)

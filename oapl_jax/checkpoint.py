@@ -45,6 +45,7 @@ import orbax.checkpoint as ocp
 
 from oapl_jax import distributed
 from oapl_jax.errors import UserError
+from oapl_jax.workdir import Layout
 
 ROWS = ("buffer", "inflight")  # host row dicts of a run state (names of `state` entries)
 CHECKSUMS = "checksums"  # meta key: {"meta": sha256 of the rest of meta, "state": {path: sha256}}
@@ -351,7 +352,7 @@ def restore_policy(config, workdir: str, policy: str):
   name = POLICIES[policy]
   model_cfg, graphdef, abstract = abstract_model(
       config, dtype=config.model.dtype if policy == "snapshot" else None)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+  ckpt = Checkpointer(Layout(workdir).checkpoints, keep=config.checkpoint.keep)
   found = ckpt.restore_latest({name: abstract}, dataclasses.asdict(model_cfg), partial=True)
   if found is None:
     raise UserError(f"no checkpoint under {ckpt.directory}")

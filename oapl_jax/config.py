@@ -17,7 +17,8 @@ from ml_collections.config_dict import placeholder
 
 from oapl_jax.errors import ConfigError
 from oapl_jax.models.presets import PRESETS  # names and numbers only: no JAX, no Flax
-from oapl_jax.tasks.base import TASKS  # the task registry (names -> builders): no JAX either
+from oapl_jax.tasks.registry import TASKS  # task names -> builders: no JAX either
+from oapl_jax.topology import MESH_AXES, TOPOLOGIES  # names and numbers: no JAX either
 
 # Config files import this module and must not import JAX or Flax (a launcher, a notebook cell
 # or a test may read a config without them); what validation needs from the model and the
@@ -50,7 +51,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.mesh.data = 1  # Pure data parallelism: weights replicated, batch rows split.
   c.mesh.fsdp = -1  # ZeRO-3: weights, gradients and AdamW state split over "embed"; batch rows split.
   c.mesh.tensor = 1  # Megatron tensor parallelism: heads, MLP width and vocabulary split.
-  # Named device topology for the memory planner and --dry_run (oapl_jax/plan.py TOPOLOGIES,
+  # Named device topology for the memory planner and --dry_run (oapl_jax/topology.py TOPOLOGIES,
   # e.g. "v5p-64", "v5e-64", "v4-32", "h100x8"); None = the devices this process sees.
   c.mesh.topology = placeholder(str)
 
@@ -523,7 +524,6 @@ def _validate_sharding(c) -> None:
   """`c.sharding.rules`: (logical axis, mesh axes) pairs naming known mesh axes, one rule per
   logical axis, and a rule (None = replicated) for every logical axis a weight carries."""
   from oapl_jax.models.transformer import LOGICAL_AXES  # noqa: PLC0415 (JAX: see the imports)
-  from oapl_jax.sharding import MESH_AXES  # noqa: PLC0415
   rules = c.sharding.rules
   _check(isinstance(rules, (tuple, list)), "sharding.rules", rules,
          "must be a tuple of (logical axis, mesh axes) pairs")
@@ -555,7 +555,6 @@ def _validate_mesh(c) -> None:
   _check(len(minus) <= 1, f"mesh.{minus[-1] if minus else 'fsdp'}", -1,
          f"only one mesh axis may be -1 (got {minus})")
   if c.mesh.topology is not None:
-    from oapl_jax.plan import TOPOLOGIES  # noqa: PLC0415 (JAX: see the imports)
     _check(c.mesh.topology in TOPOLOGIES, "mesh.topology", c.mesh.topology,
            f"unknown topology; known: {sorted(TOPOLOGIES)}")
 

@@ -31,7 +31,7 @@ from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
-from oapl_jax import errors  # noqa: E402
+from oapl_jax import errors, placement  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 _OUT = flags.DEFINE_string("out", None, "The file to write (.npz).")
@@ -46,7 +46,7 @@ def base_policy(config):
   """(params, graphdef, model_cfg, task, tokenizer, policy record) of the config's base."""
   from oapl_jax import warmup  # noqa: PLC0415 (after validation: TensorFlow logs)
   from oapl_jax.models.build import init_model  # noqa: PLC0415
-  from oapl_jax.sampling.sampler import seq_len  # noqa: PLC0415
+  from oapl_jax.placement import seq_len  # noqa: PLC0415
   from oapl_jax.tasks import make_task  # noqa: PLC0415
   task, tokenizer = make_task(config)
   model_cfg, graphdef, params = init_model(config)
@@ -78,9 +78,8 @@ def generate(config, out: str, workdir: str | None = None, policy: str = "theta"
   import jax  # noqa: PLC0415
   from oapl_jax.rl import offline  # noqa: PLC0415
   from oapl_jax.sampling import SamplingParams  # noqa: PLC0415
-  from oapl_jax.sampling.parallel import request_host_devices  # noqa: PLC0415
   from oapl_jax.sampling.sampler import Sampler, make_replicas  # noqa: PLC0415
-  request_host_devices(config.sampling.engines * config.sampling.tensor)
+  placement.request_host_devices(placement.engine_device_count(config))
   params, graphdef, model_cfg, task, tokenizer, record = (
       checkpoint_policy(config, workdir, policy) if workdir else base_policy(config))
   replicas = make_replicas(config, model_cfg, graphdef, SamplingParams.from_config(config.sampling))

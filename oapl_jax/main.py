@@ -18,11 +18,11 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet TensorFlow (pulled in by clu/jetstream)
 
 from absl import app, flags, logging  # noqa: E402
-import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
-from oapl_jax import errors  # noqa: E402
+from oapl_jax import distributed, errors, placement  # noqa: E402
+from oapl_jax.workdir import Layout  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and summary.json go "
@@ -40,20 +40,14 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; keep the console readable
     logging.set_verbosity(logging.WARNING)
   config = config_lib.from_flag(_CONFIG)
-  config_lib.validate(config, dry_run=_DRY_RUN.value)  # before anything starts JAX or touches the workdir
+  config_lib.validate(config, dry_run=_DRY_RUN.value)  # once: before JAX starts or the workdir is touched
   if _DRY_RUN.value:
     return dry_run(config)
+  distributed.initialize(config.distributed)  # multi-host: before anything touches JAX
   # Imported once the config is valid: `train` pulls in TensorFlow (clu, jetstream), whose
   # import prints log lines on stderr that would bury a one-line refusal.
-  from oapl_jax import distributed  # noqa: PLC0415
-  distributed.initialize(config.distributed)  # multi-host: before anything touches JAX
   from oapl_jax import train  # noqa: PLC0415
-  from oapl_jax.rl.loop import devices_wanted  # noqa: PLC0415
-  from oapl_jax.sampling.parallel import request_host_devices  # noqa: PLC0415
-  request_host_devices(devices_wanted(config))  # on CPU: a host device per engine (+ trainer)
-  print(f"jax {jax.__version__}, devices {jax.devices()}"
-        + (f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""))
-  summary = train.run(config, _WORKDIR.value)
+  summary = train.run_validated(config, _WORKDIR.value)
   if not distributed.is_writer():
     return
   keys = [k for k in summary["eval_after"] if k.startswith("pass@")]
@@ -62,16 +56,14 @@ def main(argv):
                     "train_seconds": round(summary["train_seconds"], 1),
                     "samples_generated": summary["samples_generated"],
                     "trainer_steps": summary["trainer_steps"],
-                    "summary": os.path.join(_WORKDIR.value, "summary.json")}, indent=2))
+                    "summary": Layout(_WORKDIR.value).summary}, indent=2))
 
 
 def dry_run(config) -> None:
   """Prints the plan; a plan that does not fit raises PlanError (one line, exit 2)."""
   from oapl_jax import plan as plan_lib  # noqa: PLC0415 (no TensorFlow, no weights)
   if config.mesh.topology is None:  # this machine's devices, as many as the run would ask for
-    from oapl_jax.rl.loop import devices_wanted  # noqa: PLC0415
-    from oapl_jax.sampling.parallel import request_host_devices  # noqa: PLC0415
-    request_host_devices(devices_wanted(config))
+    placement.request_host_devices(placement.devices_wanted(config))
   plan = plan_lib.make_plan(config)
   print(plan.format(), flush=True)
   if not plan.fits:

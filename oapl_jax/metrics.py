@@ -13,6 +13,8 @@ import sys
 from clu import metric_writers
 from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
 
+from oapl_jax.workdir import Layout
+
 log = logging.getLogger(__name__)
 
 
@@ -42,7 +44,7 @@ class MetricsLog:
   """
 
   def __init__(self, workdir: str, *, resume_step: int = 0):
-    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.path = Layout(workdir).metrics
     self._truncate_after(resume_step)
     self._file = open(self.path, "a")
     self._tb = metric_writers.create_default_writer(workdir, asynchronous=False)
@@ -78,7 +80,7 @@ def _plain(v):
 
 def read_metrics(workdir: str) -> list[dict]:
   """The rows of `<workdir>/metrics.jsonl`, one dict per logged trainer step."""
-  return [row for row, _ in _complete_lines(os.path.join(workdir, "metrics.jsonl"))]
+  return [row for row, _ in _complete_lines(Layout(workdir).metrics)]
 
 
 def _complete_lines(path: str) -> list[tuple[dict, str]]:

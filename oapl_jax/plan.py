@@ -22,17 +22,16 @@ Where the numbers come from:
   backward under train.remat, train.attn_block and train.logprob_tile (`activation_bytes`,
   `logprob_bytes`), checked against the compiled step's memory_analysis() (tests/test_plan.py).
 
-Devices: `config.mesh.topology` names one of TOPOLOGIES (its device count resolves the -1 mesh
-axis), else this process's devices, whose memory is `memory_stats()["bytes_limit"]` where the
-backend reports one (not on CPU: the plan is then printed but not checked). Items are on the
-trainer's devices or on an engine's, live for the whole run ("state") or while that side works
-("step"); `Plan` adds them up for the fullest device as the run places trainer and engines
-(rl/loop.py: sync mode shares the devices and takes turns; async splits them).
+Devices: `config.mesh.topology` names one of `topology.TOPOLOGIES` (its device count resolves
+the -1 mesh axis; its hosts are the run's processes), else this run's devices, whose memory is
+`memory_stats()["bytes_limit"]` where the backend reports one (not on CPU: the plan is then
+printed but not checked). Items are on the trainer's devices or on an engine's, live for the
+whole run ("state") or while that side works ("step"); `Plan` adds them up for the fullest
+device as `placement.split_devices` places trainer and engines (sync mode shares the devices
+and takes turns; async splits them).
 
-TOPOLOGIES names the device topologies `config.mesh.topology` may give. A TPU slice is named
-by its TensorCores (Cloud TPU's convention): v4 and v5p chips hold two TensorCores that JAX
-shows as one device ("megacore"), so `v5p-64` is 32 devices; v5e and v6e chips have one
-TensorCore each, so `v5e-64` is 64 devices. GPU entries are one host's GPUs (`h100x8`).
+The topologies (`oapl_jax/topology.py`) and where the run puts its trainer and engines
+(`oapl_jax/placement.py`) are the run's own: the planner reads the same facts.
 """
 
 from __future__ import annotations
@@ -46,54 +45,45 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from oapl_jax import sharding
-from oapl_jax.errors import ConfigError
-from oapl_jax.errors import UserError
+from oapl_jax import placement, sharding
+from oapl_jax.errors import ConfigError, UserError
 from oapl_jax.models.transformer import ModelConfig, Transformer
-from oapl_jax.sharding import MESH_AXES
-
-GiB = 1024**3
-
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-  """Devices of a named topology and each device's memory (HBM) in bytes."""
-
-  name: str
-  devices: int
-  device_bytes: int
-
-
-def _tpu(generation: str, cores: int, cores_per_device: int, hbm_gib: float) -> Topology:
-  name = f"{generation}-{cores}"
-  return Topology(name, cores // cores_per_device, int(hbm_gib * GiB))
-
-
-TOPOLOGIES: dict[str, Topology] = {}
-for _cores in (8, 16, 32, 64, 128, 256, 512, 1024):
-  for _t in (_tpu("v4", _cores, 2, 32), _tpu("v5p", _cores, 2, 95), _tpu("v5e", _cores, 1, 16),
-             _tpu("v6e", _cores, 1, 32)):
-    TOPOLOGIES[_t.name] = _t
-for _gpu, _gib in (("a100", 80), ("h100", 80), ("h200", 141)):
-  for _n in (1, 2, 4, 8):
-    TOPOLOGIES[f"{_gpu}x{_n}"] = Topology(f"{_gpu}x{_n}", _n, int(_gib * 1e9))
+from oapl_jax.placement import seq_len
+from oapl_jax.topology import GiB, MESH_AXES, TOPOLOGIES
 
 
 class PlanError(UserError):
   """The run's plan does not fit its devices' memory (the message names the setting to change)."""
 
 
-def topology_of(config) -> tuple[str, int, int | None]:
-  """(name, devices, bytes per device or None) of `config.mesh.topology`, else of this process's
-  devices (`memory_stats()["bytes_limit"]`; None where the backend gives no limit, e.g. CPU)."""
+@dataclasses.dataclass(frozen=True)
+class Devices:
+  """What a plan is made for: a topology's name, its devices (over all processes), JAX
+  processes (one per host), and each device's memory in bytes (None: unknown, e.g. CPU)."""
+
+  name: str
+  devices: int
+  processes: int
+  device_bytes: int | None
+
+  @property
+  def local(self) -> int:
+    """Devices of one process."""
+    return self.devices // self.processes
+
+
+def topology_of(config) -> Devices:
+  """The `Devices` of `config.mesh.topology`, else of this run's devices (`memory_stats()
+  ["bytes_limit"]`; None where the backend gives no limit, e.g. CPU)."""
   name = config.mesh.topology
   if name is not None:
     if name not in TOPOLOGIES:
       raise ConfigError(f"config.mesh.topology={name!r}: unknown topology; known: {sorted(TOPOLOGIES)}")
     t = TOPOLOGIES[name]
-    return t.name, t.devices, t.device_bytes
+    return Devices(t.name, t.devices, t.processes, t.device_bytes)
   devices = jax.devices()
-  return f"local {devices[0].platform} x {len(devices)}", len(devices), device_memory()
+  return Devices(f"local {devices[0].platform} x {len(devices)}", len(devices), jax.process_count(),
+                 device_memory())
 
 
 def resolve_mesh(mesh_cfg, devices: int) -> dict[str, int]:
@@ -257,7 +247,7 @@ def kv_cache_bytes(config) -> int:
   [S, K, M, D] in model.dtype, K split over sampling.tensor; S = max_slots / engines,
   M = seq_len (the largest capacity the cache grows to)."""
   m, s = config.model, config.sampling
-  slots = s.max_slots // s.engines
+  slots = placement.engine_slots(config)
   return (2 * m.num_layers * slots * _ceil(m.num_kv_heads, s.tensor) * m.head_dim * seq_len(config)
           * np.dtype(m.dtype).itemsize)
 
@@ -381,23 +371,17 @@ def _gib(n: int) -> str:
   return f"{n / GiB:.2f} GiB"
 
 
-def seq_len(config) -> int:
-  """Tokens per row: oapl_jax.sampling.sampler.seq_len (not imported: it loads TensorFlow)."""
-  return config.sampling.max_prompt_len + config.sampling.max_new_tokens
-
-
-def _layout(config, devices: int) -> tuple[int, bool]:
-  """(trainer devices, shared) as the run places them (rl/loop.py): sync, the trainer on all
-  devices and the engines on the first ones; async, the engines on the last
-  engines x tensor devices and the trainer on the others (on device 0 if there are none)."""
-  s = config.sampling
-  engine_devices = s.engines * s.tensor
-  if engine_devices > devices:
-    raise ConfigError(f"config.sampling.engines={s.engines}: engines x sampling.tensor = "
-                      f"{engine_devices} devices but there are {devices}")
-  if config.rl.mode != "async":  # sync and offline: sampling does not overlap training
-    return devices, True
-  return (devices - engine_devices, False) if devices > engine_devices else (1, True)
+def trainer_layout(config, where: Devices) -> tuple[int, bool]:
+  """(trainer devices over all processes, shared) as `placement.split_devices` places the run
+  on `where`; more engine devices than a process has is a ConfigError, as the run refuses it."""
+  split = placement.split_devices(config, where.local, where.processes)
+  if len(split.engines) > where.local:
+    s = config.sampling
+    raise ConfigError(
+        f"config.sampling.engines={s.engines}: {len(split.engines)} devices per process for its "
+        f"engines (sampling.engines / {where.processes} processes x sampling.tensor={s.tensor}) "
+        f"but {where.name} has {where.local} per process")
+  return len(split.trainer) * where.processes, split.shared
 
 
 def train_temp_bytes(config, mesh: dict) -> dict[str, int]:
@@ -427,9 +411,9 @@ def activation_settings(config, x: Dims) -> str:
 def make_plan(config) -> Plan:
   """The memory plan of a validated `config` on its topology (`config.mesh.topology`, else
   this process's devices), from abstract shapes only: no weight is read or allocated."""
-  topology, devices, device_bytes = topology_of(config)
+  where = topology_of(config)
   m, s, tr = config.model, config.sampling, config.train
-  trainer_devices, shared = _layout(config, devices)
+  trainer_devices, shared = trainer_layout(config, where)
   mesh = resolve_mesh(config.mesh, trainer_devices)
   from oapl_jax.rl.step import check_batch_divides  # noqa: PLC0415 (see abstract opt state)
   check_batch_divides(config, mesh)  # the trainer refuses these micro-batches too
@@ -440,7 +424,7 @@ def make_plan(config) -> Plan:
   pd, cd = np.dtype(m.param_dtype), np.dtype(m.dtype)
   master = weights_bytes(specs, pd, mesh)
   x = train_dims(config, mesh)
-  rows, slots = micro_batch_rows(config), s.max_slots // s.engines
+  rows, slots = micro_batch_rows(config), placement.engine_slots(config)
   items = [
       Item("master weights", master, "trainer", "state",
            (f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count:,}") + f" params in {pd.name}, "
@@ -473,8 +457,8 @@ def make_plan(config) -> Plan:
       Item("engine prefill", _prefill_bytes(config), "engine", "step",
            f"{s.max_prefill_batch} prompts x {s.max_prompt_len} tokens, one layer at a time"),
   ]
-  return Plan(topology, devices, mesh, s.engines, s.tensor, shared, config.rl.mode == "async",
-              tuple(items), device_bytes)
+  return Plan(where.name, where.devices, mesh, s.engines, s.tensor, shared,
+              placement.overlaps_training(config), tuple(items), where.device_bytes)
 
 
 def _prefill_bytes(config) -> int:

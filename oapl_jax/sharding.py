@@ -32,8 +32,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from oapl_jax.errors import ConfigError
-
-MESH_AXES = ("data", "fsdp", "tensor")  # The mesh axes a rule may name (config.sharding.rules).
+from oapl_jax.topology import MESH_AXES  # The mesh axes a rule may name (config.sharding.rules).
 
 MeshAxes = Union[str, tuple[str, ...], None]  # One rule's value.
 Rules = Union[Mapping[str, MeshAxes], Iterable[tuple[str, MeshAxes]]]

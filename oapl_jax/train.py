@@ -19,18 +19,18 @@ import signal
 
 from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
 
+import jax
+
 from oapl_jax import config as config_lib
-from oapl_jax import distributed
+from oapl_jax import distributed, placement, warmup
 from oapl_jax import plan as plan_lib
-from oapl_jax import warmup
 from oapl_jax.errors import UserError
 from oapl_jax.metrics import MetricsLog, read_metrics, say, write_json
-from oapl_jax.rl.loop import Run, devices_wanted
-from oapl_jax.sampling.parallel import request_host_devices
-from oapl_jax.sampling.sampler import seq_len
-from oapl_jax.workdir import Interrupted, StopSignals, WorkdirLock
+from oapl_jax.placement import seq_len
+from oapl_jax.rl.loop import Run
+from oapl_jax.workdir import Interrupted, Layout, StopSignals, WorkdirLock
 
-__all__ = ["NonFiniteSteps", "Run", "run"]
+__all__ = ["NonFiniteSteps", "Run", "run", "run_validated"]
 
 
 class NonFiniteSteps(UserError):
@@ -49,7 +49,15 @@ def run(config, workdir: str) -> dict:
   (`plan.PlanError`, naming the setting to change), where the device memory is known.
   """
   config_lib.validate(config)  # a bad setting is refused before the workdir is touched
-  request_host_devices(devices_wanted(config))  # on CPU, before the plan starts JAX
+  return run_validated(config, workdir)
+
+
+def run_validated(config, workdir: str) -> dict:
+  """`run` of a config its caller has validated (`python -m oapl_jax.main` does, before it
+  imports this module, so that a refused setting is one line on a quiet console)."""
+  placement.request_host_devices(placement.devices_wanted(config))  # on CPU, before JAX starts
+  say(f"jax {jax.__version__}, devices {jax.devices()}"  # process 0's console only
+      + (f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""))
   plan_lib.check(config)  # before anything is allocated
   lock = WorkdirLock(workdir) if distributed.is_writer() else contextlib.nullcontext()
   with lock, StopSignals() as stop:  # multi-host: process 0 holds the lock for all
@@ -60,7 +68,7 @@ def _start(r: Run, config, workdir: str) -> tuple[dict, dict]:
   """Resumes from the last checkpoint, or warms up, evaluates the base and saves step 0.
 
   Returns (eval_before, warmup_info)."""
-  before_path = os.path.join(workdir, "eval_before.json")
+  before_path = Layout(workdir).eval_before
   if r.restore_latest():
     say(f"resumed from step {r.counters.step} in {r.ckpt.directory}")
     with open(before_path) as f:
@@ -144,5 +152,5 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
       "steps_skipped": r.counters.steps_skipped, "warmup": warmup_info, "config": config.to_dict(),
   }
   if distributed.is_writer():
-    write_json(os.path.join(workdir, "summary.json"), summary)
+    write_json(Layout(workdir).summary, summary)
   return summary

@@ -1,4 +1,16 @@
-"""One run per workdir: a lock file naming its holder, and a clean stop on SIGTERM / SIGINT.
+"""A run's workdir: what it holds (`Layout`), one run at a time (`WorkdirLock`), and a clean stop
+on SIGTERM / SIGINT (`StopSignals`).
+
+`Layout(workdir)` names every file and folder a run writes there; no other module spells them:
+
+    run.lock          the lock (below), while a run holds the workdir
+    checkpoints/      orbax step folders (`checkpoint.Checkpointer`), written by every process
+    metrics.jsonl     one JSON line per logged step (`metrics.MetricsLog`), process 0
+    events.out.*      TensorBoard scalars of the same steps (clu, in the workdir itself)
+    eval_before.json  the base's evaluation and warm-up record, before the first checkpoint
+    summary.json      the finished run (`train.run`): evaluations, counters, config
+    offline/          offline mode's round files (`rl.sources.OfflineSource`)
+    eval_step<N>.json an evaluation of checkpoint N (`python -m oapl_jax.evaluate`)
 
 `WorkdirLock(workdir)` creates `<workdir>/run.lock` (pid, host, start time) atomically and
 removes it on release; a second run on the same workdir is refused with a message naming the
@@ -18,6 +30,7 @@ lock.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -31,6 +44,43 @@ import time
 from oapl_jax.errors import UserError
 
 LOCK_NAME = "run.lock"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The paths of a run's files in `root` (the module docstring says what each holds)."""
+
+  root: str
+
+  def _path(self, name: str) -> str:
+    return os.path.join(self.root, name)
+
+  @property
+  def lock(self) -> str:
+    return self._path(LOCK_NAME)
+
+  @property
+  def checkpoints(self) -> str:
+    return self._path("checkpoints")
+
+  @property
+  def metrics(self) -> str:
+    return self._path("metrics.jsonl")
+
+  @property
+  def eval_before(self) -> str:
+    return self._path("eval_before.json")
+
+  @property
+  def summary(self) -> str:
+    return self._path("summary.json")
+
+  @property
+  def offline(self) -> str:
+    return self._path("offline")
+
+  def eval_step(self, step: int) -> str:
+    return self._path(f"eval_step{step}.json")
 
 
 class WorkdirBusy(UserError):
@@ -60,7 +110,7 @@ class WorkdirLock:
   """`with WorkdirLock(workdir):` holds `<workdir>/run.lock` for the block."""
 
   def __init__(self, workdir: str):
-    self.path = os.path.join(os.path.abspath(workdir), LOCK_NAME)
+    self.path = Layout(os.path.abspath(workdir)).lock
     self.held = False
 
   def holder(self) -> dict | None:

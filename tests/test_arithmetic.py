@@ -186,7 +186,7 @@ def test_make_task_refuses_a_max_prompt_len_the_prompts_do_not_fit():
 
 def test_task_registry_imports_no_jax_flax_or_transformers():
   # oapl_jax.config checks task.name against TASKS; importing it must stay cheap.
-  code = ("import sys; from oapl_jax.tasks.base import TASKS; print(list(TASKS)); "
+  code = ("import sys; from oapl_jax.tasks.registry import TASKS; print(list(TASKS)); "
           "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'transformers'}))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.split("\n")[:2] == ["['addition', 'chain_addition', 'math', 'code', 'reasoning_gym']", "[]"]

@@ -1,5 +1,5 @@
 """The commands: every `--config.X=...` override quoted in README.md, launch/ and configs/ names a
-real setting; a refused setting stops `python -m oapl_jax.main` / `oapl_jax.eval` in one line."""
+real setting; a refused setting stops `python -m oapl_jax.main` / `oapl_jax.evaluate` in one line."""
 
 import pathlib
 import re
@@ -44,7 +44,7 @@ def _command(module: str, *args, workdir) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("module,setting", [("oapl_jax.main", "train.lr"),
-                                            ("oapl_jax.eval", "rl.beta2")])
+                                            ("oapl_jax.evaluate", "rl.beta2")])
 def test_refused_setting_is_one_line(module, setting, tmp_path):
   out = _command(module, f"--config.{setting}=inf", workdir=tmp_path / "w")
   assert out.returncode == 2, out.stderr[-3000:]

@@ -42,7 +42,7 @@ def test_smoke_run_writes_everything_and_resumes(tmp_path):
   assert summary2["eval_before"] == summary["eval_before"]
   assert len((workdir / "metrics.jsonl").read_text().splitlines()) == 6
 
-  ev = subprocess.run([sys.executable, "-m", "oapl_jax.eval", "--config=configs/tiny.py:smoke",
+  ev = subprocess.run([sys.executable, "-m", "oapl_jax.evaluate", "--config=configs/tiny.py:smoke",
                        f"--workdir={workdir}"], capture_output=True, text=True, timeout=300)
   assert ev.returncode == 0, ev.stderr[-3000:]
   assert json.loads((workdir / "eval_step6.json").read_text()) == {

@@ -223,7 +223,7 @@ def test_the_tpu_launcher_dry_run_prints_commands_that_parse():
     ("python -m oapl_jax.generate --config=configs/tiny.py --output=/tmp/f.npz", "--output is not a flag"),
     ("python -m oapl_jax.studies.lag_study --out=/tmp/ls --lag 1", "--lag is not a flag"),
     ("python -m oapl_jax.trainer --config=configs/tiny.py", "no module oapl_jax.trainer"),
-    ("* `python -m oapl_jax.eval --config=... --workdir=DIR [--polcy=theta|snapshot]` — pass@k",
+    ("* `python -m oapl_jax.evaluate --config=... --workdir=DIR [--polcy=theta|snapshot]` — pass@k",
      "--polcy is not a flag"),
     ("srun \"${PYTHON:-python}\" -m oapl_jax.main --config=\"${CONFIG:-configs/code.py}\" \\\n"
      "  --workdir=w --config.rl.grpo.eps=0.2", "--config.rl.grpo.eps: no such setting in configs/code.py"),

@@ -18,7 +18,7 @@ from oapl_jax.rl import losses
 from oapl_jax.rl.logprobs import token_logprobs
 from oapl_jax.rl.step import Batch, make_train_step
 from oapl_jax.sampling import SamplingParams
-from oapl_jax.sampling.sampler import seq_len
+from oapl_jax.placement import seq_len
 
 NEG_INF = float("-inf")
 

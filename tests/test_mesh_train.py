@@ -23,7 +23,7 @@ from oapl_jax.config import ConfigError
 from oapl_jax.models.build import init_model
 from oapl_jax.rl.step import Batch, make_optimizer, make_train_step
 from oapl_jax.sampling import SamplingParams
-from oapl_jax.sampling.sampler import seq_len
+from oapl_jax.placement import seq_len
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EIGHT = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -38,7 +38,7 @@ COMMON = textwrap.dedent("""
     from oapl_jax.rl.logprobs import token_logprobs
     from oapl_jax.rl.step import Batch, make_optimizer, make_train_step
     from oapl_jax.sampling import SamplingParams
-    from oapl_jax.sampling.sampler import seq_len
+    from oapl_jax.placement import seq_len
 
     def config(accum=1, fsdp=1, tensor=1, loss="oapl"):
       c = tiny.get_config("smoke")

@@ -37,10 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oapl_jax import config as config_lib
-from oapl_jax import distributed
-from oapl_jax import sharding
+from oapl_jax import distributed, placement, sharding
 from oapl_jax.checkpoint import Checkpointer
+from oapl_jax.errors import ConfigError
 from oapl_jax.eval.evaluate import eval_key, evaluate
 from oapl_jax.metrics import say
 from oapl_jax.models.build import init_model
@@ -49,9 +48,11 @@ from oapl_jax.rl.logprobs import make_batch
 from oapl_jax.rl.sources import SOURCES, Drawn
 from oapl_jax.rl.step import Batch, make_optimizer, make_train_step, uses_reference
 from oapl_jax.sampling import SamplingParams
-from oapl_jax.sampling.parallel import global_row_order, request_host_devices
-from oapl_jax.sampling.sampler import Sampler, make_replicas, seq_len
+from oapl_jax.placement import seq_len
+from oapl_jax.sampling.parallel import global_row_order
+from oapl_jax.sampling.sampler import Sampler, make_replicas
 from oapl_jax.tasks import make_task
+from oapl_jax.workdir import Layout
 
 
 @dataclasses.dataclass
@@ -70,34 +71,27 @@ class Counters:
   train_seconds: float = 0.0  # wall time of the RL loop (sampling + training)
 
 
-def devices_wanted(config) -> int:
-  """Local devices a run asks for: `sampling.tensor` per engine, plus one for the trainer when
-  sampling overlaps training."""
-  s = config.sampling
-  return s.engines * s.tensor + SOURCES[config.rl.mode].overlaps_training
+def _split(config) -> placement.Split:
+  """This process's local devices split between trainer and engines (`placement.split_devices`)."""
+  return placement.split_devices(config, len(jax.local_devices()), jax.process_count())
 
 
 def engine_devices(config) -> list:
-  """The engines' devices, replica after replica (`sampling.tensor` consecutive devices each):
-  the first `engines x tensor` local devices, shared with the trainer; or, when sampling overlaps
-  training, the last ones, the trainer keeping the rest (with one device left: today's device 0
-  trainer, engines on 1..N). With too few devices for that, the engines share the trainer's."""
+  """The engines' local devices, replica after replica (`sampling.tensor` consecutive devices
+  each), as `placement.split_devices` places them; fewer than the engines need if this process
+  has too few (`parallel.Replicas` then says so)."""
   devices = jax.local_devices()
-  n = config.sampling.engines * config.sampling.tensor
-  if SOURCES[config.rl.mode].overlaps_training and len(devices) > n:
-    return devices[-n:]
-  return devices
+  return [devices[i] for i in _split(config).engines if i < len(devices)]
 
 
 def trainer_devices(config) -> list:
-  """The trainer's devices (its mesh: `sharding.make_mesh(config.mesh, ...)`): all devices in
-  sync mode; when sampling overlaps training (async), those the engines do not use (they take
-  the last `sampling.engines * sampling.tensor` devices), or device 0 if there are no others."""
-  devices = jax.devices()
-  if not SOURCES[config.rl.mode].overlaps_training:
-    return devices
-  engine_count = config.sampling.engines * config.sampling.tensor
-  return devices[:-engine_count] if len(devices) > engine_count else devices[:1]
+  """The trainer's devices (its mesh: `sharding.make_mesh(config.mesh, ...)`), as
+  `placement.split_devices` places them: every device of every process when the trainer has
+  all of this process's devices; else this process's trainer devices (one process: async)."""
+  trainer, local = _split(config).trainer, jax.local_devices()
+  if len(trainer) == len(local):
+    return jax.devices()
+  return [local[i] for i in trainer]
 
 
 def draw_rollout(config, sampler: Sampler, weights, *, index: int, version: int,
@@ -119,29 +113,22 @@ def draw_rollout(config, sampler: Sampler, weights, *, index: int, version: int,
 
 def check_processes(config) -> int:
   """rl.groups_per_step, once checked against the processes (multi-host): whole groups per
-  process and per replica, so every process holds the same number of rows at every step."""
+  engine replica (over all processes), so every process holds the same number of rows at
+  every step."""
   n = jax.process_count()
   if n == 1:
     return config.rl.groups_per_step
   if config.rl.mode != "sync":
-    raise config_lib.ConfigError(f"config.rl.mode={config.rl.mode!r}: multi-host runs "
-                                 f"({n} processes) support rl.mode='sync' only, for now")
-  replicas = n * config.sampling.engines
-  for setting in ("rl.groups_per_step", "rl.groups_per_rollout", "sampling.max_slots"):
+    raise ConfigError(f"config.rl.mode={config.rl.mode!r}: multi-host runs ({n} processes) "
+                      "support rl.mode='sync' only, for now")
+  placement.local_engines(config, n)  # the replicas divide over the processes
+  replicas = config.sampling.engines
+  for setting in ("rl.groups_per_step", "rl.groups_per_rollout"):
     section, name = setting.split(".")
     value = config[section][name]
     if value % replicas:
-      raise config_lib.ConfigError(
-          f"config.{setting}={value}: must be a multiple of the engine replicas over all "
-          f"processes ({n} processes x sampling.engines={config.sampling.engines} = {replicas})")
-  per_engine = config.sampling.max_slots // replicas
-  for setting in ("rl.group_size", "eval.samples_per_problem"):
-    section, name = setting.split(".")
-    if per_engine < config[section][name]:
-      raise config_lib.ConfigError(
-          f"config.sampling.max_slots={config.sampling.max_slots}: {per_engine} slots per engine "
-          f"(a total over {replicas} replicas in {n} processes) must be >= {setting}="
-          f"{config[section][name]}: a group is decoded on one engine")
+      raise ConfigError(f"config.{setting}={value}: must be a multiple of the engine replicas over "
+                        f"all processes (sampling.engines={replicas}, in {n} processes)")
   return config.rl.groups_per_step
 
 
@@ -177,13 +164,12 @@ class Run:
   """
 
   def __init__(self, config, workdir: str):
-    config_lib.validate(config)
-    request_host_devices(devices_wanted(config))  # on CPU, if JAX has not started yet
+    """config: validated (`oapl_jax.config.validate`; `train.run` does it)."""
     self.config = config
     os.makedirs(workdir, exist_ok=True)
     task, tokenizer = make_task(config)
     if config.model.vocab_size < tokenizer.vocab_size:
-      raise config_lib.ConfigError(
+      raise ConfigError(
           f"config.model.vocab_size={config.model.vocab_size}: must be >= the tokenizer's "
           f"{tokenizer.vocab_size}")
     self.mesh = sharding.make_mesh(config.mesh, trainer_devices(config))  # the trainer's
@@ -198,7 +184,7 @@ class Run:
     self.buffer = GroupBuffer(config.rl.group_size)
     self.counters = Counters()
     self.start_from(params)
-    self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+    self.ckpt = Checkpointer(Layout(workdir).checkpoints, keep=config.checkpoint.keep)
 
   def start_from(self, params) -> None:
     """pi_theta <- `params` (placed in the trainer's shardings, in model.param_dtype), a fresh
@@ -306,7 +292,7 @@ class Run:
     if jax.process_count() == 1:
       return out
     order = global_row_order(self.groups_per_step, self.config.rl.group_size, jax.process_count(),
-                             self.config.sampling.engines)
+                             placement.local_engines(self.config, jax.process_count()))
     return [x[order] for x in out]
 
   def step(self) -> dict:
@@ -335,7 +321,7 @@ class Run:
                "train_seconds": c.train_seconds}
     if answer_tokens:
       metrics["sample_wait_seconds"] = wait_seconds
-      if not self.source.overlaps_training:  # overlapped sampling: no rate from the wait
+      if not placement.overlaps_training(self.config):  # overlapped sampling: no rate from the wait
         metrics["sample_tokens_per_s"] = answer_tokens / max(wait_seconds, 1e-9)
     if lags.max() == 0:  # pi_theta == pi_old at this step: the engine/trainer mismatch
       metrics["engine_mismatch_abs"] = m["trainer_vs_sampler_abs"]

@@ -27,9 +27,10 @@ import numpy as np
 
 from oapl_jax.errors import ConfigError
 from oapl_jax.metrics import say
+from oapl_jax.placement import seq_len
 from oapl_jax.rl import offline
 from oapl_jax.rl.buffer import Rows
-from oapl_jax.sampling.sampler import seq_len
+from oapl_jax.workdir import Layout
 
 
 @dataclasses.dataclass
@@ -51,7 +52,6 @@ Job = Callable[[], Drawn]
 class SyncSource:
   """Samples when the loop asks, while the trainer waits."""
 
-  overlaps_training = False  # the trainer waits for sampling: a sampling rate can be measured
   empties_buffer_at_refresh = True  # Algorithm 1: each window trains on its own pi_old's groups
 
   def __init__(self, run=None, workdir: str | None = None):
@@ -80,9 +80,9 @@ class SyncSource:
 
 
 class AsyncSource:
-  """Samples the next rollout in a background thread while the trainer trains."""
+  """Samples the next rollout in a background thread while the trainer trains (on devices of
+  its own: `placement.OVERLAPPING_MODES`)."""
 
-  overlaps_training = True  # the trainer's wait is only the part of sampling not overlapped
   empties_buffer_at_refresh = False  # stale groups are used (oapl.md), unless rl.max_lag drops them
 
   def __init__(self, run=None, workdir: str | None = None):
@@ -129,11 +129,10 @@ class OfflineSource:
   rollouts come from a `SyncSource`.
   """
 
-  overlaps_training = False  # rounds are sampled while the trainer waits; online: sync
   empties_buffer_at_refresh = True  # a round's batches are whole steps: nothing is left over
 
   def __init__(self, run, workdir: str):
-    self._run, self._dir = run, os.path.join(workdir, "offline")
+    self._run, self._dir = run, Layout(workdir).offline
     self._online = SyncSource()
     config = run.config
     off = config.rl.offline

@@ -7,21 +7,24 @@ JetStream's own model of scale-out (its orchestrator takes a list of generate en
 
 Each replica holds T = `sampling.tensor` devices, a mesh `("tensor",)` (`layout.engine_mesh`):
 replica i takes devices `[i*T, (i+1)*T)` of the list it is given (`rl.loop.engine_devices`
-picks them). The decode slots `sampling.max_slots` are a total, split evenly over the replicas
-(`sampler.make_engine`). `load_params` re-lays pi_theta out for all replicas at once, on device
+picks them, as `placement.split_devices` says). The decode slots `sampling.max_slots` are a
+total, split evenly over the replicas of all processes (`placement.engine_slots`).
+`load_params` re-lays pi_theta out for all replicas at once, on device
 (`layout.load_weights`).
 
 Why on a CPU host: one XLA process uses its cores poorly for decode-sized work (a process
 pinned to one core samples about as fast as one using two), while separate host devices each
-run on their own core. `request_host_devices(n)` asks JAX for n CPU devices; it must run
-before JAX starts its backends (`oapl_jax.main` calls it before anything else touches JAX).
+run on their own core. `placement.request_host_devices(n)` asks JAX for n CPU devices; it must
+run before JAX starts its backends (`oapl_jax.train.run` calls it before anything else touches
+JAX).
 On TPU / GPU the replicas sit on the local accelerator devices they are given.
 
 Replica i samples with `fold_in(key, i)` (one replica: `key` itself, so a one-replica run is
 exactly a plain `rollout`): answers are deterministic given the key and the number of
 replicas, and differ between replica counts.
 
-Multi-host (oapl_jax/distributed.py): the replicas of all processes are one data axis. Every
+Multi-host (oapl_jax/distributed.py): the replicas of all processes are one data axis
+(`sampling.engines` counts them all; each process runs `placement.local_engines` of them). Every
 process is handed the same global prompt list; global replica r = process_index x local
 replicas + i takes `prompts[r::R]` (R replicas in all) with `fold_in(key, r)`, and `rollout`
 returns this process's rows only (`local_prompts`: which prompts, in order). So N processes
@@ -31,7 +34,6 @@ x k replicas sample exactly what one process with N x k replicas samples: the sa
 
 from __future__ import annotations
 
-import os
 import threading
 
 import jax
@@ -41,19 +43,6 @@ from oapl_jax.errors import ConfigError
 from oapl_jax.sampling.engine import Engine, EngineParams
 from oapl_jax.sampling.layout import engine_mesh, load_weights
 from oapl_jax.sampling.rollout import Rollout, rollout
-
-
-def request_host_devices(n: int) -> None:
-  """Asks JAX for at least `n` CPU devices, if its backends have not started yet (else a no-op:
-  `Replicas` then says how many devices there are). Leaves an explicit
-  `--xla_force_host_platform_device_count` in XLA_FLAGS alone."""
-  if n <= 1 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-    return
-  if jax.config.jax_num_cpu_devices < n:
-    try:
-      jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:  # backends already started
-      pass
 
 
 class Replicas:
@@ -71,7 +60,7 @@ class Replicas:
       raise ConfigError(
           f"{setting} needs {need} devices, JAX has {len(devices)} ({devices}). On "
           f"CPU, start the process with XLA_FLAGS=--xla_force_host_platform_device_count={need}, "
-          f"or call oapl_jax.sampling.parallel.request_host_devices({need}) before any JAX "
+          f"or call oapl_jax.placement.request_host_devices({need}) before any JAX "
           f"operation (python -m oapl_jax.main does this).")
     self.devices = devices[:need]
     self.meshes = [engine_mesh(self.devices[i * tensor:(i + 1) * tensor]) for i in range(num)]

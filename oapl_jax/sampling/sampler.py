@@ -13,6 +13,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from oapl_jax import placement
+from oapl_jax.placement import seq_len
 from oapl_jax.sampling.engine import Engine, EngineParams
 from oapl_jax.sampling.layout import check_tensor
 from oapl_jax.sampling.parallel import Replicas
@@ -20,17 +22,12 @@ from oapl_jax.sampling.processing import SamplingParams
 from oapl_jax.sampling.rollout import Rollout
 
 
-def seq_len(config) -> int:
-  """Longest row: prompt + answer (the KV cache's and the trainer's length)."""
-  return config.sampling.max_prompt_len + config.sampling.max_new_tokens
-
-
 def make_engine(config, model_cfg, graphdef, sampling: SamplingParams, mesh=None) -> Engine:
   """One engine replica with the config's sampling settings, on `mesh` (`sampling.tensor`
-  devices): `sampling.max_slots / sampling.engines` slots (multi-host: over the replicas of all
+  devices): `placement.engine_slots` slots (sampling.max_slots over the replicas of all
   processes), weights laid out by `sharding.rules`."""
   s = config.sampling
-  return Engine(graphdef, model_cfg, sampling, max_slots=s.max_slots // (s.engines * jax.process_count()),
+  return Engine(graphdef, model_cfg, sampling, max_slots=placement.engine_slots(config),
                 max_prefill_length=s.max_prompt_len, max_len=seq_len(config),
                 steps_per_call=s.steps_per_call, attn_chunk=s.attn_chunk,
                 cache_bucket=s.cache_bucket, max_prefill_batch=s.max_prefill_batch,
@@ -38,14 +35,14 @@ def make_engine(config, model_cfg, graphdef, sampling: SamplingParams, mesh=None
 
 
 def make_replicas(config, model_cfg, graphdef, sampling: SamplingParams, devices=None) -> Replicas:
-  """`sampling.engines` engine replicas of `sampling.tensor` devices each, on the first of
-  `devices` (default: the local ones; `rl.loop.engine_devices` picks a run's). Multi-host:
-  `sampling.engines` per process, replicas numbered globally (`parallel` module docstring)."""
+  """This process's engine replicas (`placement.local_engines`: `sampling.engines` over all
+  processes) of `sampling.tensor` devices each, on the first of `devices` (default: the local
+  ones; `rl.loop.engine_devices` picks a run's), numbered globally (`parallel` module docstring)."""
   s = config.sampling
   check_tensor(model_cfg, s.tensor)  # before any engine is built
-  return Replicas(lambda mesh: make_engine(config, model_cfg, graphdef, sampling, mesh), s.engines,
-                  devices, s.tensor, first=jax.process_index() * s.engines,
-                  total=jax.process_count() * s.engines)
+  local = placement.local_engines(config, jax.process_count())
+  return Replicas(lambda mesh: make_engine(config, model_cfg, graphdef, sampling, mesh), local,
+                  devices, s.tensor, first=jax.process_index() * local, total=s.engines)
 
 
 def decode_answers(tokenizer, ro: Rollout) -> list[str]:

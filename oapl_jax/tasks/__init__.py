@@ -1,6 +1,7 @@
 """Tasks: prompts, tokenizers and verifiable rewards. `make_task(config)` builds the configured one.
 
-  base.py           Problem, the Task and Tokenizer interfaces, TASKS (name -> builder), make_task
+  base.py           Problem, the Task and Tokenizer interfaces
+  registry.py       TASKS (task.name -> builder) and make_task
   rows.py           RowTask: what the row-based tasks share (read rows, drop eval questions,
                     host shard, check prompt lengths, draw)
   limits.py         prompt lengths against sampling.max_prompt_len
@@ -12,6 +13,7 @@
 """
 
 from oapl_jax.tasks.arithmetic import AdditionTask, CharTokenizer
-from oapl_jax.tasks.base import TASKS, Problem, Task, Tokenizer, make_task
+from oapl_jax.tasks.base import Problem, Task, Tokenizer
+from oapl_jax.tasks.registry import TASKS, make_task
 
 __all__ = ["TASKS", "AdditionTask", "CharTokenizer", "Problem", "Task", "Tokenizer", "make_task"]

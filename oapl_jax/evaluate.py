@@ -1,6 +1,6 @@
 """pass@k of the latest checkpoint in a workdir.
 
-  python -m oapl_jax.eval --config=configs/tiny.py --workdir=/tmp/oapl_tiny \
+  python -m oapl_jax.evaluate --config=configs/tiny.py --workdir=/tmp/oapl_tiny \
       [--config.eval.samples_per_problem=64] [--policy=snapshot]
 
 Loads the checkpoint's policy and engines, nothing else (no optimizer state, no trainer).
@@ -18,7 +18,8 @@ from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
-from oapl_jax import errors  # noqa: E402
+from oapl_jax import errors, placement  # noqa: E402
+from oapl_jax.workdir import Layout  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file of the run.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir holding checkpoints/.")
@@ -37,10 +38,9 @@ def evaluate_checkpoint(config, workdir: str, policy: str = "theta") -> dict:
   from oapl_jax.checkpoint import restore_policy  # noqa: PLC0415 (after validation: TensorFlow logs)
   from oapl_jax.eval.evaluate import eval_key, evaluate  # noqa: PLC0415
   from oapl_jax.sampling import SamplingParams  # noqa: PLC0415
-  from oapl_jax.sampling.parallel import request_host_devices  # noqa: PLC0415
   from oapl_jax.sampling.sampler import Sampler, make_replicas  # noqa: PLC0415
   from oapl_jax.tasks import make_task  # noqa: PLC0415
-  request_host_devices(config.sampling.engines)
+  placement.request_host_devices(placement.engine_device_count(config))
   task, tokenizer = make_task(config)
   step, params, _, model_cfg, graphdef = restore_policy(config, workdir, policy)
   replicas = make_replicas(config, model_cfg, graphdef, SamplingParams.from_config(config.sampling))
@@ -59,7 +59,7 @@ def main(argv):
   config_lib.validate(config)  # before the workdir is touched
   out = evaluate_checkpoint(config, _WORKDIR.value, _POLICY.value)
   from oapl_jax.metrics import write_json  # noqa: PLC0415
-  write_json(os.path.join(_WORKDIR.value, f"eval_step{out['step']}.json"), out)
+  write_json(Layout(_WORKDIR.value).eval_step(out['step']), out)
   print(json.dumps(out, indent=2))
 
 

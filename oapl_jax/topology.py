@@ -1,0 +1,55 @@
+"""The names a config's device settings are checked against: mesh axes and named topologies.
+
+JAX-free (names and numbers), so that `oapl_jax.config` can check `mesh.topology` and
+`sharding.rules` without starting JAX, and the memory planner and the run read one table.
+
+`MESH_AXES` are the trainer's mesh axes (`config.mesh`, `sharding.make_mesh`). `TOPOLOGIES`
+names the device topologies `config.mesh.topology` may give. A TPU slice is named by its
+TensorCores (Cloud TPU's convention): v4 and v5p chips hold two TensorCores that JAX shows as
+one device ("megacore"), so `v5p-64` is 32 devices; v5e and v6e chips have one TensorCore each,
+so `v5e-64` is 64 devices. A TPU VM host drives 4 chips (v4, v5p; v5e and v6e slices of more
+than 8 chips), or all 8 of a one-host v5e-8 / v6e-8: one JAX process per host. GPU entries are
+one host's GPUs (`h100x8`), one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MESH_AXES = ("data", "fsdp", "tensor")  # The trainer's mesh axes; the ones a rule may name.
+
+GiB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """A named set of devices: how many, over how many hosts (one JAX process each), and each
+  device's memory (HBM) in bytes."""
+
+  name: str
+  devices: int
+  device_bytes: int
+  devices_per_host: int
+
+  @property
+  def processes(self) -> int:
+    """JAX processes of a run on this topology (one per host)."""
+    return max(1, self.devices // self.devices_per_host)
+
+
+def _tpu(generation: str, cores: int, cores_per_device: int, hbm_gib: float) -> Topology:
+  """A TPU slice of `cores` TensorCores (its Cloud TPU name); hosts of 4 chips, but for the
+  one-host 8-chip slices of the single-core generations (v5e-8, v6e-8)."""
+  devices = cores // cores_per_device
+  per_host = 8 if cores_per_device == 1 and devices == 8 else min(4, devices)
+  return Topology(f"{generation}-{cores}", devices, int(hbm_gib * GiB), per_host)
+
+
+TOPOLOGIES: dict[str, Topology] = {}
+for _cores in (8, 16, 32, 64, 128, 256, 512, 1024):
+  for _t in (_tpu("v4", _cores, 2, 32), _tpu("v5p", _cores, 2, 95), _tpu("v5e", _cores, 1, 16),
+             _tpu("v6e", _cores, 1, 32)):
+    TOPOLOGIES[_t.name] = _t
+for _gpu, _gib in (("a100", 80), ("h100", 80), ("h200", 141)):
+  for _n in (1, 2, 4, 8):
+    TOPOLOGIES[f"{_gpu}x{_n}"] = Topology(f"{_gpu}x{_n}", _n, int(_gib * 1e9), _n)
