@@ -294,7 +294,7 @@ def main() -> None:
   parser.add_argument("--skip-hf", action="store_true")
   args = parser.parse_args()
 
-  from oapl_jax.sampling.parallel import request_host_devices
+  from oapl_jax.placement import request_host_devices
   request_host_devices(args.engines)  # before JAX starts: a host device per engine
   import jax
   from flax import nnx

@@ -100,7 +100,7 @@ def build_model(hf_dir: str | None):
 _OURS_WORKER = r"""
 import json, sys, time
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {repo!r} + "/benchmarks")
-from oapl_jax.sampling.parallel import request_host_devices
+from oapl_jax.placement import request_host_devices
 request_host_devices({max_engines})
 import jax
 from flax import nnx

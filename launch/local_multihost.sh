@@ -7,7 +7,9 @@
 #
 # Each process runs `python -m oapl_jax.main --config=$CONFIG [overrides...]` with
 # --config.distributed.{coordinator_address,num_processes,process_id} set (a free port on
-# 127.0.0.1) and DEVICES CPU devices of its own (default 1; JAX_NUM_CPU_DEVICES). Process 0's
+# 127.0.0.1) and DEVICES CPU devices of its own (default 1; JAX_NUM_CPU_DEVICES), and one engine
+# replica each: --config.sampling.engines=N (the replicas over all processes; an override of
+# sampling.engines given here wins, and must be a multiple of N). Process 0's
 # output is shown here and kept, with every other process's, in LOG_DIR/process_<i>.log
 # (default: <workdir>/logs). Waits for all; if one fails, the others are stopped and the exit
 # status is the failed one's. SIGTERM / SIGINT are passed to every process (they stop at the
@@ -42,7 +44,7 @@ echo "local_multihost: $N processes x $DEVICES CPU devices, coordinator $ADDRESS
 pids=()
 for ((i = 0; i < N; i++)); do
   cmd=(env JAX_NUM_CPU_DEVICES="$DEVICES" JAX_PLATFORMS=cpu "$PYTHON" -u -m oapl_jax.main
-       --config="$CONFIG" "$@"
+       --config="$CONFIG" --config.sampling.engines="$N" "$@"
        --config.distributed.coordinator_address="$ADDRESS"
        --config.distributed.num_processes="$N" --config.distributed.process_id="$i")
   if ((i == 0)); then

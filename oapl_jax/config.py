@@ -96,7 +96,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.sampling.max_prompt_len = 4096  # Longest prompt in tokens (prefill buffer); longer prompts are an error.
   c.sampling.max_new_tokens = 8192  # Answer length limit in tokens (EOS included).
   c.sampling.max_slots = 64  # Decode slots in total (answers decoded concurrently), split evenly over the engines.
-  c.sampling.engines = 1  # Engine replicas (the engines' data axis), each on its own sampling.tensor devices; prompts split over them (on CPU: a host device each; README "Sampling engine").
+  c.sampling.engines = 1  # Engine replicas over all processes (the engines' data axis; each process runs engines / processes of them: oapl_jax/placement.py), each on its own sampling.tensor devices; prompts split over them (on CPU: a host device each; README "Sampling engine").
   c.sampling.tensor = 1  # Devices per engine replica: a "tensor" sub-mesh (weights over heads/MLP/vocab, KV cache over KV heads).
   c.sampling.steps_per_call = 32  # Decode steps per jitted engine call (fewer host round trips).
   c.sampling.attn_chunk = 1024  # Decode attention reads the KV cache in chunks of this many positions.

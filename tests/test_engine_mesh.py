@@ -182,7 +182,8 @@ REFRESH = SETUP + textwrap.dedent("""
 PLACEMENT = SETUP + textwrap.dedent("""
     from configs import tiny
     from oapl_jax.models.build import init_model
-    from oapl_jax.rl.loop import devices_wanted, engine_devices
+    from oapl_jax.placement import devices_wanted
+    from oapl_jax.rl.loop import engine_devices
     from oapl_jax.sampling.sampler import make_replicas
     c = tiny.get_config("smoke")
     c.sampling.engines, c.sampling.tensor, c.sampling.max_slots = 2, 2, 16

@@ -155,12 +155,13 @@ ROLLOUT = textwrap.dedent("""
 
 
 def test_two_processes_sample_and_step_exactly_as_one_process_with_two_engines(tmp_path):
-  """2 processes x 1 engine vs 1 process x 2 engines (smoke config, random weights): the
-  rollout's rows are bit for bit the same, so is the train step on them, and evaluation."""
+  """2 processes x 1 engine vs 1 process x 2 engines (sampling.engines=2 both: the replicas over
+  all processes; smoke config, random weights): the rollout's rows are bit for bit the same, so
+  is the train step on them, and evaluation."""
   multi, single = tmp_path / "multi", tmp_path / "single"
   multi.mkdir()
   single.mkdir()
-  runs = _start(ROLLOUT, 2, 1, str(multi), "1"), _start(ROLLOUT, 0, 2, str(single), "2")
+  runs = _start(ROLLOUT, 2, 1, str(multi), "2"), _start(ROLLOUT, 0, 2, str(single), "2")
   out, want = (_outputs(procs)[0] for procs in runs)
   lines = lambda text, tag: [line for line in text.splitlines() if line.startswith(tag)]  # noqa: E731
   assert lines(out, "METRICS") == lines(want, "METRICS") and lines(out, "METRICS")

@@ -76,7 +76,7 @@ SAMPLER = textwrap.dedent("""
 # Then async mode: the engine samples on device 1 while the trainer trains on device 0.
 LOOP = textwrap.dedent("""
     import sys
-    from oapl_jax.sampling.parallel import request_host_devices
+    from oapl_jax.placement import request_host_devices
     request_host_devices(2)
     import jax, numpy as np
     from configs import tiny

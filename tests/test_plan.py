@@ -23,6 +23,7 @@ from configs import code, math, tiny
 from oapl_jax import config as config_lib
 from oapl_jax import plan as plan_lib
 from oapl_jax.models.transformer import ModelConfig, Transformer
+from oapl_jax.topology import TOPOLOGIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,9 +114,9 @@ def test_weights_and_adamw_state_per_device_by_hand():
 
 
 def test_engine_items_by_hand():
-  """One engine on one device holds all of pi_old in bfloat16; the KV cache is the closed form
+  """An engine on one device holds all of pi_old in bfloat16; the KV cache is the closed form
   2 L (slots / engines) (K / tensor) D M bytes(bf16)."""
-  c = _config(code, "v5p-128", sampling__engines=1, sampling__tensor=1, train__grad_accum=32)
+  c = _config(code, "v5p-128", sampling__engines=16, sampling__tensor=1, train__grad_accum=32)
   m, s = c.model, c.sampling
   plan = plan_lib.make_plan(c)
   assert round(_hand_count(m)[0] / 1e9, 2) == 14.77  # R1-Distill-Qwen-14B
@@ -127,10 +128,18 @@ def test_engine_items_by_hand():
   assert kv == 2 * 48 * 16 * 2 * 128 * 36096 * 2
 
 
-def test_seq_len_is_the_samplers():
-  from oapl_jax.sampling.sampler import seq_len  # noqa: PLC0415 (TensorFlow: only here)
-  c = code.get_config()
-  assert plan_lib.seq_len(c) == seq_len(c)
+def test_engines_are_counted_over_all_processes_as_the_run_places_them():
+  """v5p-128 is 16 hosts of 4 devices (one process each): sampling.engines counts the replicas of
+  all of them (placement.local_engines), so 16 engines of 4 devices fill every host and fewer
+  engines than hosts, or more engine devices than a host has, are refused as the run refuses them."""
+  assert TOPOLOGIES["v5p-128"].processes == 16 and TOPOLOGIES["v5e-8"].processes == 1
+  plan = plan_lib.make_plan(_config(code, "v5p-128", sampling__engines=16, sampling__tensor=4,
+                                    train__grad_accum=32))
+  assert plan.shared and plan.mesh["fsdp"] == 64
+  for engines, tensor, match in ((1, 4, "multiple of the 16 processes"), (32, 4, "has 4 per process")):
+    with pytest.raises(config_lib.ConfigError, match=f"config.sampling.engines={engines}: .*{match}"):
+      plan_lib.make_plan(_config(code, "v5p-128", sampling__engines=engines, sampling__tensor=tensor,
+                                 train__grad_accum=32))
 
 
 def test_activation_settings_move_the_plan_the_right_way():
