@@ -9,12 +9,12 @@
   python launch/make_tiny_hf.py
   python -m oapl_jax.main --config=configs/code.py:tiny --workdir=/tmp/oapl_code_tiny
 
-The paper's code settings (oapl.md): prompts <= 4096 tokens, answers <= 32000, temperature 0.6,
-top-p 0.95, a batch of 256 prompts per optimizer step, the optimizer of configs/math.py, and two
-rounds of training with the engine refreshed after about 400 steps (lag 400, 800 steps). The
-paper trains 4 epochs on each round's fixed samples; our sync loop instead draws fresh samples
-from the same pi_old throughout a round (same lag, no sample reuse) — offline mode is a later
-issue.
+The paper's code settings (docs/algorithm.md): prompts <= 4096 tokens, answers <= 32000,
+temperature 0.6, top-p 0.95, a batch of 256 prompts per optimizer step, the optimizer of
+configs/math.py, and two rounds of training with the engine refreshed after about 400 steps
+(lag 400, 800 steps). The paper trains 4 epochs on each round's fixed samples; our sync loop
+instead draws fresh samples from the same pi_old throughout a round (same lag, no sample reuse);
+`--config.rl.mode=offline` trains on fixed rounds as the paper does (docs/offline.md).
 """
 
 import os

@@ -11,10 +11,11 @@
   python -m oapl_jax.main --config=configs/math.py:tiny --workdir=/tmp/oapl_math_tiny
 
 Arg string: comma-separated `tiny` and/or `lag=N`.
-Settings the paper fixes (oapl.md): G = 8, L = 50 (100 also stable), beta1 = 1, beta2 = 1e-3,
-AdamW lr 1e-6, betas (0.9, 0.95), eps 1e-10, no weight decay, cosine schedule with 2% warm-up
-and min-lr ratio 0.05, grad-norm clip 1.0. The answer length and temperature of the math runs
-are not in our copy of the paper: 16384 new tokens at temperature 1.0 are this project's choice.
+Settings the paper fixes (docs/algorithm.md, "The paper's settings"): G = 8, L = 50 (100 also
+stable), beta1 = 1, beta2 = 1e-3, AdamW lr 1e-6, betas (0.9, 0.95), eps 1e-10, no weight decay,
+cosine schedule with 2% warm-up and min-lr ratio 0.05, grad-norm clip 1.0. The answer length
+and temperature of the math runs are not in our copy of the paper: 16384 new tokens at
+temperature 1.0 are this project's choice.
 """
 
 import os
