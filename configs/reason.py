@@ -23,13 +23,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.task = config_lib.task_section("chain_addition")  # oapl_jax/tasks/chain.py
   # Both operands 5 digits: each step's digits sit at fixed places of the prompt, which this
-  # small model learns in 1000 warm-up steps (4-8 digits: not in 400; README).
+  # small model learns in 1000 warm-up steps (4-8 digits: not in 400; docs/reasoning_task.md).
   c.task.min_digits = 5  # Fewest digits per operand (a column is 9 answer tokens).
   c.task.max_digits = 5  # Most digits per operand: chains of 52-53 tokens with EOS.
   c.task.num_eval = 128  # Held-out problems (never drawn for training).
 
-  # Measured base (32 held-out problems x 256 samples): pass@1 0.048, pass@256 0.719 (README,
-  # "Calibration"; digit_noise 0.5 gave pass@1 0.14-0.16 but pass@256 1.000).
+  # Measured base (32 held-out problems x 256 samples): pass@1 0.048, pass@256 0.719 (docs/reasoning_task.md,
+  # "Calibration of the base"; digit_noise 0.5 gave pass@1 0.14-0.16 but pass@256 1.000).
   c.warmup.steps = 1000  # Clean demonstrations, then the last noisy_steps noisy ones.
   c.warmup.noisy_steps = 150
   c.warmup.batch_size = 64
@@ -37,7 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampling.max_prompt_len = 24  # "<bos>99999+99999=" is 13 tokens (24: the base as measured).
   c.sampling.max_new_tokens = 54  # The longest chain is 53 tokens with EOS.
   c.sampling.max_slots = 256  # >= eval.samples_per_problem: a problem's samples decode together.
-  c.rl.beta2 = 0.1  # As configs/tiny.py (README, "Tiny-task betas").
+  c.rl.beta2 = 0.1  # As configs/tiny.py (docs/design.md, "Tiny-task betas").
   c.rl.lag = 10
   c.rl.groups_per_step = 16
   c.rl.groups_per_rollout = 16  # One fresh rollout per step: equal answers per step for every L.

@@ -32,7 +32,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampling.max_prompt_len = 8  # "<bos>99+99=" is 7 tokens.
   c.sampling.max_new_tokens = 6  # Answers need <= 4 (3 digits + EOS).
   c.sampling.max_slots = 128
-  c.rl.beta2 = 0.1  # Not the paper's 1e-3: see README ("Tiny-task betas").
+  c.rl.beta2 = 0.1  # Not the paper's 1e-3: see docs/design.md ("Tiny-task betas").
   c.rl.lag = 10
   c.rl.groups_per_step = 16
   c.rl.groups_per_rollout = 32
