@@ -1,7 +1,7 @@
 """Config defaults shared by every config file, and validation of a finished config.
 
 `defaults(preset)` holds every setting with a comment and the paper's values where the paper
-gives them (oapl.md); `configs/*.py` start from it and override what their run needs, reading
+gives them (docs/algorithm.md); `configs/*.py` start from it and override what their run needs, reading
 their arg string with `parse_arg` and starting their task section with `task_section`.
 `validate(c)` refuses bad settings, naming them, before any work starts.
 """
@@ -96,7 +96,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.sampling.max_prompt_len = 4096  # Longest prompt in tokens (prefill buffer); longer prompts are an error.
   c.sampling.max_new_tokens = 8192  # Answer length limit in tokens (EOS included).
   c.sampling.max_slots = 64  # Decode slots in total (answers decoded concurrently), split evenly over the engines.
-  c.sampling.engines = 1  # Engine replicas over all processes (the engines' data axis; each process runs engines / processes of them: oapl_jax/placement.py), each on its own sampling.tensor devices; prompts split over them (on CPU: a host device each; README "Sampling engine").
+  c.sampling.engines = 1  # Engine replicas over all processes (the engines' data axis; each process runs engines / processes of them: oapl_jax/placement.py), each on its own sampling.tensor devices; prompts split over them (on CPU: a host device each; docs/design.md "Sampling engine").
   c.sampling.tensor = 1  # Devices per engine replica: a "tensor" sub-mesh (weights over heads/MLP/vocab, KV cache over KV heads).
   c.sampling.steps_per_call = 32  # Decode steps per jitted engine call (fewer host round trips).
   c.sampling.attn_chunk = 1024  # Decode attention reads the KV cache in chunks of this many positions.
@@ -116,11 +116,11 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.rl.groups_per_rollout = 32  # Groups the engine samples into the buffer per call.
   # Groups whose realised lag (trainer step - snapshot step) would exceed this are dropped when a
   # step takes its batch, and counted (groups_dropped_stale); >= rl.lag, so it only bites in async
-  # mode, where left-overs and rollouts in flight outlive a refresh. None = never drop (oapl.md:
+  # mode, where left-overs and rollouts in flight outlive a refresh. None = never drop (docs/design.md "Asynchronous mode":
   # stale samples are used).
   c.rl.max_lag = placeholder(int)
-  c.rl.mode = "sync"  # "sync": sample when the buffer runs short, then train. "async": the next rollout samples (engines on devices 1..N) while the trainer trains on device 0; OAPL with old_logprobs="sampler" only (README "Asynchronous mode"). "offline": rounds of stored answers (rl.offline), then sync.
-  # Offline mode (rl.mode="offline"; README "Offline mode", oapl_jax/rl/offline.py): a round is
+  c.rl.mode = "sync"  # "sync": sample when the buffer runs short, then train. "async": the next rollout samples (engines on devices 1..N) while the trainer trains on device 0; OAPL with old_logprobs="sampler" only (docs/design.md "Asynchronous mode"). "offline": rounds of stored answers (rl.offline), then sync.
+  # Offline mode (rl.mode="offline"; docs/offline.md, oapl_jax/rl/offline.py): a round is
   # one file of G answers per problem sampled by pi_old at the round's start, trained on for
   # rl.offline.epochs passes (pi_old fixed: the round's length is its lag); after the rounds
   # the rest of train.steps trains online in sync mode (a refresh every rl.lag steps).
@@ -130,8 +130,8 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.rl.offline.rounds = 2  # Rounds; round r > 1 is sampled by the run from the policy round r - 1 ended with (paper, code: 2).
   c.rl.offline.epochs = 4  # Passes over a round's file (paper, code: 4); a round is epochs x (its groups // rl.groups_per_step) steps.
   c.rl.offline.check_rows = 16  # Answers of each file rescored with pi_old by the trainer's kernel before training on it.
-  c.rl.offline.logprob_tol = 0.05  # Refuse a file whose stored log-probs differ from the rescored ones by more than this (mean nats per token; float32 ~1e-6, bfloat16 ~0.02: README "Engine/trainer parity").
-  # The baseline, selected with rl.loss = "grpo" (oapl.md; losses.grpo). Same loop, buffer and
+  c.rl.offline.logprob_tol = 0.05  # Refuse a file whose stored log-probs differ from the rescored ones by more than this (mean nats per token; float32 ~1e-6, bfloat16 ~0.02: docs/design.md "Engine/trainer parity in bfloat16").
+  # The baseline, selected with rl.loss = "grpo" (docs/algorithm.md; losses.grpo). Same loop, buffer and
   # lag; pi_prox is always recomputed by the trainer on the engine's snapshot, and IS corrects
   # from the engine's log-probs to pi_prox. rl.beta1/beta2/old_logprobs are OAPL-only.
   c.rl.grpo = ml_collections.ConfigDict()
@@ -158,7 +158,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.train.grad_accum = 1  # Micro-batches per step (must divide rl.groups_per_step).
   # Activation memory of the train step (oapl_jax/plan.py estimates it for each choice):
   c.train.remat = "none"  # Per transformer block: "none" (keep activations), "dots" (keep matmul outputs only), "full" (recompute the block).
-  c.train.attn_block = 512  # Blockwise attention: query/key block length (online softmax; causal blocks above the diagonal skipped). CPU, 2k-token answers: 256 ran 12% faster (README, "Train-step speed").
+  c.train.attn_block = 512  # Blockwise attention: query/key block length (online softmax; causal blocks above the diagonal skipped). CPU, 2k-token answers: 256 ran 12% faster (docs/performance.md, "Train-step speed").
   c.train.logprob_tile = 512  # Log-prob kernel: tokens per tile of [tile, V] logits (LM head inside the tile; no [B, T, V] tensor).
   # A step whose loss or grad norm is not finite is skipped (params and optimizer unchanged);
   # this many in a row stop the run with an error.
@@ -172,7 +172,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.checkpoint.every = 50  # Save the train state every this many trainer steps (and at the end).
   c.checkpoint.keep = 2  # Most recent checkpoints kept.
 
-  # Multi-host runs (oapl_jax/distributed.py; README "Multi-host runs"): the same command on every
+  # Multi-host runs (oapl_jax/distributed.py; docs/scaling.md "Multi-host runs"): the same command on every
   # process. All three of coordinator_address / num_processes / process_id, or none (then the
   # environment's JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else JAX's own
   # detection of a TPU pod or SLURM job, else one process).

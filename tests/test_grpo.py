@@ -11,7 +11,9 @@ import pytest
 
 from oapl_jax import config as config_lib
 from oapl_jax import train
+from oapl_jax.rl import losses
 from oapl_jax.rl.losses import LOSSES, group_advantages, grpo, importance_weights, kwargs_from_config
+from oapl_jax.rl.step import uses_reference
 
 # Two groups of G=2 answers, T=3 positions; -inf on masked positions must not leak.
 NEG_INF = float("-inf")
@@ -30,7 +32,7 @@ def _arrays():
 
 def _hand(*, adv_norm="std", eps_low=0.2, eps_high=0.28, is_level="token", is_mode="truncate",
           cap=2.0, norm="token_mean", max_tokens=None):
-  """The loss in plain Python floats, token by token, straight from oapl.md's formulas."""
+  """The loss in plain Python floats, token by token, straight from docs/algorithm.md's formulas."""
   adv = []
   for g in range(len(REWARDS) // G):
     r = REWARDS[g * G:(g + 1) * G]
@@ -169,6 +171,29 @@ def test_registered_and_configurable():
   kw = kwargs_from_config(_with_task(c))
   assert kw["is_mode"] == "truncate" and kw["is_cap"] == 2.0 and kw["eps_high"] > kw["eps_low"]
 
+
+
+def test_spec_declares_snapshot_always_and_reference_for_kl():
+  """GRPO's spec asks for the snapshot's log-probs (pi_prox) always and the reference's when
+  kl_coef > 0 (which is what `uses_reference` reads); through `LossInputs` it is `grpo`, bit
+  for bit."""
+  c = config_lib.repo_config("tiny.py:smoke")
+  c.rl.loss, c.rl.group_size = "grpo", G
+  assert losses.needs(c) == losses.Needs(snapshot=True, reference=False)
+  assert not uses_reference(c)
+  c.rl.grpo.kl_coef = 0.1
+  assert losses.needs(c) == losses.Needs(snapshot=True, reference=True)
+  assert uses_reference(c)
+  logp, prox, sampler, mask, rewards = _arrays()
+  ref = jnp.where(mask > 0, prox - 0.3, NEG_INF)
+  n = jnp.float32(7.0)
+  want = grpo(logp, prox, sampler, mask, rewards, group_size=G, num_tokens=n, ref_logprobs=ref,
+              **kwargs_from_config(c))
+  got = losses.from_config(c)(losses.LossInputs(
+      logprobs=logp, sampler_logprobs=sampler, snapshot_logprobs=prox, reference_logprobs=ref,
+      mask=mask, rewards=rewards, num_tokens=n, num_answers=jnp.float32(99.0)))
+  assert "kl" in got[1]
+  jax.tree.map(np.testing.assert_array_equal, got, want)
 
 def _with_task(c):
   import ml_collections

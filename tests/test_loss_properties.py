@@ -35,7 +35,7 @@ IS_CAP = 2.0
 
 
 def _expected_is_weights(level: str, mode: str) -> np.ndarray:
-  """[B, T] float64 weight of each token, decided in log space (oapl.md, the baseline)."""
+  """[B, T] float64 weight of each token, decided in log space (docs/algorithm.md, the baseline)."""
   log_w = IS_LOG_W * IS_MASK  # [B, T]
   if level == "sequence":
     log_w = np.broadcast_to(log_w.sum(axis=1, keepdims=True), log_w.shape)
@@ -136,7 +136,7 @@ TR_G, TR_BETA1, TR_BETA2 = 3, 0.5, 0.3
 
 
 def _truncated_reference():
-  """float64 (residual [B], counted [B], v_hat [B], adv [B], ell [B]) straight from oapl.md."""
+  """float64 (residual [B], counted [B], v_hat [B], adv [B], ell [B]) straight from docs/algorithm.md."""
   valid = TR_MASK > 0
   ell = (np.where(valid, TR_LOGP, 0.0) - np.where(valid, TR_OLD, 0.0)).astype(np.float64).sum(axis=1)  # [B]
   groups = TR_REWARDS.astype(np.float64).reshape(-1, TR_G) / TR_BETA1  # [N, G]

@@ -2,7 +2,7 @@
 
 The runs here skip the warm-up (`warmup.steps=0`): the base is the seed's random init, which
 `generate` and the run both build, so a file of the base is the run's pi_old's. The full
-tiny offline-then-online run (warmed-up base, two rounds of 4 epochs) is in README "Offline mode".
+tiny offline-then-online run (warmed-up base, two rounds of 4 epochs) is in docs/offline.md.
 """
 
 import os
@@ -211,7 +211,7 @@ def test_the_command_refuses_a_corrupted_file_in_one_line(base_file, tmp_path):
 
 @pytest.mark.slow
 def test_tiny_offline_rounds_then_online_raise_pass_at_1(tmp_path):
-  """README "Offline mode": generate from the warmed-up base, two rounds of 4 epochs offline,
+  """docs/offline.md: generate from the warmed-up base, two rounds of 4 epochs offline,
   then online; pass@1 rises in each phase (seed 0 measured 0.240 -> 0.616 -> 0.747 -> 0.936)."""
   env = {**os.environ, "PYTHONPATH": REPO}
   cache, out = f"--config.warmup.cache_dir={tmp_path / 'cache'}", str(tmp_path / "round1.npz")

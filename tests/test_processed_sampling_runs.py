@@ -1,6 +1,6 @@
 """The loop, async mode and the command line with temperature != 1, top-k and top-p all on.
 
-The log-prob contract (oapl.md) says the trainer scores tokens under the distribution the
+The log-prob contract (docs/algorithm.md) says the trainer scores tokens under the distribution the
 engine sampled from; with processed logits a mismatch would show as a non-zero
 `engine_mismatch_abs` at lag-0 steps, where pi_theta == pi_old.
 """

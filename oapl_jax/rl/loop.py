@@ -257,7 +257,7 @@ class Run:
 
     Sync mode empties the buffer (Algorithm 1: each window trains on its own pi_old's groups).
     Async mode drops nothing: left-over groups of the previous pi_old are used next, like the
-    rollout in flight, with their own stamps (oapl.md: stale samples are used), unless their
+    rollout in flight, with their own stamps (docs/design.md "Asynchronous mode": stale samples are used), unless their
     realised lag exceeds `rl.max_lag`.
     """
     self.snapshot = self.train_step.snapshot_of(self.params)

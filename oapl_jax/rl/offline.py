@@ -3,7 +3,7 @@
 The paper's code run trains on fixed data: the base model answers a fixed set of problems, the
 trainer takes 4 epochs over those answers with that sampler as pi_old, then the model round 1
 ended with answers the same problems again and round 2 trains 4 epochs on those. Here (project
-choice; README "Offline mode"):
+choice; docs/offline.md):
 
 * A **round** is one file of G answers to each of its problems, sampled by the run's pi_old at
   the round's start, and `rl.offline.epochs` passes over it. Each pass takes the file's groups

@@ -83,7 +83,7 @@ class AsyncSource:
   """Samples the next rollout in a background thread while the trainer trains (on devices of
   its own: `placement.OVERLAPPING_MODES`)."""
 
-  empties_buffer_at_refresh = False  # stale groups are used (oapl.md), unless rl.max_lag drops them
+  empties_buffer_at_refresh = False  # stale groups are used (docs/design.md "Asynchronous mode"), unless rl.max_lag drops them
 
   def __init__(self, run=None, workdir: str | None = None):
     del run, workdir

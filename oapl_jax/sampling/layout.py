@@ -27,7 +27,7 @@ The refresh (`load_weights`), at each lag refresh, for all replicas at once:
   1. one jitted re-layout on the devices pi_theta lies on (any trainer sharding): cast, fuse,
      and reshard to a staging sharding, a mesh `("replica", "tensor")` over those devices whose
      rows are the replicas' own devices where they are among them: an all-gather over fsdp, on
-     device (not `jax.device_put` across layouts, which goes through the host: docs/scale-out.md);
+     device (not `jax.device_put` across layouts, which goes through the host: docs/design.md "The engine on a mesh, and the refresh");
   2. each replica's arrays are assembled from the staging shards with the same index
      (`jax.make_array_from_single_device_arrays`): the replica's own buffers when it lives on
      the trainer's devices (sync mode: no copy at all), else a device-to-device copy of each

@@ -1,6 +1,6 @@
 """Logit processing shared by the sampling engine and the trainer's log-prob kernel.
 
-The log-prob contract (docs: oapl.md): a sampled token's log-prob is taken under the
+The log-prob contract (docs/algorithm.md "The log-prob contract"): a sampled token's log-prob is taken under the
 distribution it was actually sampled from — logits / temperature, then top-k, then top-p
 truncation, renormalised over the kept set. The trainer applies the *same* function to
 pi_theta's logits, so that `log pi_theta - log pi_old == 0` when the weights are equal.

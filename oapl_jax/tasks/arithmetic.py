@@ -12,7 +12,7 @@ per-digit accuracy ``1 - digit_noise`` with independent errors, i.e. pass@1
 ``(1 - digit_noise) ** num_digits`` (:func:`expected_pass1`, an upper reference
 point). The short noisy phase of ``configs/tiny.py`` (1300 clean + 200 noisy steps,
 ``digit_noise = 0.25``) does not fit it that far: its base measures pass@1 about
-0.1-0.3 and pass@16 0.8-1.0 (README, "The embedded default task"), a calibrated,
+0.1-0.3 and pass@16 0.8-1.0 (docs/reasoning_task.md, "The embedded default task"), a calibrated,
 imperfect policy that a verifiable reward can sharpen.
 
 Pure Python/numpy; no JAX is needed here.

@@ -21,7 +21,7 @@ there, so its final answer is wrong. A model fitted to such demonstrations forge
 that rate, so a problem with K carries is solved with probability about (1 - noise)^K: easy
 problems (few carries) almost always, hard ones (many) rarely. That spread is meant to keep
 pass@256 below 1, leaving RL something to fix at every k (how far it does depends on the noise:
-README, "Calibration").
+docs/reasoning_task.md, "Calibration of the base").
 
 Pure Python/numpy; no JAX is needed here.
 """
