@@ -7,7 +7,7 @@ import numpy as np
 
 import pytest
 
-from oapl_jax.studies import lag_study
+from oapl_jax.studies import definitions, lag_study, layout, results, runner, stats
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +18,9 @@ def study(tmp_path_factory):
 
 
 def test_runs_every_method_and_lag_from_one_base(study):
-  runs = lag_study.load_runs(study)
+  runs = results.load_runs(study)
   assert sorted((r.method, r.lag) for r in runs) == sorted(
-      (m, l) for m in lag_study.METHODS for l in (1, 2))
+      (m, l) for m in definitions.METHODS for l in (1, 2))
   cache = os.listdir(os.path.join(study, "base_models"))  # one warm-up for the seed, and its eval
   assert len(cache) == 2 and sum(".eval-" in name for name in cache) == 1
   befores = {str(r.summary["eval_before"]) for r in runs}
@@ -28,7 +28,7 @@ def test_runs_every_method_and_lag_from_one_base(study):
   for r in runs:
     cfg = r.summary["config"]
     assert cfg["rl"]["lag"] == r.lag and cfg["seed"] == 0
-    assert cfg["rl"]["loss"] == lag_study.METHODS[r.method][1]["rl.loss"]
+    assert cfg["rl"]["loss"] == definitions.METHODS[r.method][1]["rl.loss"]
     assert r.summary["samples_generated"] == runs[0].summary["samples_generated"]  # equal budgets
     x, y = r.pass1_curve()
     assert x[0] == 0 and x[-1] == r.summary["samples_generated"] and len(x) == len(y) >= 3
@@ -40,7 +40,7 @@ def test_report_has_table_plots_findings_and_keeps_notes(study):
   lag_study.write_report(study, report, command="python -m oapl_jax.studies.lag_study --reduced")
   text = open(report).read()
   assert "python -m oapl_jax.studies.lag_study --reduced" in text
-  for label, _ in lag_study.METHODS.values():
+  for label, _ in definitions.METHODS.values():
     assert text.count(f"| {label} |") == 2  # one table row per lag
   for png in ("pass1_vs_samples.png", "entropy_vs_step.png", "passk_before_after.png"):
     path = os.path.join(study, "report", png)
@@ -58,22 +58,22 @@ def test_report_has_table_plots_findings_and_keeps_notes(study):
 
 
 def test_paired_interval_is_students_t_on_the_per_seed_differences():
-  mean, lo, hi = lag_study.paired_interval([0.1, 0.2, 0.3])
+  mean, lo, hi = stats.paired_interval([0.1, 0.2, 0.3])
   half = 4.302652729749464 * 0.1 / np.sqrt(3)  # t(0.975, 2 dof) x sd / sqrt(n)
   assert mean == pytest.approx(0.2) and (lo, hi) == pytest.approx((0.2 - half, 0.2 + half))
-  assert lag_study.paired_interval([0.1, 0.2, 0.3], level=0.5)[2] - 0.2 < half / 4
-  mean, lo, hi = lag_study.paired_interval([0.4])
+  assert stats.paired_interval([0.1, 0.2, 0.3], level=0.5)[2] - 0.2 < half / 4
+  mean, lo, hi = stats.paired_interval([0.4])
   assert mean == 0.4 and np.isnan(lo) and np.isnan(hi)
 
 
 def test_finished_runs_are_skipped(study, capsys):
-  lag_study.run_study(study, methods=("oapl",), lags=(1,), seeds=(0,), reduced=True)
+  runner.run_study(study, methods=("oapl",), lags=(1,), seeds=(0,), reduced=True)
   assert "done already" in capsys.readouterr().out
 
 
 def test_bad_arguments_are_refused():
   with pytest.raises(ValueError, match="unknown method"):
-    lag_study.study_config("ppo", 1, 0)
+    definitions.study_config("ppo", 1, 0)
   with pytest.raises(SystemExit):
     lag_study.main(["--out", "/tmp/x", "--lags", "0"])
 
@@ -88,13 +88,13 @@ def reason_study(tmp_path_factory):
           "--lags", "2", "--seeds", "0"]
   # a piece with no budget left stops before its first run, saying more is left
   assert lag_study.main(args + ["--budget-minutes", "0"]) == 3
-  assert not lag_study.load_runs(out)
+  assert not results.load_runs(out)
   assert lag_study.main(args) == 0
   return out
 
 
 def test_reason_study_runs_the_chain_task_and_measures_votes_and_diversity(reason_study):
-  runs = lag_study.load_runs(reason_study)
+  runs = results.load_runs(reason_study)
   assert sorted(r.method for r in runs) == ["grpo_tis", "oapl"]
   for r in runs:
     cfg = r.summary["config"]
@@ -119,14 +119,14 @@ def test_sweep_picks_each_methods_best_lr_and_the_study_uses_it(reason_study, ca
   scores = {"oapl": {1e-4: 0.2, 3e-4: 0.5, 1e-3: 0.5}, "grpo_tis": {1e-4: 0.4, 3e-4: 0.1, 1e-3: 0.3}}
   for method, table in scores.items():
     for lr, p1 in table.items():
-      d = lag_study.run_dir(reason_study, method, 2, 7, lr)
+      d = layout.run_dir(reason_study, method, 2, 7, lr)
       os.makedirs(d)
       json.dump({"eval_after": {"pass@1": p1}}, open(os.path.join(d, "summary.json"), "w"))
-  chosen = lag_study.sweep(reason_study, methods=("oapl", "grpo_tis"), lrs=(1e-4, 3e-4, 1e-3),
+  chosen = runner.sweep(reason_study, methods=("oapl", "grpo_tis"), lrs=(1e-4, 3e-4, 1e-3),
                            lag=2, seed=7)
   assert chosen == {"oapl": 3e-4, "grpo_tis": 1e-4}  # ties: the smaller lr
   assert json.load(open(os.path.join(reason_study, "sweep", "chosen.json")))["lr"] == chosen
-  c = lag_study.study_config("oapl", 2, 0, study="reason", overrides={"train.lr": chosen["oapl"]})
+  c = definitions.study_config("oapl", 2, 0, study="reason", overrides={"train.lr": chosen["oapl"]})
   assert c.train.lr == 3e-4 and c.task.name == "chain_addition"
   lag_study.write_report(reason_study, os.path.join(reason_study, "r2.md"), command="c", study="reason")
   text = open(os.path.join(reason_study, "r2.md")).read()
@@ -137,7 +137,7 @@ def test_sweep_seed_must_differ_from_the_study_seeds():
   with pytest.raises(SystemExit):
     lag_study.main(["--out", "/tmp/x", "--seeds", "0", "--sweep-lrs", "1e-3", "--sweep-seed", "0"])
   with pytest.raises(ValueError, match="unknown study"):
-    lag_study.study_config("oapl", 1, 0, study="nope")
+    definitions.study_config("oapl", 1, 0, study="nope")
 
 
 def test_a_signal_ends_the_command_with_one_line(tmp_path, monkeypatch, capsys):

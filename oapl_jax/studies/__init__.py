@@ -1,1 +1,14 @@
-"""Experiments built from the public API (runs, reports, plots)."""
+"""Experiments built from the public API (runs, reports, plots): the lag study, a file a concern.
+
+    definitions.py  what is run: methods, lags, seeds, the two tasks, each run's config
+    layout.py       where a study's files lie under its folder
+    runner.py       the budgeted, resumable runs (the lr sweep, then the study)
+    results.py      finished runs read back (RunResult, load_runs, the sweep's choice)
+    stats.py        pure statistics: pass@k, mean ± sd per (method, lag), paired t-intervals
+    plots.py        the matplotlib figures
+    report.py       the markdown report, a pure function of the results, and its findings
+    lag_study.py    the command (`python -m oapl_jax.studies.lag_study`) and `write_report`
+
+A command layer: it imports oapl_jax.config, oapl_jax.train and below; nothing else in oapl_jax
+imports it.
+"""

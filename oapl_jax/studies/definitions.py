@@ -1,0 +1,92 @@
+"""What the lag study runs: its methods, lags and seeds, its two tasks, and each run's config.
+
+A run is (study, method, lag L, seed): the study's config file with the study's settings, the
+method's overrides, `rl.lag = L` and `seed` on top (`study_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from oapl_jax import config as config_lib
+
+# method name -> (label, config overrides). Everything else is the study's config file.
+METHODS: dict[str, tuple[str, dict]] = {
+    "oapl": ("OAPL (beta1=1, beta2=0.1)", {"rl.loss": "oapl"}),
+    "oapl_paper_betas": ("OAPL, paper betas (beta1=1, beta2=1e-3)",
+                         {"rl.loss": "oapl", "rl.beta1": 1.0, "rl.beta2": 1e-3}),
+    "grpo_tis": ("GRPO+IS (token TIS, C=2)",
+                 {"rl.loss": "grpo", "rl.grpo.is_level": "token", "rl.grpo.is_mode": "truncate",
+                  "rl.grpo.is_cap": 2.0}),
+}
+DEFAULT_LAGS = (1, 10, 50, 100)
+DEFAULT_SEEDS = (0, 1, 2)
+# The study's settings on top of configs/tiny.py: every run generates the same answers per step
+# (one fresh rollout of 16 groups per step, none dropped), and evaluation has 64 samples per
+# problem for pass@1..64 (every 50 steps too, for the pass@1 curve).
+FULL = {"rl.groups_per_step": 16, "rl.groups_per_rollout": 16, "eval.samples_per_problem": 64,
+        "eval.every": 50, "checkpoint.every": 1000, "log.progress": False}
+# CI-sized: a few steps of everything, same code path.
+REDUCED = {"warmup.steps": 30, "warmup.noisy_steps": 10, "task.num_eval": 8, "train.steps": 4,
+           "rl.groups_per_step": 2, "rl.groups_per_rollout": 2, "eval.samples_per_problem": 8,
+           "eval.every": 2, "sampling.max_slots": 32, "checkpoint.every": 1000, "log.progress": False}
+# The reasoning study (configs/reason.py): 256 samples per held-out problem (pass@k, maj@k to
+# k = 256) on 64 problems; one eval.samples_per_problem serves every evaluation, so those during
+# training (the pass@1 curve, sample efficiency) are every 100 steps.
+REASON_FULL = {"rl.groups_per_step": 16, "rl.groups_per_rollout": 16, "task.num_eval": 64,
+               "eval.samples_per_problem": 256, "eval.every": 100, "checkpoint.every": 25,
+               "log.progress": False}
+# CI-sized: configs/reason.py:smoke (2-3-digit chains, 4 steps) with an evaluation mid-run.
+REASON_REDUCED = {"eval.every": 2, "checkpoint.every": 1000, "log.progress": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """A study's task: its config file (and its CI-sized variant), the settings of a full and of
+  a CI-sized run on top, a description."""
+  config: str
+  full: dict
+  reduced: dict
+  title: str
+  about: str
+  launcher: str  # the script in launch/ that runs the full study and writes its report
+  reduced_config: str | None = None  # None: `config`
+
+
+STUDIES = {
+    "tiny": Study("tiny.py", FULL, REDUCED, "Lag study: OAPL vs GRPO+IS at engine lags L on the tiny task",
+                  "`configs/tiny.py` (two-digit addition, a 2-layer width-128 model whose base is "
+                  "made by a supervised warm-up shared by all runs of a seed)", "launch/lag_study.sh"),
+    "reason": Study("reason.py", REASON_FULL, REASON_REDUCED,
+                    "Reasoning study: OAPL vs GRPO+IS at engine lags L on chain-of-steps addition",
+                    "`configs/reason.py` (5-digit addition answered by a chain of column steps, "
+                    "52-53 tokens; a 2-layer width-128 model whose base, shared by all runs of a "
+                    "seed, is made by a supervised warm-up ending on demonstrations with dropped "
+                    "carries)", "launch/reasoning_study.sh", reduced_config="reason.py:smoke"),
+}
+
+
+def set_dotted(config, dotted: str, value) -> None:
+  """Sets the field at dotted path `dotted` ("rl.grpo.is_cap") of `config` to `value`."""
+  *parents, leaf = dotted.split(".")
+  node = config
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+
+
+def study_config(method: str, lag: int, seed: int, *, reduced: bool = False,
+                 cache_dir: str | None = None, overrides: dict | None = None, study: str = "tiny"):
+  """The study's config file with its settings, the method's, `rl.lag=lag` and `seed`."""
+  if method not in METHODS:
+    raise ValueError(f"unknown method {method!r}; known: {sorted(METHODS)}")
+  if study not in STUDIES:
+    raise ValueError(f"unknown study {study!r}; known: {sorted(STUDIES)}")
+  spec = STUDIES[study]
+  c = config_lib.repo_config(spec.reduced_config or spec.config if reduced else spec.config)
+  for k, v in {**(spec.reduced if reduced else spec.full), **METHODS[method][1],
+               **(overrides or {})}.items():
+    set_dotted(c, k, v)
+  c.rl.lag, c.seed = lag, seed
+  c.warmup.cache_dir = cache_dir
+  return c

@@ -1,0 +1,266 @@
+"""The study's report as markdown, a pure function of its results: `report_markdown` takes the
+finished runs, the figures' paths, the kept notes and the sweep's choice, and returns the text;
+`findings`, `paper_setting_findings` and `efficiency_findings` are its sentences on the paper's
+findings. Reading and writing files is the command's (`lag_study.write_report`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from oapl_jax.studies.definitions import METHODS, STUDIES
+from oapl_jax.studies.stats import first_reaching, paired_interval, summarise
+
+NOTES_BEGIN, NOTES_END = "<!-- notes: kept when the report is regenerated -->", "<!-- end notes -->"
+NO_NOTES = "_(no notes yet)_"
+
+
+def kept_notes(old_report: str | None) -> str:
+  """The hand-written text between the notes markers of an earlier report (None: no report)."""
+  if old_report and NOTES_BEGIN in old_report and NOTES_END in old_report:
+    return old_report.split(NOTES_BEGIN, 1)[1].split(NOTES_END, 1)[0].strip()
+  return NO_NOTES
+
+
+def _fmt(ms, digits=3) -> str:
+  m, s = ms
+  return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def _ranges(ks) -> str:
+  """[1, 2, 3, 5] -> "1-3, 5"."""
+  parts, start = [], ks[0]
+  for prev, k in zip(ks, ks[1:] + [None]):
+    if k != prev + 1:
+      parts.append(str(start) if start == prev else f"{start}-{prev}")
+      start = k
+  return ", ".join(parts)
+
+
+def _paired_text(diffs) -> str:
+  mean, lo, hi = paired_interval(diffs)
+  interval = "no interval from one seed" if np.isnan(lo) else f"95% t-interval [{lo:+.3f}, {hi:+.3f}]"
+  return (", ".join(f"{d:+.3f}" for d in diffs) + f"; mean {mean:+.3f}, {interval}"
+          f" (OAPL higher in {sum(d > 0 for d in diffs)} of {len(diffs)})")
+
+
+def _comparison_findings(rows) -> list[str]:
+  """Each OAPL variant vs GRPO+IS at each lag: final pass@1 and pass@n, paired by seed."""
+  by = {(r["method"], r["lag"]): r for r in rows}
+  lags = sorted({r["lag"] for r in rows})
+  out = []
+  for oapl_name in ("oapl", "oapl_paper_betas"):
+    for lag in lags:
+      a, g = by.get((oapl_name, lag)), by.get(("grpo_tis", lag))
+      if not (a and g):
+        continue
+      (ma, _), (mg, _) = a["pass1_after"], g["pass1_after"]
+      diff = ma - mg
+      verdict = ("OAPL higher" if diff > 0 else "GRPO+IS higher" if diff < 0 else "equal")
+      # paired by seed: both runs of a seed start from the same base and see the same prompts
+      seeds = sorted(set(a["pass1_after_by_seed"]) & set(g["pass1_after_by_seed"]))
+      paired = [a["pass1_after_by_seed"][s] - g["pass1_after_by_seed"][s] for s in seeds]
+      out.append(f"* pass@1 after, L={lag}: {METHODS[oapl_name][0]} {ma:.3f} vs GRPO+IS {mg:.3f} -> "
+                 f"{verdict} by {abs(diff):.3f}; per seed (OAPL - GRPO+IS, same base): "
+                 + _paired_text(paired) + ".")
+      n = a["passk_n"]
+      if n > 1 and g["passk_n"] == n:
+        paired = [a["passn_after_by_seed"][s] - g["passn_after_by_seed"][s] for s in seeds]
+        out.append(f"* pass@{n} after, L={lag}: {METHODS[oapl_name][0]} {a[f'pass{n}_after'][0]:.3f} vs "
+                   f"GRPO+IS {g[f'pass{n}_after'][0]:.3f}; per seed: " + _paired_text(paired) + ".")
+  return out
+
+
+def _entropy_findings(rows) -> list[str]:
+  """Each row's policy entropy, first vs last 20 steps."""
+  out = []
+  for r in rows:
+    (e0, _), (e1, _) = r["entropy_start"], r["entropy_end"]
+    change = (e1 - e0) / e0 if e0 else float("nan")
+    out.append(f"* entropy, {METHODS[r['method']][0]}, L={r['lag']}: {e0:.3f} -> {e1:.3f} nats/token "
+               f"({change:+.0%}, first vs last 20 steps).")
+  return out
+
+
+def _passk_findings(rows) -> list[str]:
+  """Whether each row's pass@k after is at least its pass@k before, for every k."""
+  out = []
+  for r in rows:
+    bad = r["passk_not_up"]
+    out.append(f"* pass@k after >= before for every k = 1..{r['passk_n']}, {METHODS[r['method']][0]}, "
+               f"L={r['lag']}: " + ("yes." if not bad else f"no, lower at k = {_ranges(bad)}."))
+  return out
+
+
+def findings(rows) -> list[str]:
+  """Plain sentences on the paper's three findings, computed from the rows (`stats.summarise`)."""
+  return _comparison_findings(rows) + _entropy_findings(rows) + _passk_findings(rows)
+
+
+def paper_setting_findings(results, ks=(1, 2, 4, 8)) -> list[str]:
+  """The paper's own comparison: OAPL at a long lag (each L > 1 run) vs GRPO+IS at L = 1,
+  pass@k for k = 1..8 (its math table), paired by seed."""
+  by = {(r.method, r.lag, r.seed): r for r in results}
+  out = []
+  for lag in sorted({r.lag for r in results if r.method == "oapl" and r.lag > 1}):
+    seeds = sorted(s for (m, l, s) in by if m == "oapl" and l == lag and ("grpo_tis", 1, s) in by)
+    if not seeds:
+      continue
+    pairs = [(by[("oapl", lag, s)], by[("grpo_tis", 1, s)]) for s in seeds]
+    n = min(r.summary["eval_after"]["samples_per_problem"] for pair in pairs for r in pair)
+    parts = []
+    for k in (k for k in ks if k <= n):
+      diffs = [float(a.passk("after", [k])[0] - g.passk("after", [k])[0]) for a, g in pairs]
+      parts.append(f"pass@{k} " + _paired_text(diffs))
+    out.append(f"* the paper's setting, OAPL at L={lag} vs GRPO+IS at L=1 (per seed, OAPL - GRPO+IS): "
+               + "; ".join(parts) + ".")
+  return out
+
+
+def _answers(x: float | None) -> str:
+  return "never" if x is None else f"{x:.0f} answers"
+
+
+def efficiency_findings(results) -> list[str]:
+  """Sample efficiency, per lag and seed: answers until OAPL reaches GRPO+IS's final pass@1,
+  and until GRPO+IS reaches OAPL's (at the evaluation points; None: never)."""
+  by = {(r.method, r.lag, r.seed): r for r in results}
+  out = []
+  for lag in sorted({r.lag for r in results}):
+    parts, total = [], None
+    for seed in sorted({r.seed for r in results}):
+      a, g = by.get(("oapl", lag, seed)), by.get(("grpo_tis", lag, seed))
+      if not (a and g):
+        continue
+      fa, fg = a.summary["eval_after"]["pass@1"], g.summary["eval_after"]["pass@1"]
+      na, ng = first_reaching(a, fg), first_reaching(g, fa)
+      total = a.summary["samples_generated"]
+      parts.append(f"seed {seed}: OAPL to GRPO+IS's final {fg:.3f}: {_answers(na)}, "
+                   f"GRPO+IS to OAPL's final {fa:.3f}: {_answers(ng)}")
+    if parts:
+      out.append(f"* sample efficiency, L={lag} (answers generated, read at the evaluations; "
+                 f"{total} per run): " + "; ".join(parts) + ".")
+  return out
+
+
+def _header(results, *, study: str, command: str) -> list[str]:
+  """Title, the command that made the report, and what the runs were."""
+  spec = STUDIES[study]
+  first = results[0].summary["config"]
+  walls = [r.wall_seconds for r in results if r.wall_seconds]
+  wall_seconds = sum(walls) if len(walls) == len(results) else None
+  return [
+      f"# {spec.title}",
+      "",
+      "Produced by (from the repository root"
+      + ("):" if command.startswith("bash ") else f"; `bash {spec.launcher}` runs the same):"),
+      "",
+      f"    {command}",
+      "",
+      f"{len(results)} runs: methods {', '.join(sorted({r.method for r in results}))}; "
+      f"L = {', '.join(map(str, sorted({r.lag for r in results})))}; "
+      f"seeds {', '.join(map(str, sorted({r.seed for r in results})))}. "
+      f"Each run: {spec.about}, "
+      f"{first['train']['steps']} trainer steps of {first['rl']['groups_per_step']} groups x "
+      f"G={first['rl']['group_size']} fresh answers, lr "
+      f"{', '.join(sorted({format(r.summary['config']['train']['lr'], 'g') for r in results}))}, "
+      f"pass@k on {first['task']['num_eval']} held-out problems with "
+      f"{first['eval']['samples_per_problem']} samples each (unbiased estimator)."
+      + (f" Wall time of all runs: {wall_seconds / 60:.0f} min (2-core CPU)." if wall_seconds else ""),
+      "",
+  ]
+
+
+def _final_table(rows) -> list[str]:
+  """Mean ± sd over seeds of the final figures, a row per (method, lag)."""
+  n = rows[0]["passk_n"]
+  lines = [
+      "## Final numbers (mean ± sd over seeds)",
+      "",
+      f"| method | L | pass@1 before | pass@1 after | pass@{n} before | pass@{n} after | entropy first 20 steps | entropy last 20 steps | answers generated | train s |",
+      "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    lines.append(
+        f"| {METHODS[r['method']][0]} | {r['lag']} | {_fmt(r['pass1_before'])} | {_fmt(r['pass1_after'])} | "
+        f"{_fmt(r[f'pass{n}_before'])} | {_fmt(r[f'pass{n}_after'])} | {_fmt(r['entropy_start'])} | "
+        f"{_fmt(r['entropy_end'])} | {r['samples'][0]:.0f} | {r['train_seconds'][0]:.0f} |")
+  return lines + [""]
+
+
+def _sweep_table(chosen: dict | None) -> list[str]:
+  """The lr sweep's final pass@1 per method and lr, and the chosen lr ([] if no sweep ran)."""
+  if chosen is None:
+    return []
+  lrs = next(iter(chosen["pass1_after"].values()))
+  lines = ["## Learning-rate sweep", "",
+           (f"Each method at each lr, L={chosen['lag']}, seed {chosen['seed']} (not a study "
+            "seed); the best final pass@1 picks the method's lr for every run above."), "",
+           "| method | " + " | ".join(f"lr {lr}" for lr in lrs) + " | chosen |",
+           "|---|" + "---|" * (len(lrs) + 1)]
+  for method, table in chosen["pass1_after"].items():
+    lines.append(f"| {METHODS[method][0]} | " + " | ".join(f"{v:.3f}" for v in table.values())
+                 + f" | {chosen['lr'][method]:g} |")
+  return lines + [""]
+
+
+def _votes_table(rows) -> list[str]:
+  """maj@k, diversity and eval entropy before -> after ([] unless the task has final answers)."""
+  n = rows[0]["passk_n"] if rows else 0
+  keys = [k for k in (f"maj@{n}", "distinct_answers", "distinct_correct_chains", "entropy_per_token")
+          if all(f"{k}_before" in r for r in rows)]
+  if not (rows and f"maj@{n}" in keys):  # tasks with final answers (chain_addition) only
+    return []
+  lines = ["## Held-out votes, diversity and entropy (mean ± sd over seeds; before -> after)", "",
+           "| method | L | lr | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
+  for r in rows:
+    lines.append(f"| {METHODS[r['method']][0]} | {r['lag']} | {', '.join(f'{x:g}' for x in r['lr'])} | "
+                 + " | ".join(f"{_fmt(r[f'{k}_before'], 2)} -> {_fmt(r[f'{k}_after'], 2)}" for k in keys) + " |")
+  return lines + ["", ("maj@k: majority vote over k answers' final answers; distinct_answers / "
+                       "distinct_correct_chains: per problem among its samples; entropy_per_token: "
+                       "mean -log pi_theta of its own sampled tokens."), ""]
+
+
+_PLOTS = (("pass1", "pass@1 vs generated answers"), ("entropy", "entropy vs trainer step"),
+          ("passk", "pass@k before and after"))
+_OPTIONAL_PLOTS = (("diversity", "held-out diversity vs generated answers"),
+                   ("eval_entropy", "held-out entropy vs generated answers"))
+
+
+def _plots_section(figures: dict[str, str]) -> list[str]:
+  """The figures (name -> path relative to the report; the optional ones where present)."""
+  lines = ["## Plots", ""]
+  for name, alt in _PLOTS + tuple(p for p in _OPTIONAL_PLOTS if p[0] in figures):
+    lines += [f"![{alt}]({figures[name]})", ""]
+  return lines
+
+
+def report_markdown(results, *, study: str, command: str, figures: dict[str, str],
+                    notes: str = NO_NOTES, chosen: dict | None = None) -> str:
+  """The report on finished runs `results` (`results.RunResult`, at least one) of study `study`.
+
+  command: the command that made it (quoted); figures: `plots.plot`'s {name: path}, the paths
+  relative to the report's folder; notes: the hand-written reading (`kept_notes`); chosen: the
+  lr sweep's `chosen.json` (None: no sweep).
+  """
+  rows = summarise(results)
+  lines = [
+      *_header(results, study=study, command=command),
+      *_final_table(rows),
+      *_sweep_table(chosen),
+      *_votes_table(rows),
+      *_plots_section(figures),
+      "## The paper's findings, checked (computed from the runs)",
+      "",
+      *findings(rows),
+      *paper_setting_findings(results),
+      *efficiency_findings(results),
+      "",
+      "## Reading",
+      "",
+      NOTES_BEGIN,
+      notes,
+      NOTES_END,
+      "",
+  ]
+  return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""The study's statistics, pure functions of finished runs (`results.RunResult`) and plain
+numbers: pass@k over problems, the mean and seed spread per (method, lag), paired per-seed
+differences with a Student-t interval, and when a run first reaches a pass@1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from oapl_jax.eval.passk import pass_at_k
+from oapl_jax.studies.definitions import METHODS
+
+
+def mean_pass_at_k(n: int, correct_per_problem, ks) -> np.ndarray:
+  """`[len(ks)]`: the unbiased pass@k for each k, averaged over problems, from each problem's
+  count of correct answers among its `n` samples."""
+  counts, problems = np.unique(correct_per_problem, return_counts=True)  # each c once
+  return np.array([np.dot(problems, [pass_at_k(n, c, k) for c in counts]) / problems.sum() for k in ks])
+
+
+def group_runs(results) -> dict[tuple[str, int], list]:
+  """(method, lag) -> its runs (one per seed), in the order of `results`."""
+  groups: dict[tuple[str, int], list] = {}
+  for r in results:
+    groups.setdefault((r.method, r.lag), []).append(r)
+  return groups
+
+
+def mean_sd(values) -> tuple[float, float]:
+  """(mean, sample standard deviation); the sd of a single value is 0."""
+  v = np.asarray(values, float)
+  return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
+
+
+def paired_interval(diffs, level: float = 0.95) -> tuple[float, float, float]:
+  """Mean of per-seed paired differences and its Student-t interval at `level` (two-sided).
+
+  With one seed there is no spread to estimate: the interval is (nan, nan).
+  """
+  d = np.asarray(diffs, float)
+  mean = float(d.mean())
+  if len(d) < 2:
+    return mean, float("nan"), float("nan")
+  from scipy import stats  # a dependency of jax
+  half = float(stats.t.ppf(0.5 + level / 2, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))
+  return mean, mean - half, mean + half
+
+
+def entropy_window(r, first: bool, n: int = 20) -> float:
+  """Mean policy entropy of run `r` over its first (or last) `n` logged trainer steps."""
+  _, ent = r.series("entropy")
+  return float(ent[:n].mean() if first else ent[-n:].mean())
+
+
+def _optional_rows(runs, n: int) -> dict[str, tuple[float, float]]:
+  """Mean ± sd before and after of the held-out figures only some tasks have (maj@n, diversity,
+  eval entropy), where every run has them."""
+  row = {}
+  for key in (f"maj@{n}", "distinct_answers", "distinct_correct_chains", "entropy_per_token"):
+    if all(key in r.summary["eval_before"] and key in r.summary["eval_after"] for r in runs):
+      for when in ("before", "after"):
+        row[f"{key}_{when}"] = mean_sd([r.summary[f"eval_{when}"][key] for r in runs])
+  return row
+
+
+def _summary_row(method: str, lag: int, runs) -> dict:
+  """The row of one (method, lag): see `summarise`."""
+  n = min(r.summary["eval_after"]["samples_per_problem"] for r in runs)
+  row = {"method": method, "lag": lag, "seeds": sorted(r.seed for r in runs),
+         "pass1_after_by_seed": {r.seed: r.summary["eval_after"]["pass@1"] for r in runs},
+         "passn_after_by_seed": {r.seed: r.summary["eval_after"][f"pass@{n}"] for r in runs}}
+  for name, values in {
+      "pass1_before": [r.summary["eval_before"]["pass@1"] for r in runs],
+      "pass1_after": [r.summary["eval_after"]["pass@1"] for r in runs],
+      f"pass{n}_before": [r.summary["eval_before"][f"pass@{n}"] for r in runs],
+      f"pass{n}_after": [r.summary["eval_after"][f"pass@{n}"] for r in runs],
+      "entropy_start": [entropy_window(r, True) for r in runs],
+      "entropy_end": [entropy_window(r, False) for r in runs],
+      "samples": [r.summary["samples_generated"] for r in runs],
+      "train_seconds": [r.summary["train_seconds"] for r in runs],
+  }.items():
+    row[name] = mean_sd(values)
+  row.update(_optional_rows(runs, n))
+  row["lr"] = sorted({r.summary["config"]["train"]["lr"] for r in runs})
+  ks = np.arange(1, n + 1)
+  gaps = np.mean([r.passk("after", ks) - r.passk("before", ks) for r in runs], axis=0)
+  row["passk_not_up"] = [int(k) for k, g in zip(ks, gaps) if g < 0]
+  row["passk_n"] = n
+  return row
+
+
+def summarise(results) -> list[dict]:
+  """One row per (method, lag), in `METHODS` order then by lag: means and seed spread of the
+  final figures, each seed's final pass@1 and pass@n, and the ks where pass@k went down."""
+  groups = sorted(group_runs(results).items(), key=lambda kv: (list(METHODS).index(kv[0][0]), kv[0][1]))
+  return [_summary_row(method, lag, runs) for (method, lag), runs in groups]
+
+
+def first_reaching(r, target: float) -> float | None:
+  """Answers generated when `r`'s held-out pass@1 (at its evaluations) first reaches `target`."""
+  xs, ys = r.pass1_curve()
+  hits = np.nonzero(ys >= target - 1e-12)[0]
+  return float(xs[hits[0]]) if len(hits) else None
