@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from oapl_jax.studies import definitions, lag_study, layout, results, runner, stats
+from oapl_jax.studies.report import NOTES_BEGIN, NOTES_END, kept_notes, report_markdown
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,38 @@ def test_paired_interval_is_students_t_on_the_per_seed_differences():
   assert stats.paired_interval([0.1, 0.2, 0.3], level=0.5)[2] - 0.2 < half / 4
   mean, lo, hi = stats.paired_interval([0.4])
   assert mean == 0.4 and np.isnan(lo) and np.isnan(hi)
+
+
+def _fake_run(method, lag, seed):
+  """A finished run in memory: 4 problems x 4 samples, evaluated before, at step 2 and after."""
+  def ev(correct):
+    return {"samples_per_problem": 4, "correct_per_problem": correct, "pass@1": sum(correct) / 16,
+            "pass@4": sum(c > 0 for c in correct) / 4}
+  summary = {"config": {"train": {"steps": 4, "lr": 1e-3}, "rl": {"groups_per_step": 2, "group_size": 4},
+                        "task": {"num_eval": 4}, "eval": {"samples_per_problem": 4}},
+             "eval_before": ev([0, 1, 2, 1]), "eval_after": ev([seed, 2, 3, lag % 5]),
+             "evals_during": [{"step": 2, "pass@1": 0.3 + 0.1 * seed}], "samples_generated": 32,
+             "train_seconds": 5.0}
+  metrics = [{"step": t, "samples_generated": 8 * t, "entropy": 1.0 - 0.1 * t - 0.01 * seed} for t in range(1, 5)]
+  return results.RunResult(method, lag, seed, summary, metrics, wall_seconds=60.0)
+
+
+def test_report_markdown_is_a_pure_function_of_its_arguments(monkeypatch):
+  import copy
+  import scipy.stats  # noqa: F401  (imported before open() is taken away)
+  runs = [_fake_run(m, lag, s) for m in ("oapl", "grpo_tis") for lag in (1, 3) for s in (1, 2)]
+  kept = copy.deepcopy(runs)
+  figures = {"pass1": "r/a.png", "entropy": "r/b.png", "passk": "r/c.png"}
+
+  def no_files(*args, **kwargs):
+    raise AssertionError("report_markdown opened a file")
+  monkeypatch.setattr("builtins.open", no_files)
+  text = report_markdown(runs, study="tiny", command="cmd", figures=figures, notes="Mine.")
+  assert text == report_markdown(runs, study="tiny", command="cmd", figures=figures, notes="Mine.")
+  assert runs == kept  # the results are not touched
+  assert "    cmd\n" in text and "![pass@1 vs generated answers](r/a.png)" in text
+  assert "Learning-rate sweep" not in text and "* pass@1 after, L=3:" in text
+  assert f"{NOTES_BEGIN}\nMine.\n{NOTES_END}\n" in text and kept_notes(text) == "Mine."
 
 
 def test_finished_runs_are_skipped(study, capsys):
