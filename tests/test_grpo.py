@@ -172,7 +172,6 @@ def test_registered_and_configurable():
   assert kw["is_mode"] == "truncate" and kw["is_cap"] == 2.0 and kw["eps_high"] > kw["eps_low"]
 
 
-
 def test_spec_declares_snapshot_always_and_reference_for_kl():
   """GRPO's spec asks for the snapshot's log-probs (pi_prox) always and the reference's when
   kl_coef > 0 (which is what `uses_reference` reads); through `LossInputs` it is `grpo`, bit
@@ -194,6 +193,7 @@ def test_spec_declares_snapshot_always_and_reference_for_kl():
       mask=mask, rewards=rewards, num_tokens=n, num_answers=jnp.float32(99.0)))
   assert "kl" in got[1]
   jax.tree.map(np.testing.assert_array_equal, got, want)
+
 
 def _with_task(c):
   import ml_collections

@@ -8,6 +8,8 @@ import numpy as np
 import optax
 import pytest
 
+from oapl_jax import config as config_lib
+from oapl_jax.rl import losses
 from oapl_jax.rl.losses import LOSSES, group_value, oapl, sequence_log_ratio
 
 NEG_INF = float("-inf")
@@ -226,3 +228,24 @@ def test_bad_group_size_raises(group_size):
 
 def test_registry():
   assert LOSSES["oapl"] is oapl
+
+
+def test_spec_declares_the_snapshot_only_for_snapshot_old_logprobs():
+  """OAPL's spec asks for the snapshot's log-probs exactly when `rl.old_logprobs="snapshot"`,
+  never for the reference; through `LossInputs` it is `oapl` on the snapshot's log-probs when
+  they are there, else on the sampler's, bit for bit."""
+  c = config_lib.repo_config("tiny.py:smoke")
+  c.rl.loss, c.rl.group_size, c.rl.beta1, c.rl.beta2 = "oapl", G, BETA1, BETA2
+  c.rl.old_logprobs = "sampler"
+  assert losses.needs(c) == losses.Needs(snapshot=False, reference=False)
+  c.rl.old_logprobs = "snapshot"
+  assert losses.needs(c) == losses.Needs(snapshot=True, reference=False)
+  lp, olp, mask, rewards = _arrays()
+  n = jnp.float32(4.0)
+  want = oapl(lp, olp, mask, rewards, group_size=G, beta1=BETA1, beta2=BETA2, num_answers=n)
+  inputs = dict(logprobs=lp, mask=mask, rewards=rewards, reference_logprobs=None,
+                num_tokens=jnp.float32(99.0), num_answers=n)
+  for sampler, snapshot in ((olp, None), (lp - 7.0, olp)):
+    got = losses.from_config(c)(losses.LossInputs(
+        sampler_logprobs=sampler, snapshot_logprobs=snapshot, **inputs))
+    jax.tree.map(np.testing.assert_array_equal, got, want)

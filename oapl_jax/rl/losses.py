@@ -314,32 +314,52 @@ def grpo(
   _check_grpo_args(logprobs, prox_logprobs, sampler_logprobs, mask, rewards, eps_low=eps_low,
                    eps_high=eps_high, norm=norm, max_tokens=max_tokens,
                    needs_ref=bool(kl_coef) and ref_logprobs is None)
-
-  valid = mask > 0  # [B, T]
-  m = jnp.where(valid, mask, 0.0)  # [B, T]
-  prox = jax.lax.stop_gradient(jnp.where(valid, prox_logprobs, 0.0))
-  sampler = jax.lax.stop_gradient(jnp.where(valid, sampler_logprobs, 0.0))
-  logp = jnp.where(valid, logprobs, 0.0)
-
+  valid, m, logp, prox, sampler = _masked(logprobs, prox_logprobs, sampler_logprobs, mask)
   adv = group_advantages(rewards, group_size=group_size, adv_norm=adv_norm, eps=adv_eps)[:, None]
   w, raw_w, kept = importance_weights(prox, sampler, mask, level=is_level, mode=is_mode, cap=is_cap)
-  ratio = jnp.exp(logp - prox)  # [B, T]
-  unclipped = ratio * adv
-  clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-  obj = w * jnp.minimum(unclipped, clipped)  # [B, T]
+  obj, ratio, unclipped, clipped = clipped_surrogate(logp, prox, adv, w, eps_low=eps_low,
+                                                     eps_high=eps_high)  # [B, T]
   metrics = {}
   if kl_coef:
-    ref = jax.lax.stop_gradient(jnp.where(valid, ref_logprobs, 0.0))
-    k3 = jnp.exp(ref - logp) - (ref - logp) - 1.0
+    k3 = kl_k3(logp, ref_logprobs, valid)  # [B, T]
     obj = obj - kl_coef * k3
     metrics["kl"] = jnp.sum(k3 * m) / jnp.maximum(m.sum(), 1.0)
   obj = obj * m
-
   loss = -_normalise(obj, m, norm, num_tokens=num_tokens, max_tokens=max_tokens)
-
   metrics.update(_grpo_metrics(m, valid, unclipped=unclipped, clipped=clipped, raw_w=raw_w,
                                kept=kept, ratio=ratio, adv=adv))
   return loss, metrics
+
+
+def _masked(logprobs, prox_logprobs, sampler_logprobs, mask):
+  """``(valid, m, logp, prox, sampler)``: the counted tokens (bool, float) and the three
+  ``[B, T]`` log-probs with 0 outside them (so a -inf there reaches no value or gradient);
+  ``prox`` and ``sampler`` stop-gradient."""
+  valid = mask > 0  # [B, T]
+  m = jnp.where(valid, mask, 0.0)  # [B, T]
+  prox = jax.lax.stop_gradient(jnp.where(valid, prox_logprobs, 0.0))  # [B, T]
+  sampler = jax.lax.stop_gradient(jnp.where(valid, sampler_logprobs, 0.0))  # [B, T]
+  logp = jnp.where(valid, logprobs, 0.0)  # [B, T]
+  return valid, m, logp, prox, sampler
+
+
+def clipped_surrogate(logp, prox, adv, w, *, eps_low: float, eps_high: float):
+  """PPO's clipped surrogate with IS weights, per token: ``(obj, ratio, unclipped, clipped)``.
+
+  ``ratio = exp(logp - prox)``, ``obj = w * min(ratio * A, clip(ratio, 1 - eps_low, 1 +
+  eps_high) * A)``; logp, prox, w ``[B, T]`` (only logp carries gradient), adv ``[B, 1]``.
+  """
+  ratio = jnp.exp(logp - prox)  # [B, T]
+  unclipped = ratio * adv  # [B, T]
+  clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv  # [B, T]
+  return w * jnp.minimum(unclipped, clipped), ratio, unclipped, clipped
+
+
+def kl_k3(logp, ref_logprobs, valid):
+  """``k3 = exp(ref - logp) - (ref - logp) - 1`` per token ``[B, T]``: the non-negative
+  estimator of KL(pi_theta || pi_ref); ``ref`` is stop-gradient and 0 outside ``valid``."""
+  ref = jax.lax.stop_gradient(jnp.where(valid, ref_logprobs, 0.0))  # [B, T]
+  return jnp.exp(ref - logp) - (ref - logp) - 1.0
 
 
 def _grpo_metrics(m, valid, *, unclipped, clipped, raw_w, kept, ratio, adv) -> dict[str, jax.Array]:
@@ -359,28 +379,79 @@ def _grpo_metrics(m, valid, *, unclipped, clipped, raw_w, kept, ratio, adv) -> d
   }
 
 
-# --- the registry: each loss and the config settings its keyword arguments come from ---------
+# --- the registry: each loss, the settings it reads and the log-probs it needs -----------------
 
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
 @dataclasses.dataclass(frozen=True)
+class LossInputs:
+  """What the train step hands every registered loss: one micro-batch of ``b`` answers.
+
+  Only ``logprobs`` carries gradient; the step scores the snapshot and the reference (with
+  the trainer's kernel, stop-gradient) exactly when the loss's `LossSpec.needs` asks, else
+  they are None.
+  """
+
+  logprobs: jax.Array  # [b, T] log pi_theta of the answer tokens
+  sampler_logprobs: jax.Array  # [b, T] the engine's log-probs of the same tokens
+  snapshot_logprobs: jax.Array | None  # [b, T] the trainer's on the snapshot (pi_old) or None
+  reference_logprobs: jax.Array | None  # [b, T] the trainer's on the frozen reference or None
+  mask: jax.Array  # [b, T] 1 on counted answer tokens
+  rewards: jax.Array  # [b], whole groups of group_size contiguous answers
+  num_tokens: jax.Array  # [] the full batch's counted tokens / grad_accum
+  num_answers: jax.Array  # [] the full batch's counted answers / grad_accum
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+  """The optional log-probs a loss needs under a config (`LossSpec.needs`)."""
+
+  snapshot: bool  # the trainer's log-probs on the snapshot pi_old
+  reference: bool  # the trainer's log-probs on the frozen reference policy
+
+
+def _oapl_inputs(x: LossInputs, **kwargs):
+  """`oapl` on `LossInputs`: pi_old is the snapshot's log-probs when the step scored them (its
+  spec asks exactly when `rl.old_logprobs="snapshot"`), else the engine's."""
+  old = x.sampler_logprobs if x.snapshot_logprobs is None else x.snapshot_logprobs
+  return oapl(x.logprobs, old, x.mask, x.rewards, num_answers=x.num_answers, **kwargs)
+
+
+def _grpo_inputs(x: LossInputs, **kwargs):
+  """`grpo` on `LossInputs`: pi_prox is the snapshot's log-probs (always scored)."""
+  return grpo(x.logprobs, x.snapshot_logprobs, x.sampler_logprobs, x.mask, x.rewards,
+              ref_logprobs=x.reference_logprobs, num_tokens=x.num_tokens, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
 class LossSpec:
-  """A registered loss: its function and, for each keyword argument the config sets, the dotted
-  config setting it comes from (`group_size` and the batch's arrays are the trainer's)."""
+  """A registered loss.
+
+  fn: the pure loss function (its own keyword signature). settings: for each keyword argument
+  the config sets, the dotted setting it comes from (`group_size` is `rl.group_size`).
+  apply: `(LossInputs, *, group_size, **settings) -> (loss, metrics)`, the one signature the
+  train step calls. needs: config -> `Needs`, the optional log-probs `apply` reads.
+  """
 
   fn: LossFn
   settings: dict[str, str]  # keyword argument -> setting, e.g. {"beta1": "rl.beta1"}
+  apply: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+  needs: Callable[..., Needs]
 
 
 LOSS_SPECS: dict[str, LossSpec] = {
-    "oapl": LossSpec(oapl, {"beta1": "rl.beta1", "beta2": "rl.beta2"}),
+    "oapl": LossSpec(
+        oapl, {"beta1": "rl.beta1", "beta2": "rl.beta2"}, _oapl_inputs,
+        lambda config: Needs(snapshot=config.rl.old_logprobs == "snapshot", reference=False)),
     "grpo": LossSpec(grpo, {
         "adv_norm": "rl.grpo.adv_norm", "adv_eps": "rl.grpo.adv_eps",
         "eps_low": "rl.grpo.eps_low", "eps_high": "rl.grpo.eps_high",
         "is_level": "rl.grpo.is_level", "is_mode": "rl.grpo.is_mode",
         "is_cap": "rl.grpo.is_cap", "norm": "rl.grpo.norm", "kl_coef": "rl.grpo.kl_coef",
-        "max_tokens": "sampling.max_new_tokens"}),
+        "max_tokens": "sampling.max_new_tokens"}, _grpo_inputs,
+        # pi_prox is always the snapshot's log-probs; the reference only for the KL penalty
+        lambda config: Needs(snapshot=True, reference=config.rl.grpo.kl_coef > 0)),
 }
 # Name -> loss function: the names `config.rl.loss` is checked against.
 LOSSES: dict[str, LossFn] = {name: spec.fn for name, spec in LOSS_SPECS.items()}
@@ -392,3 +463,14 @@ def kwargs_from_config(config) -> dict:
   def setting(name: str):  # "rl.grpo.is_cap" -> config.rl.grpo.is_cap
     return functools.reduce(lambda section, part: section[part], name.split("."), config)
   return {arg: setting(name) for arg, name in LOSS_SPECS[config.rl.loss].settings.items()}
+
+
+def needs(config) -> Needs:
+  """The optional log-probs the configured loss (`config.rl.loss`) needs."""
+  return LOSS_SPECS[config.rl.loss].needs(config)
+
+
+def from_config(config) -> Callable[[LossInputs], tuple[jax.Array, dict[str, jax.Array]]]:
+  """The configured loss as `LossInputs -> (loss, metrics)`, its settings bound."""
+  return functools.partial(LOSS_SPECS[config.rl.loss].apply, group_size=config.rl.group_size,
+                           **kwargs_from_config(config))

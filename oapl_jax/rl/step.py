@@ -1,7 +1,7 @@
 """The train step: AdamW and one jitted optimizer step on the configured loss (`rl.loss`).
 
 The step scores a batch with the trainer's log-prob kernel (`logprobs.token_logprobs`, under
-the engine's sampling settings), computes the loss (`losses.LOSSES`), accumulates gradients
+the engine's sampling settings), computes the loss (`losses.LOSS_SPECS`), accumulates gradients
 over micro-batches of whole groups, and applies the update unless it is not finite.
 
 Layout on the trainer's mesh (`sharding.make_mesh`: axes data x fsdp x tensor):
@@ -19,7 +19,6 @@ numbers are the unsharded ones.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 
 import jax
@@ -67,8 +66,9 @@ def make_optimizer(train, total_steps: int) -> optax.GradientTransformation:
 
 
 def uses_reference(config) -> bool:
-  """Whether the run keeps a frozen reference policy (GRPO's KL penalty)."""
-  return config.rl.loss == "grpo" and config.rl.grpo.kl_coef > 0
+  """Whether the run keeps a frozen reference policy: the configured loss's spec needs its
+  log-probs (`losses.needs`; GRPO with `rl.grpo.kl_coef > 0`)."""
+  return losses.needs(config).reference
 
 
 def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -224,7 +224,9 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
 
   batch: a `Batch` of whole groups. sampling: the engine's settings (the log-prob contract:
   the trainer scores tokens under the distribution the engine sampled from).
-  `reference` is the frozen reference policy (GRPO with a KL penalty) or None.
+  `reference` is the frozen reference policy (`uses_reference`) or None.
+  The step scores what the configured loss's spec declares (`losses.needs`: the snapshot, the
+  reference) and calls the loss through its one signature (`losses.LossInputs`).
   Gradient accumulation splits B into `train.grad_accum` micro-batches of whole groups; the
   loss is the full-batch one: every micro-batch divides by the full batch's count / accum
   (OAPL: of counted answers, so truncated answers left out by `rl.count_truncated=False` are
@@ -236,18 +238,35 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
   if mesh is None:
     mesh = sharding_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   check_batch_divides(config, mesh)
-  rl = config.rl
-  loss_impl = functools.partial(losses.LOSSES[rl.loss], group_size=rl.group_size,
-                                **losses.kwargs_from_config(config))
-  accum = config.train.grad_accum
-  # GRPO's pi_prox is always the trainer's log-probs on the snapshot; OAPL's pi_old only if asked.
-  needs_snapshot = rl.loss == "grpo" or rl.old_logprobs == "snapshot"
   rows = NamedSharding(mesh, PartitionSpec(sharding_lib.batch_axes(config.sharding.rules)))
+  micro_loss = _micro_loss_fn(config, graphdef, sampling, None if mesh.size == 1 else rows)
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  accum = config.train.grad_accum
   by_rows = lambda x: jax.lax.with_sharding_constraint(x, rows)  # noqa: E731  [b, ...] rows split
+
+  def train_step(params, opt_state, snapshot, micro, reference=None):
+    """micro: the batch as `[accum, B / accum, ...]` (`TrainStep.place_batch`)."""
+    grads, loss, m = _accumulate(grad_fn, accum, by_rows, params, snapshot, reference, micro)
+    params, opt_state, grad_norm, finite = _update_if_finite(optimizer, grads, loss, params,
+                                                             opt_state)
+    return params, opt_state, _step_metrics(loss, grad_norm, finite, m)
+
+  return TrainStep(config, mesh, train_step, optimizer)
+
+
+def _micro_loss_fn(config, graphdef, sampling: SamplingParams, rows: NamedSharding | None):
+  """`(params, snapshot, reference, mb, num_tokens, num_answers) -> (loss, metrics)` on one
+  micro-batch `mb` (`[b, ...]`): the trainer's log-probs (gradient), the snapshot's and the
+  reference's as the loss's spec declares (stop-gradient), the loss through `LossInputs`.
+
+  Metrics: the loss's, `entropy`, `trainer_vs_sampler_abs`, and `snapshot_vs_sampler_abs` (the
+  engine/trainer mismatch, docs/algorithm.md) whenever the snapshot is scored. rows: the activations'
+  sharding (rows over the batch shards), None on one device.
+  """
+  needs, loss_fn = losses.needs(config), losses.from_config(config)
   # The log-prob kernel's settings (memory: train.logprob_tile, train.attn_block); activations
   # pinned to rows over the batch shards; train.remat where gradients are taken.
-  kernel = dict(tile=config.train.logprob_tile, attn_block=config.train.attn_block,
-                rows=None if mesh.size == 1 else rows)
+  kernel = dict(tile=config.train.logprob_tile, attn_block=config.train.attn_block, rows=rows)
 
   def frozen_logprobs(params, tokens):
     return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), tokens, sampling,
@@ -257,56 +276,68 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
     logp, ent = token_logprobs(nnx.merge(graphdef, params), mb.tokens, sampling,
                                remat=config.train.remat, **kernel)  # [b, T-1]
     mask, sampler = mb.mask, mb.sampler_logprobs
-    m = {}
-    snap = None
-    if needs_snapshot:
-      snap = frozen_logprobs(snapshot, mb.tokens)
+    m, snap, ref = {}, None, None
+    if needs.snapshot:
+      snap = frozen_logprobs(snapshot, mb.tokens)  # [b, T-1]
       m["snapshot_vs_sampler_abs"] = _token_mean(jnp.abs(snap - sampler), mask)
-    if rl.loss == "oapl":
-      old = snap if rl.old_logprobs == "snapshot" else sampler
-      loss, loss_metrics = loss_impl(logp, old, mask, mb.rewards, num_answers=num_answers)
-    else:
-      ref = None if reference is None else frozen_logprobs(reference, mb.tokens)
-      loss, loss_metrics = loss_impl(logp, snap, sampler, mask, mb.rewards, ref_logprobs=ref,
-                                     num_tokens=num_tokens)
+    if needs.reference:
+      if reference is None:
+        raise ValueError(f"rl.loss={config.rl.loss!r} needs the reference policy "
+                         "(uses_reference): pass `reference` to the step")
+      ref = frozen_logprobs(reference, mb.tokens)  # [b, T-1]
+    loss, loss_metrics = loss_fn(losses.LossInputs(
+        logprobs=logp, sampler_logprobs=sampler, snapshot_logprobs=snap, reference_logprobs=ref,
+        mask=mask, rewards=mb.rewards, num_tokens=num_tokens, num_answers=num_answers))
     m.update(loss_metrics, entropy=_token_mean(ent, mask),
              trainer_vs_sampler_abs=_token_mean(jnp.abs(logp - sampler), mask))
     return loss, m
 
-  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  return micro_loss
 
-  def train_step(params, opt_state, snapshot, micro, reference=None):
-    """micro: the batch as `[accum, B / accum, ...]` (`TrainStep.place_batch`)."""
-    num_tokens = micro.mask.sum() / accum  # per micro-batch share of the full batch's tokens
-    num_answers = (micro.mask.sum(axis=-1) > 0).sum() / accum  # ... and of its counted answers
 
-    def body(grads, mb):
-      mb = jax.tree.map(by_rows, mb)  # [b, ...]: rows over the batch shards
-      (loss, m), g = grad_fn(params, snapshot, reference, mb, num_tokens, num_answers)
-      return (g if grads is None else jax.tree.map(jnp.add, grads, g)), (loss, m)
+def _accumulate(grad_fn, accum: int, by_rows, params, snapshot, reference, micro):
+  """`(grads, loss [accum], metrics {name: [accum]})`: the mean gradient over the `accum`
+  micro-batches of `micro` (`[accum, b, ...]`), each micro-batch's loss dividing by its share
+  of the full batch's counted tokens and answers."""
+  num_tokens = micro.mask.sum() / accum  # per micro-batch share of the full batch's tokens
+  num_answers = (micro.mask.sum(axis=-1) > 0).sum() / accum  # ... and of its counted answers
 
-    if accum == 1:  # no accumulator: one weight-sized float32 buffer less at the peak
-      grads, (loss, m) = body(None, jax.tree.map(lambda x: x[0], micro))
-      loss, m = jax.tree.map(lambda x: x[None], (loss, m))  # [1] like the scan's
-    else:
-      grads, (loss, m) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
-      grads = jax.tree.map(lambda g: g / accum, grads)
-    grad_norm = optax.global_norm(grads)
-    # A step whose loss or gradient is not finite is skipped: params and optimizer state stay
-    # as they were (the run counts these and stops after train.max_nonfinite_steps). A `cond`
-    # rather than a select of new against old: the update then writes the donated buffers in
-    # place (a select kept a copy of the old AdamW mu and nu through the whole step on XLA:CPU).
-    finite = jnp.isfinite(loss).all() & jnp.isfinite(grad_norm)
+  def body(grads, mb):
+    mb = jax.tree.map(by_rows, mb)  # [b, ...]: rows over the batch shards
+    (loss, m), g = grad_fn(params, snapshot, reference, mb, num_tokens, num_answers)
+    return (g if grads is None else jax.tree.map(jnp.add, grads, g)), (loss, m)
 
-    def update(state):
-      params, opt_state = state
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
+  if accum == 1:  # no accumulator: one weight-sized float32 buffer less at the peak
+    grads, (loss, m) = body(None, jax.tree.map(lambda x: x[0], micro))
+    loss, m = jax.tree.map(lambda x: x[None], (loss, m))  # [1] like the scan's
+  else:
+    grads, (loss, m) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+    grads = jax.tree.map(lambda g: g / accum, grads)
+  return grads, loss, m
 
-    params, opt_state = jax.lax.cond(finite, update, lambda state: state, (params, opt_state))
-    reduce = {"is_weight_min": jnp.min, "is_weight_max": jnp.max}
-    metrics = {"loss": loss.mean(), "grad_norm": grad_norm, "step_skipped": 1.0 - finite,
-               **{k: reduce.get(k, jnp.mean)(v) for k, v in m.items()}}
-    return params, opt_state, metrics
 
-  return TrainStep(config, mesh, train_step, optimizer)
+def _update_if_finite(optimizer, grads, loss, params, opt_state):
+  """`(params, opt_state, grad_norm, finite)`: the optimizer's update of `params` by `grads`,
+  or params and state unchanged when the loss or the gradient norm is not finite."""
+  grad_norm = optax.global_norm(grads)
+  # A step whose loss or gradient is not finite is skipped: params and optimizer state stay
+  # as they were (the run counts these and stops after train.max_nonfinite_steps). A `cond`
+  # rather than a select of new against old: the update then writes the donated buffers in
+  # place (a select kept a copy of the old AdamW mu and nu through the whole step on XLA:CPU).
+  finite = jnp.isfinite(loss).all() & jnp.isfinite(grad_norm)
+
+  def update(state):
+    params, opt_state = state
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, opt_state = jax.lax.cond(finite, update, lambda state: state, (params, opt_state))
+  return params, opt_state, grad_norm, finite
+
+
+def _step_metrics(loss, grad_norm, finite, m) -> dict[str, jax.Array]:
+  """The step's metrics: mean loss, grad norm, `step_skipped`, and each micro-batch metric
+  reduced over the micro-batches (the mean; min / max for the IS weights' min / max)."""
+  reduce = {"is_weight_min": jnp.min, "is_weight_max": jnp.max}
+  return {"loss": loss.mean(), "grad_norm": grad_norm, "step_skipped": 1.0 - finite,
+          **{k: reduce.get(k, jnp.mean)(v) for k, v in m.items()}}
