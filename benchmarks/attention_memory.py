@@ -18,7 +18,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from oapl_jax.models import transformer as tr
+from oapl_jax.models import attention as tr
 
 N, K, D = 32, 8, 128  # Qwen3-4B: query heads, KV heads, head width
 

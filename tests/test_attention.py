@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from oapl_jax.models import ModelConfig, Transformer
-from oapl_jax.models import transformer as tr
+from oapl_jax.models import attention as tr
 
 
 def _load_benchmark(name: str):

@@ -19,7 +19,8 @@ from flax import nnx
 
 from oapl_jax.models import ModelConfig, Transformer, from_hf, to_hf
 from oapl_jax.models import hf as hf_lib
-from oapl_jax.models.presets import PRESETS, param_count
+from oapl_jax.models.build import param_count
+from oapl_jax.models.presets import PRESETS
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, SEQ = 64, 40

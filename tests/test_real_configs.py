@@ -8,7 +8,7 @@ import pytest
 
 from configs import math as math_config
 from oapl_jax.config import ConfigError, validate
-from oapl_jax.models.presets import param_count
+from oapl_jax.models.build import param_count
 from oapl_jax.models.tiny_hf import make_tiny_hf
 
 

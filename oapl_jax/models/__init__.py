@@ -7,11 +7,12 @@ the config files) imports neither JAX nor Flax.
 import importlib
 
 _HOMES = {  # public name -> the submodule that defines it
-    "ModelConfig": "transformer", "Transformer": "transformer", "init_cache": "transformer",
-    "write_prefix": "transformer", "from_hf": "hf", "to_hf": "hf",
+    "ModelConfig": "transformer", "Transformer": "transformer", "init_cache": "kv_cache",
+    "write_prefix": "kv_cache", "from_hf": "hf", "to_hf": "hf", "param_count": "build",
 }
 
-__all__ = ["ModelConfig", "Transformer", "from_hf", "init_cache", "to_hf", "write_prefix"]
+__all__ = ["ModelConfig", "Transformer", "from_hf", "init_cache", "param_count", "to_hf",
+           "write_prefix"]
 
 
 def __getattr__(name: str):

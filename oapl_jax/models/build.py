@@ -7,19 +7,28 @@ With a mesh, every weight is created straight into its sharding (config.sharding
 through `oapl_jax.sharding`): random weights under one `jax.jit(..., out_shardings=...)`
 from the abstract model, checkpoint weights by `from_hf(..., mesh=, rules=)`, one block per
 device. The values equal the unsharded ones bit for bit.
+
+    model_config("qwen3_4b"), param_count("qwen3_4b")   # a preset's ModelConfig and size
+
+(`model_config` and `param_count` of a preset live here, not in `presets.py`, which imports no
+JAX or Flax.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from oapl_jax import sharding
 from oapl_jax.errors import ConfigError
 from oapl_jax.models.hf import from_hf
+from oapl_jax.models.presets import PRESETS
 from oapl_jax.models.transformer import ModelConfig, Transformer
 
 
@@ -98,3 +107,23 @@ def param_shardings(config, mesh: Mesh, rules: sharding.Rules | None = None) -> 
   model_cfg = ModelConfig.from_config(config.model)
   abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(params=0)))
   return sharding.param_shardings(abstract, mesh, config.sharding.rules if rules is None else rules)
+
+
+def model_config(preset: str | Mapping[str, Any] | ModelConfig) -> ModelConfig:
+  """ModelConfig of a preset name (`presets.PRESETS`), a kwargs dict, or a ModelConfig
+  (returned as is)."""
+  if isinstance(preset, ModelConfig):
+    return preset
+  if isinstance(preset, str):
+    if preset not in PRESETS:
+      raise ValueError(f"unknown model preset {preset!r}; known: {sorted(PRESETS)}")
+    preset = PRESETS[preset]
+  return ModelConfig(**preset)
+
+
+def param_count(preset: str | Mapping[str, Any] | ModelConfig) -> int:
+  """Number of weights of the model, from abstract shapes only (nothing is allocated)."""
+  cfg = model_config(preset)
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  shapes = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+  return int(sum(np.prod(s.shape, dtype=np.int64) for s in shapes))

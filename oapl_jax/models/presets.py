@@ -1,16 +1,16 @@
 """Architectures of published checkpoints, as `ModelConfig` keyword arguments.
 
 Values are those of each model's Hugging Face `config.json`. Use with
-`ModelConfig(**PRESETS[name])`, or `param_count(name)` for the size without building weights.
+`ModelConfig(**PRESETS[name])`, or `oapl_jax.models.build.model_config(name)`; for the size
+without building weights, `oapl_jax.models.build.param_count(name)`.
+
+Names and numbers only: nothing here imports JAX, Flax or the rest of oapl_jax (config files
+read it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the presets themselves import neither JAX nor Flax (config files read them)
-  from oapl_jax.models.transformer import ModelConfig
+from typing import Any
 
 _QWEN3 = dict(vocab_size=151936, head_dim=128, num_kv_heads=8, rope_theta=1e6, rms_norm_eps=1e-6,
               qk_norm=True, qkv_bias=False, max_position_embeddings=40960)
@@ -60,28 +60,3 @@ PRESETS["tiny_qwen2"] = dict(PRESETS["tiny_qwen3"], qk_norm=False, qkv_bias=True
 # The 2507 release differs from Qwen3-4B only in RoPE base and context length.
 PRESETS["qwen3_4b_thinking_2507"] = dict(PRESETS["qwen3_4b"], rope_theta=5e6,
                                          max_position_embeddings=262144)
-
-
-def model_config(preset: str | Mapping[str, Any] | ModelConfig) -> ModelConfig:
-  """ModelConfig of a preset name, a kwargs dict, or a ModelConfig (returned as is)."""
-  from oapl_jax.models.transformer import ModelConfig  # noqa: PLC0415 (imports Flax)
-  if isinstance(preset, ModelConfig):
-    return preset
-  if isinstance(preset, str):
-    if preset not in PRESETS:
-      raise ValueError(f"unknown model preset {preset!r}; known: {sorted(PRESETS)}")
-    preset = PRESETS[preset]
-  return ModelConfig(**preset)
-
-
-def param_count(preset: str | Mapping[str, Any] | ModelConfig) -> int:
-  """Number of weights of the model, from abstract shapes only (nothing is allocated)."""
-  import jax  # noqa: PLC0415 (JAX, Flax, NumPy only here: importing the presets needs none)
-  import numpy as np  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-
-  from oapl_jax.models.transformer import Transformer  # noqa: PLC0415
-  cfg = model_config(preset)
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-  shapes = jax.tree.leaves(nnx.state(abstract, nnx.Param))
-  return int(sum(np.prod(s.shape, dtype=np.int64) for s in shapes))

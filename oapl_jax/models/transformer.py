@@ -4,40 +4,38 @@ Blocks: RMSNorm -> grouped-query attention with RoPE (optional QK-norm, optional
 qkv bias) -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head
 (optionally tied to the embedding).
 
+This module holds the architecture (`ModelConfig`), its layers, norms and RoPE, and the
+forward pass with its per-block remat; the attention kernels are in `attention.py`, the
+engine's KV cache in `kv_cache.py`.
+
 Entry points (all share every weight and every layer):
 * `model(tokens)` — full causal forward pass, logits `[B, T, V]` (training, log-probs).
   With `return_kv=True` it also returns each layer's keys and values. Attention is
-  blockwise (`causal_attention`: online softmax over blocks of `attn_block` positions, blocks
-  above the causal diagonal skipped, no `[T, T]` tensor, a blockwise custom gradient), and
-  each transformer block runs under a remat policy (`REMAT_POLICIES`: "none" / "dots" /
-  "full", `config.train.remat`); with remat, the blocks are one `lax.scan` over the layers'
-  weights stacked in the compute dtype (`_scan_blocks`: on XLA:CPU only a scan keeps the
-  saved activations to one input per layer; with "full" and no keys/values, the trainer's
+  blockwise (`attention.causal_attention`: online softmax over blocks of `attn_block`
+  positions, blocks above the causal diagonal skipped, no `[T, T]` tensor, a blockwise custom
+  gradient), and each transformer block runs under a remat policy (`REMAT_POLICIES`: "none" /
+  "dots" / "full", `config.train.remat`); with remat, the blocks are one `lax.scan` over the
+  layers' weights stacked in the compute dtype (`_scan_blocks`: on XLA:CPU only a scan keeps
+  the saved activations to one input per layer; with "full" and no keys/values, the trainer's
   pass, the stack holds the compute dtype's bits and the backward is written out:
   `_full_remat_scan`).
 * `model.prefill(tokens, lengths)` — the forward pass with the LM head only at each prompt's
   last token, plus every layer's keys and values (the sampling engine's prefill).
 * The one-token decode step is `oapl_jax.sampling.decode.decode`, over the engine's weight
   layout (fused q/k/v and gate/up matrices split by whole heads, `sampling/layout.py`); it
-  uses this module's layers, norms, RoPE (`rope_table`, `apply_rope`), `decode_attend`
-  (attention of one query per row, reading the cache in chunks of `chunk` positions, only up
-  to `live_len`, so a step costs what the live length needs, not the cache size), KV cache
-  (`init_cache`, `write_prefix`) and LM head.
-
-KV cache layout (`init_cache`): one buffer per layer, keys `[B, K, D, S]` (positions minor:
-the score reduction runs over a major axis, which XLA's CPU emitter vectorises well), values
-`[B, K, S, D]`. Per-layer buffers rather than one `[L, ...]` array: a layer slice of a stacked
-cache is materialised as a copy on CPU (measured 1.2x slower at 160 positions, 2.3x at 1024).
+  uses this module's layers, norms, RoPE (`rope_table`, `apply_rope`) and LM head,
+  `attention.decode_attend` (attention of one query per row, reading the cache in chunks of
+  `chunk` positions, only up to `live_len`, so a step costs what the live length needs, not
+  the cache size) and the KV cache of `kv_cache.py` (`init_cache`, `write_prefix`; its layout
+  is described there).
 
 bfloat16 parity (issue 13): the forward pass computes what the decode step computes, so the
 trainer's log-probs match the engine's: q scaled by 1/sqrt(D) in the compute dtype before the
-score dot, scores and PV with float32 accumulation, a float32 online softmax with unnormalised
-probabilities cast to the value dtype, the same chunked arithmetic (`_online_update`);
-RMSNorm weights rounded to the compute dtype (float32 master weights = the bf16 snapshot);
-RoPE frequencies and tables computed on the host (the same bits in every compiled program).
-Key blocks of the forward pass (`attn_block`) and decode chunks (`sampling.attn_chunk`) of
-different lengths round the probabilities against different running maxima: equal lengths (or
-sequences shorter than both) give the closest numbers.
+score dot, then the attention arithmetic `attention.py` shares between both (float32
+accumulation, a float32 online softmax, `_online_update`; see its docstring for block and
+chunk lengths); RMSNorm weights rounded to the compute dtype (float32 master weights = the
+bf16 snapshot); RoPE frequencies and tables computed on the host (the same bits in every
+compiled program).
 
 Every weight carries `logical_axes` metadata (e.g. `("embed", "mlp")`); one table in the
 config maps logical axes to mesh axes (see `oapl_jax.sharding`).
@@ -54,6 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from oapl_jax.models.attention import DEFAULT_ATTN_BLOCK, causal_attention
 
 
 ROPE_SCALING_TYPES = (None, "llama3")
@@ -209,180 +209,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
-# --- Blockwise causal attention (the full forward pass) ------------------------------------
-
-DEFAULT_ATTN_BLOCK = 512  # `attn_block=None`: query/key block length (config.train.attn_block's default)
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = DEFAULT_ATTN_BLOCK,
-                     *, fused: bool = True) -> jax.Array:
-  """Causal grouped-query attention, blockwise (online softmax): no `[T, T]` tensor.
-
-  q: `[B, T, N, D]` ALREADY SCALED by 1/sqrt(D) (in the compute dtype, as the decode path
-  scales it); k, v: `[B, T, K, D]`, N a multiple of K. Returns `[B, T, N, D]` in q's dtype.
-
-  Query and key blocks of `C = min(block, T)` positions (the last one shorter if C does not divide T):
-  query block i visits key blocks 0..i only (blocks above the diagonal are skipped, not
-  masked; a `[C, C]` causal mask only inside the diagonal block), with the engine's
-  `decode_attend` arithmetic: scores `q k` with float32 accumulation, a float32 online
-  softmax, unnormalised probabilities cast to v's dtype for the PV dot (float32
-  accumulation), the float32 sum divided out at the end. Memory O(C^2) per head group per
-  block, O(T) saved for the backward pass (a hand-written blockwise gradient, `_flash`).
-
-  fused: on a GPU backend with a 16-bit dtype, use cuDNN's fused causal kernel
-  (`jax.nn.dot_product_attention(implementation="cudnn")`: the same blockwise algorithm with
-  its own block sizes). Everywhere else (CPU, TPU, float32) the pure-JAX path runs; the TPU's
-  splash kernel is not wired in yet.
-  """
-  b, t, n, d = q.shape
-  kv = k.shape[2]
-  if fused and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
-    return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="cudnn")
-  c = min(block, t)
-  # head-major once per layer (the blocks' products then need no transposes; below)
-  q = q.reshape(b, t, kv, n // kv, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
-  k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-  out = _flash(q, k, v, c)  # [B, K, G, T, D]
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
-
-
-def _online_update(carry, s: jax.Array, pv):
-  """One key chunk of the online softmax (shared by the forward pass and `decode_attend`).
-
-  carry: running max m `[..., Q]`, sum l `[..., Q]`, output acc `[..., Q, D]`, all float32;
-  s: this chunk's scores `[..., Q, C]` float32 (-inf where masked; the running max must be
-  finite after the update); pv(p): p `[..., Q, C]` float32 -> `[..., Q, D]` float32.
-  """
-  m, l, acc = carry
-  m_new = jnp.maximum(m, s.max(-1))
-  corr = jnp.exp(m - m_new)
-  p = jnp.exp(s - m_new[..., None])
-  return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv(p)
-
-
-# The blockwise kernels work head-major: q `[B, K, G, T, D]`, k, v `[B, K, T, D]` (positions
-# on the second-minor axis), so every block product is a plain batched matmul over (B, K) and
-# a block is a contiguous slice. (Position-major blocks, `[B, C, K, G, D]`, made XLA:CPU
-# transpose q, k, v and the probabilities inside every block pair: the whole train step at
-# 8 x 2080 tokens was 1.5x slower, `benchmarks/train_step.py`.)
-
-
-def _block(x: jax.Array, i, c: int) -> jax.Array:
-  """Positions `[i*c, (i+1)*c)` of x along its position axis (second-minor)."""
-  return jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=x.ndim - 2)
-
-
-def _scores(qi: jax.Array, kj: jax.Array, mask: jax.Array | None) -> jax.Array:
-  """qi `[B, K, G, Cq, D]`, kj `[B, K, Ck, D]` -> `[B, K, G, Cq, Ck]` float32; -inf off `mask`."""
-  s = jnp.einsum("bkgqd,bkcd->bkgqc", qi, kj, preferred_element_type=jnp.float32)
-  return s if mask is None else jnp.where(mask, s, -jnp.inf)
-
-
-def _flash_forward(q, k, v, c: int):
-  """q `[B, K, G, T, D]`, k, v `[B, K, T, D]`. Returns out `[B, K, G, T, D]` (q's dtype) and
-  the float32 log-sum-exp of each query's scores `[B, K, G, T]`.
-
-  T = nb * c + r: nb whole blocks of c positions, then (r > 0) one short last block of r
-  positions, whose queries see the nb whole key blocks and an r x r diagonal block (nothing
-  padded: padding T up to a multiple of c cost up to twice the pairs, e.g. 2080 -> 2560)."""
-  b, kv, g, t, d = q.shape
-  nb, r = divmod(t, c)
-
-  def attend(qi, i, kd, vd):
-    """Queries qi `[B, K, G, Q, D]` against key blocks 0..i-1 (whole) and the Q diagonal
-    keys kd, vd `[B, K, Q, D]` (causal mask). -> out `[B, K, G, Q, D]`, lse `[B, K, G, Q]`."""
-    def step(carry, kj, vj, mask=None):
-      pv = lambda p: jnp.einsum("bkgqc,bkcd->bkgqd", p.astype(vj.dtype), vj,
-                                preferred_element_type=jnp.float32)
-      return _online_update(carry, _scores(qi, kj, mask), pv)
-
-    rows = qi.shape[3]
-    init = (jnp.full((b, kv, g, rows), -jnp.inf), jnp.zeros((b, kv, g, rows)),
-            jnp.zeros((b, kv, g, rows, d)))
-    carry = jax.lax.fori_loop(0, i, lambda j, cr: step(cr, _block(k, j, c), _block(v, j, c)), init)
-    m, l, acc = step(carry, kd, vd, jnp.tril(jnp.ones((rows, rows), bool)))
-    return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
-
-  outs, lses = [], []
-  if nb:
-    out, lse = jax.lax.map(lambda i: attend(_block(q, i, c), i, _block(k, i, c), _block(v, i, c)),
-                           jnp.arange(nb))  # [nb, B, K, G, C, D], [nb, B, K, G, C]
-    outs.append(jnp.moveaxis(out, 0, 3).reshape(b, kv, g, nb * c, d))
-    lses.append(jnp.moveaxis(lse, 0, 3).reshape(b, kv, g, nb * c))
-  if r:
-    out, lse = attend(q[:, :, :, nb * c:], nb, k[:, :, nb * c:], v[:, :, nb * c:])
-    outs.append(out)
-    lses.append(lse)
-  return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q, k, v, c: int):
-  """Blockwise causal attention `_flash_forward` (out only) with a blockwise gradient."""
-  return _flash_forward(q, k, v, c)[0]
-
-
-def _flash_fwd(q, k, v, c: int):
-  out, lse = _flash_forward(q, k, v, c)
-  return out, (q, k, v, out, lse)
-
-
-def _flash_bwd(c: int, res, d_out):
-  """FlashAttention-2's backward: probabilities recomputed block by block from the saved
-  log-sum-exp; dq per query block, dk / dv accumulated in float32 over query blocks (the
-  forward pass's blocks: nb whole ones, then the short last one).
-
-  dk and dv are accumulated transposed, `[B, K, D, T]`: their block products then contract
-  the probabilities `[B, K, G, Q, C]` over (G, Q) where they lie (`d_out^T p`), and XLA:CPU
-  transposes the small `[G*Q, D]` operand instead of copying p and ds in every block pair;
-  one transpose of dk, dv at the end (the train step 10-14% faster at 8 x 2080 tokens and
-  about 10% at 8 x 544, unchanged within noise at 160; equal to float32 rounding)."""
-  q, k, v, out, lse = res
-  t = q.shape[3]
-  nb, r = divmod(t, c)
-  delta = jnp.einsum("bkgtd,bkgtd->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))  # [B, K, G, T]
-
-  def grads(lo, rows, i, dkt, dvt):
-    """Queries [lo, lo + rows) against key blocks 0..i-1 and their diagonal block: dq of those
-    rows `[B, K, G, rows, D]` float32, dk and dv transposed `[B, K, D, T]` float32 accumulated."""
-    part = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, rows, axis=3)  # noqa: E731
-    qi, doi = part(q), part(d_out)  # [B, K, G, rows, D]
-    lse_i, delta_i = part(lse)[..., None], part(delta)[..., None]  # [B, K, G, rows, 1]
-
-    def step(carry, k_lo, n, mask=None):  # keys [k_lo, k_lo + n)
-      dqi, dkt, dvt = carry
-      kj, vj = (jax.lax.dynamic_slice_in_dim(x, k_lo, n, axis=2) for x in (k, v))  # [B, K, n, D]
-      p = jnp.exp(_scores(qi, kj, mask) - lse_i)  # [B, K, G, rows, n]
-      dp = jnp.einsum("bkgqd,bkcd->bkgqc", doi, vj, preferred_element_type=jnp.float32)
-      ds = (p * (dp - delta_i)).astype(q.dtype)
-      dvt_j = jnp.einsum("bkgqd,bkgqc->bkdc", doi, p.astype(v.dtype), preferred_element_type=jnp.float32)
-      dkt_j = jnp.einsum("bkgqd,bkgqc->bkdc", qi, ds, preferred_element_type=jnp.float32)
-      dqi = dqi + jnp.einsum("bkgqc,bkcd->bkgqd", ds, kj, preferred_element_type=jnp.float32)
-      add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
-          acc, jax.lax.dynamic_slice_in_dim(acc, k_lo, n, axis=3) + x, k_lo, axis=3)
-      return dqi, add(dkt, dkt_j), add(dvt, dvt_j)
-
-    carry = jax.lax.fori_loop(0, i, lambda j, cr: step(cr, j * c, c),
-                              (jnp.zeros(qi.shape, jnp.float32), dkt, dvt))
-    return step(carry, lo, rows, jnp.tril(jnp.ones((rows, rows), bool)))
-
-  def whole_block(i, acc):
-    dq, dkt, dvt = acc
-    dqi, dkt, dvt = grads(i * c, c, i, dkt, dvt)
-    return jax.lax.dynamic_update_slice_in_dim(dq, dqi, i * c, axis=3), dkt, dvt
-
-  transposed = lambda x: jnp.zeros((*x.shape[:2], x.shape[3], x.shape[2]), jnp.float32)  # noqa: E731
-  dq, dkt, dvt = jax.lax.fori_loop(0, nb, whole_block,
-                                   (jnp.zeros(q.shape, jnp.float32), transposed(k), transposed(v)))
-  if r:
-    dqi, dkt, dvt = grads(nb * c, r, nb, dkt, dvt)
-    dq = jax.lax.dynamic_update_slice_in_dim(dq, dqi, nb * c, axis=3)
-  return dq.astype(q.dtype), dkt.swapaxes(2, 3).astype(k.dtype), dvt.swapaxes(2, 3).astype(v.dtype)
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
-
-
 class Attention(nnx.Module):
   """Grouped-query self-attention with RoPE, optional QK-norm and qkv bias."""
 
@@ -470,44 +296,6 @@ class Block(nnx.Module):
     x = pin(x + pin(self.attn.output(causal_attention(q, k, v, attn_block))))
     x = pin(x + pin(self.mlp(self.post_attn_norm(x))))
     return x, (k, v)
-
-
-def decode_attend(q, k_cache, v_cache, positions, live_len, chunk: int) -> jax.Array:
-  """Attention of one query per row over a KV cache, chunk by chunk up to `live_len`.
-
-  q: `[B, K, G, D]` (already scaled by 1/sqrt(D)); k_cache `[B, K, D, S]`, v_cache
-  `[B, K, S, D]`; positions `[B]`: row b attends to indices `<= positions[b]`; live_len:
-  int `[]`, every row's positions are `< live_len`. Chunks of `C = min(chunk, S)` positions;
-  chunk 0 always runs, the others (online softmax) only while `c * C < live_len`.
-  Returns `[B, K, G, D]` float32.
-  """
-  size = k_cache.shape[-1]
-  c_len = min(chunk, size)
-
-  def scores(lo):  # -> scores [B, K, G, C] (masked), values [B, K, C, D]
-    start = jnp.minimum(lo, size - c_len)  # the last chunk may overlap the one before ...
-    k = jax.lax.dynamic_slice_in_dim(k_cache, start, c_len, axis=3)  # [B, K, D, C]
-    v = jax.lax.dynamic_slice_in_dim(v_cache, start, c_len, axis=2)  # [B, K, C, D]
-    s = jnp.einsum("bkgd,bkdc->bkgc", q, k, preferred_element_type=jnp.float32)
-    idx = start + jnp.arange(c_len)  # ... so indices below `lo` are masked out
-    mask = (idx[None, :] >= lo) & (idx[None, :] <= positions[:, None])  # [B, C]
-    return jnp.where(mask[:, None, None], s, -jnp.inf), v
-
-  def pv(p, v):  # [B, K, G, C] x [B, K, C, D] -> [B, K, G, D]
-    return jnp.einsum("bkgc,bkcd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-
-  s, v = scores(0)  # index 0 is always visible, so every row has a finite max
-  m = s.max(-1)  # [B, K, G]
-  p = jnp.exp(s - m[..., None])
-  carry = (m, p.sum(-1), pv(p, v))
-
-  def body(c, carry):
-    s, v = scores(c * c_len)
-    return _online_update(carry, s, lambda p: pv(p, v))
-
-  num_chunks = (live_len + c_len - 1) // c_len
-  _, l, acc = jax.lax.fori_loop(1, num_chunks, body, carry)
-  return acc / l[..., None]
 
 
 # What a block keeps for the backward pass (`config.train.remat`): every activation, only the
@@ -703,28 +491,3 @@ class Transformer(nnx.Module):
     """cos, sin `[size, D/2]` of positions `0..size-1`, for the decode step
     (`sampling.decode.decode(..., rope_table=)`)."""
     return tuple(jnp.asarray(x) for x in rope_table_host(self.cfg, size))  # [size, D/2]
-
-
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict[str, list]:
-  """Zero KV cache: {"k": L x `[B, K, D, S]`, "v": L x `[B, K, S, D]`} (S = max_len)."""
-  dtype = dtype or cfg.dtype
-  k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
-  v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-  return {"k": [jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers)],
-          "v": [jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers)]}
-
-
-def write_prefix(cache: dict[str, list], kvs, rows: jax.Array) -> dict[str, list]:
-  """Writes prefill keys/values at positions `[0, T)` of cache rows `rows`.
-
-  kvs: list over layers of (k, v), each `[N, T, K, D]` (as `model(tokens, return_kv=True)`
-  returns them); rows: `[N]` int, a row index `>= B` drops that entry (padding).
-  """
-  new_k, new_v = [], []
-  for (k, v), k_cache, v_cache in zip(kvs, cache["k"], cache["v"]):
-    t = k.shape[1]
-    k = jnp.transpose(k, (0, 2, 3, 1)).astype(k_cache.dtype)  # [N, K, D, T]
-    v = jnp.transpose(v, (0, 2, 1, 3)).astype(v_cache.dtype)  # [N, K, T, D]
-    new_k.append(k_cache.at[rows, :, :, :t].set(k, mode="drop"))
-    new_v.append(v_cache.at[rows, :, :t].set(v, mode="drop"))
-  return {"k": new_k, "v": new_v}

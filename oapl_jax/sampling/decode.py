@@ -25,7 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from oapl_jax.models.transformer import Transformer, apply_rope, decode_attend
+from oapl_jax.models.attention import decode_attend
+from oapl_jax.models.transformer import Transformer, apply_rope
 
 
 def _embed(model: Transformer, head: jax.Array, tokens: jax.Array) -> jax.Array:

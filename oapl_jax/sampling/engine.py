@@ -54,7 +54,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from oapl_jax.sampling import jetstream_compat  # noqa: F401  (before any JetStream orchestrator)
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
-from oapl_jax.models.transformer import ModelConfig, init_cache, write_prefix
+from oapl_jax.models.kv_cache import init_cache, write_prefix
+from oapl_jax.models.transformer import ModelConfig
 from oapl_jax.sampling import decode as decode_lib
 from oapl_jax.sampling.layout import EngineLayout, EngineParams, engine_mesh, load_weights
 from oapl_jax.sampling.processing import SamplingParams, process_logits, sample
