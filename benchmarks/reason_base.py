@@ -31,7 +31,7 @@ def main(argv=None) -> int:
   from oapl_jax import warmup
   from oapl_jax.rl.loop import Run
   from oapl_jax.placement import seq_len
-  from oapl_jax.studies.lag_study import _set
+  from oapl_jax.studies.definitions import set_dotted
 
   c = config_lib.repo_config(args.config)
   for item in args.set:
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
       value = ast.literal_eval(value)
     except (ValueError, SyntaxError):
       pass
-    _set(c, key, value)
+    set_dotted(c, key, value)
   if args.samples:
     c.eval.samples_per_problem = args.samples
   if args.problems:

@@ -32,7 +32,6 @@ import time
 from oapl_jax.errors import UserError, one_line
 from oapl_jax.studies import layout
 from oapl_jax.studies.definitions import DEFAULT_LAGS, DEFAULT_SEEDS, METHODS, STUDIES
-from oapl_jax.studies.definitions import set_dotted as _set  # noqa: F401  (benchmarks/reason_base.py imports it from here)
 from oapl_jax.studies.plots import plot
 from oapl_jax.studies.report import kept_notes, report_markdown
 from oapl_jax.studies.results import load_runs, read_chosen

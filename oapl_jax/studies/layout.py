@@ -1,5 +1,5 @@
 """Where a study's files lie under its folder `out`: one place for every path the runner writes
-and the report reads.
+and the report reads (inside a run's folder, its workdir: `oapl_jax.workdir.Layout`).
 
     <out>/study_command.txt                      the command that ran the study (quoted by the report)
     <out>/base_models/                           each seed's warmed-up base model, shared by its runs
@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 
-SUMMARY = "summary.json"  # in a run's folder: written by train.run when the run finishes
 WALL_SECONDS = "study_wall_seconds.json"  # in a run's folder: its wall time in the study
 
 _RUN_NAME = re.compile(r"^(?P<method>.+)_lag(?P<lag>\d+)_seed(?P<seed>\d+)$")

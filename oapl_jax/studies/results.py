@@ -12,6 +12,7 @@ import numpy as np
 from oapl_jax.metrics import read_metrics
 from oapl_jax.studies import layout
 from oapl_jax.studies.stats import mean_pass_at_k
+from oapl_jax.workdir import Layout
 
 
 @dataclasses.dataclass
@@ -58,7 +59,7 @@ def load_runs(out: str) -> list[RunResult]:
   root = layout.runs_root(out)
   for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
     parsed = layout.parse_run_name(name)
-    path = os.path.join(root, name, layout.SUMMARY)
+    path = Layout(os.path.join(root, name)).summary
     if not parsed or not os.path.isfile(path):
       continue
     wall_path = os.path.join(root, name, layout.WALL_SECONDS)

@@ -11,6 +11,7 @@ import time
 
 from oapl_jax.studies import layout
 from oapl_jax.studies.definitions import DEFAULT_LAGS, DEFAULT_SEEDS, METHODS, study_config
+from oapl_jax.workdir import Layout
 
 
 class BudgetSpent(Exception):
@@ -37,7 +38,7 @@ def _run_all(out: str, todo: list, *, reduced: bool, overrides: dict | None, stu
   for i, (seed, lag, method, lr) in enumerate(todo, 1):
     d = layout.run_dir(out, method, lag, seed, lr if in_sweep else None)
     dirs.append(d)
-    if os.path.isfile(os.path.join(d, layout.SUMMARY)):
+    if os.path.isfile(Layout(d).summary):
       echo(f"[{i}/{len(todo)}] {os.path.basename(d)}: done already")
       continue
     if deadline is not None and time.perf_counter() > deadline:
@@ -66,7 +67,7 @@ def sweep(out: str, *, methods, lrs, lag: int, seed: int, reduced: bool = False,
   for method in methods:
     scores = []
     for lr in sorted(float(x) for x in lrs):
-      with open(os.path.join(layout.run_dir(out, method, lag, seed, lr), layout.SUMMARY)) as f:
+      with open(Layout(layout.run_dir(out, method, lag, seed, lr)).summary) as f:
         scores.append((json.load(f)["eval_after"]["pass@1"], -lr, lr))
     table[method] = {f"{lr:g}": p for p, _, lr in scores}
     chosen[method] = max(scores)[2]
