@@ -434,7 +434,8 @@ def make_plan(config) -> Plan:
       Item("trainer snapshot", weights_bytes(specs, cd, mesh), "trainer", "state",
            f"pi_old in {cd.name}, trainer layout (refresh source, checkpoints)"),
   ]
-  if config.rl.loss == "grpo" and config.rl.grpo.kl_coef > 0:
+  from oapl_jax.rl.step import uses_reference  # noqa: PLC0415 (optax: only for a plan)
+  if uses_reference(config):
     items.append(Item("reference policy", master, "trainer", "state", "frozen RL start (GRPO's KL)"))
   temp = train_temp_bytes(config, mesh)
   items += [

@@ -1,6 +1,6 @@
 """Pure JAX loss functions for off-policy RL on LLM answers.
 
-The contract is `shared/docs/oapl.md`. Shapes: ``B`` answers in a batch (``num_groups *
+The contract is `docs/algorithm.md`. Shapes: ``B`` answers in a batch (``num_groups *
 group_size``, the answers of one question contiguous), ``T`` token positions per answer.
 """
 
@@ -278,7 +278,7 @@ def grpo(
     ref_logprobs: jax.Array | None = None,
     kl_coef: float = 0.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """GRPO's clipped surrogate with an importance-sampling correction (oapl.md, the baseline).
+  """GRPO's clipped surrogate with an importance-sampling correction (docs/algorithm.md, the baseline).
 
   Per counted token ``t`` of answer ``i``::
 

@@ -28,6 +28,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from oapl_jax import placement
 from oapl_jax import sharding as sharding_lib
 from oapl_jax.errors import ConfigError
 from oapl_jax.models import build
@@ -195,7 +196,7 @@ class TrainStep:
       g = self.config.rl.group_size
       from oapl_jax.sampling.parallel import global_row_order  # noqa: PLC0415 (imports the engine)
       order = global_row_order(rows // g // jax.process_count(), g, jax.process_count(),
-                               self.config.sampling.engines)
+                               placement.local_engines(self.config, jax.process_count()))
       self._orders[rows] = jax.jit(lambda b: jax.tree.map(
           lambda x: x[order].reshape(self.accum, rows // self.accum, *x.shape[1:]), b),
           out_shardings=self.batch_sharding)
