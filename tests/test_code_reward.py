@@ -23,7 +23,7 @@ import zlib
 
 import pytest
 
-from oapl_jax.rewards import code
+from oapl_jax.rewards import code, sandbox
 
 # The sandbox's limits have no defaults (a run takes them from configs/code.py's task section):
 # these tests run under 6 s and 512 MB unless a test sets its own.
@@ -301,7 +301,7 @@ def test_no_user_namespaces_or_privileges(requires_sandbox, runs_dir, marker):
 
 def test_user_namespace_mode(requires_sandbox, runs_dir, marker, tmp_path, monkeypatch):
   """The path taken by non-root callers (bwrap makes a user namespace), exercised as root too."""
-  monkeypatch.setattr(code, "_is_root", lambda: False)
+  monkeypatch.setattr(sandbox, "_is_root", lambda: False)
   assert score(ADD, ADD_TESTS, tmp_dir=runs_dir) == 1.0
   assert score("def f(x): return x * 2", {"inputs": [[2]], "outputs": [4], "fn_name": "f"},
                tmp_dir=runs_dir) == 1.0
@@ -348,7 +348,7 @@ def test_sandbox_tests_run_with_bwrap_even_in_ci(monkeypatch, request):
 
 
 def test_refuses_to_run_unsandboxed(monkeypatch, runs_dir):
-  monkeypatch.setattr(code, "_bwrap", lambda: None)
+  monkeypatch.setattr(sandbox, "_bwrap", lambda: None)
   with pytest.raises(RuntimeError, match="bubblewrap"):
     score(ADD, ADD_TESTS, tmp_dir=runs_dir)
   with pytest.raises(RuntimeError, match="bubblewrap"):
@@ -357,7 +357,7 @@ def test_refuses_to_run_unsandboxed(monkeypatch, runs_dir):
 
 
 def test_unsandboxed_when_allowed_warns(monkeypatch, runs_dir):
-  monkeypatch.setattr(code, "_bwrap", lambda: None)
+  monkeypatch.setattr(sandbox, "_bwrap", lambda: None)
   with pytest.warns(RuntimeWarning, match="WITHOUT a sandbox"):
     assert score(ADD, ADD_TESTS, allow_unsandboxed=True, tmp_dir=runs_dir) == 1.0
   with pytest.warns(RuntimeWarning):
