@@ -1,4 +1,4 @@
-"""Attention scratch memory at 16k tokens: blockwise (`transformer.causal_attention`) vs dense.
+"""Attention scratch memory at 16k tokens: blockwise (`attention.causal_attention`) vs dense.
 
 One layer's attention with Qwen3-4B's heads (32 query heads, 8 KV heads, head width 128),
 bfloat16 q / k / v, one row of T tokens; forward + backward (`jax.grad` of a weighted sum of

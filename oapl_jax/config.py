@@ -16,13 +16,15 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from oapl_jax.errors import ConfigError
+from oapl_jax.models.names import LOGICAL_AXES, ROPE_SCALING_TYPES, dtype_name
 from oapl_jax.models.presets import PRESETS  # names and numbers only: no JAX, no Flax
+from oapl_jax.rl.names import ADV_NORMS, IS_LEVELS, IS_MODES, LOSS_NAMES, NORMS
 from oapl_jax.tasks.registry import TASKS  # task names -> builders: no JAX either
 from oapl_jax.topology import MESH_AXES, TOPOLOGIES  # names and numbers: no JAX either
 
 # Config files import this module and must not import JAX or Flax (a launcher, a notebook cell
-# or a test may read a config without them); what validation needs from the model and the
-# losses is imported inside `validate`, which runs where JAX is used anyway.
+# or a test may read a config without them): every name a setting is checked against comes
+# from a JAX-free leaf (errors, topology, models.names / presets, rl.names, tasks.registry).
 
 
 def defaults(model_preset: str) -> ml_collections.ConfigDict:
@@ -56,7 +58,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.mesh.topology = placeholder(str)
 
   c.sharding = ml_collections.ConfigDict()  # How weights lie on a device mesh (oapl_jax/sharding.py).
-  # (logical axis, mesh axes) pairs: each weight dimension's logical axis (models.transformer.
+  # (logical axis, mesh axes) pairs: each weight dimension's logical axis (models.names.
   # LOGICAL_AXES, each needs a rule) -> a mesh axis of ("data", "fsdp", "tensor"), a tuple of
   # them (split over their product) or None (replicated). A sharded dimension must divide over
   # its mesh axes. Reference: MaxText's configs/base.yml logical_axis_rules.
@@ -105,7 +107,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.sampling.min_decode_width = 8  # Once no prompt waits, decoding narrows (halving) down to this many slots; >= max_slots: off.
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.loss = "oapl"  # Loss name in oapl_jax.rl.losses.LOSSES.
+  c.rl.loss = "oapl"  # Loss name: oapl_jax.rl.names.LOSS_NAMES (registered in rl/losses.py).
   c.rl.beta1 = 1.0  # Temperature of V_hat = beta1 * log mean exp(R / beta1) (paper: 1).
   c.rl.beta2 = 1e-3  # Weight on the summed log-ratio in (beta2 * ell - A)^2 (paper: 1e-3).
   c.rl.group_size = 8  # G: answers sampled per prompt (paper: 8).
@@ -287,7 +289,6 @@ def _int(c, setting: str, lo=None, hi=None, *, optional=False, note=""):
 
 def _dtype(c, setting: str):
   """Refuses a dtype the model does not support (names and NumPy/JAX dtypes are accepted)."""
-  from oapl_jax.models.transformer import dtype_name  # noqa: PLC0415 (JAX, Flax: see the imports)
   try:
     dtype_name(_get(c, setting), f"config.{setting}")
   except ValueError as e:
@@ -369,7 +370,6 @@ def validate(c, *, dry_run: bool = False) -> None:
   """Raises `ConfigError` naming the first invalid setting of `c`: every numeric setting is
   checked for type, finiteness and range before any work starts. dry_run: skip the checks
   that files exist (task sources, model.path): a memory plan reads no file."""
-  from oapl_jax.rl import losses  # noqa: PLC0415 (JAX: see the imports)
   _int(c, "seed", 0)
   _check(c.task.name in TASKS, "task.name", c.task.name, f"must be one of {tuple(TASKS)}")
   for field in ("train_path", "eval_path"):
@@ -388,7 +388,7 @@ def validate(c, *, dry_run: bool = False) -> None:
          f"the supervised warm-up exists only for the embedded tasks {WARMUP_TASKS}")
 
   rl = c.rl
-  _check(rl.loss in losses.LOSSES, "rl.loss", rl.loss, f"unknown loss; known: {sorted(losses.LOSSES)}")
+  _check(rl.loss in LOSS_NAMES, "rl.loss", rl.loss, f"unknown loss; known: {sorted(LOSS_NAMES)}")
   _number(c, "rl.beta1", 0, lo_open=True)
   _number(c, "rl.beta2", 0, lo_open=True)
   _int(c, "rl.group_size", 2, note="V_hat needs a group")
@@ -398,14 +398,14 @@ def validate(c, *, dry_run: bool = False) -> None:
   _check(rl.old_logprobs in OLD_LOGPROB_SOURCES, "rl.old_logprobs", rl.old_logprobs,
          f"must be one of {OLD_LOGPROB_SOURCES}")
   g = rl.grpo
-  _check(g.adv_norm in losses.ADV_NORMS, "rl.grpo.adv_norm", g.adv_norm, f"must be one of {losses.ADV_NORMS}")
+  _check(g.adv_norm in ADV_NORMS, "rl.grpo.adv_norm", g.adv_norm, f"must be one of {ADV_NORMS}")
   _number(c, "rl.grpo.adv_eps", 0)
   _number(c, "rl.grpo.eps_low", 0, 1, hi_open=True)
   _number(c, "rl.grpo.eps_high", 0)
-  _check(g.is_level in losses.IS_LEVELS, "rl.grpo.is_level", g.is_level, f"must be one of {losses.IS_LEVELS}")
-  _check(g.is_mode in losses.IS_MODES, "rl.grpo.is_mode", g.is_mode, f"must be one of {losses.IS_MODES}")
+  _check(g.is_level in IS_LEVELS, "rl.grpo.is_level", g.is_level, f"must be one of {IS_LEVELS}")
+  _check(g.is_mode in IS_MODES, "rl.grpo.is_mode", g.is_mode, f"must be one of {IS_MODES}")
   _number(c, "rl.grpo.is_cap", 1)
-  _check(g.norm in losses.NORMS, "rl.grpo.norm", g.norm, f"must be one of {losses.NORMS}")
+  _check(g.norm in NORMS, "rl.grpo.norm", g.norm, f"must be one of {NORMS}")
   _number(c, "rl.grpo.kl_coef", 0, note="0 = off")
   _check(rl.mode in MODES, "rl.mode", rl.mode, f"must be one of {MODES}")
   _check(rl.mode == "sync" or (rl.loss == "oapl" and rl.old_logprobs == "sampler"), "rl.mode",
@@ -500,7 +500,6 @@ def _validate_offline(c, dry_run: bool) -> None:
 
 def _validate_model(c) -> None:
   """The architecture fields and dtypes of `c.model` (meanings: ModelConfig)."""
-  from oapl_jax.models.transformer import ROPE_SCALING_TYPES  # noqa: PLC0415 (see the imports)
   for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "mlp_dim"):
     _int(c, f"model.{field}", 1)
@@ -523,7 +522,6 @@ def _validate_model(c) -> None:
 def _validate_sharding(c) -> None:
   """`c.sharding.rules`: (logical axis, mesh axes) pairs naming known mesh axes, one rule per
   logical axis, and a rule (None = replicated) for every logical axis a weight carries."""
-  from oapl_jax.models.transformer import LOGICAL_AXES  # noqa: PLC0415 (JAX: see the imports)
   rules = c.sharding.rules
   _check(isinstance(rules, (tuple, list)), "sharding.rules", rules,
          "must be a tuple of (logical axis, mesh axes) pairs")

@@ -1,7 +1,7 @@
 """Logical axes -> mesh axes -> `NamedSharding`s: the functions of the one sharding table.
 
 Every weight of the transformer carries `logical_axes` metadata, one name per dimension
-(`("embed", "mlp")`; the names: `models.transformer.LOGICAL_AXES`). One table, the config's
+(`("embed", "mlp")`; the names: `models.names.LOGICAL_AXES`). One table, the config's
 `sharding.rules`, maps each logical axis to mesh axes, as MaxText's `logical_axis_rules` do:
 
     (("embed", "fsdp"), ("vocab", "tensor"), ("head_dim", None), ...)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 
 from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals

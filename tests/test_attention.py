@@ -1,4 +1,5 @@
-"""Blockwise causal attention and the per-block remat policy (oapl_jax/models/transformer.py)."""
+"""Blockwise causal attention (oapl_jax/models/attention.py) and the per-block remat policy
+(oapl_jax/models/transformer.py)."""
 
 import dataclasses
 import importlib.util

@@ -20,7 +20,7 @@ LAYERS = (
     ("oapl_jax", "oapl_jax.errors"),
     # JAX-free facts a config is checked against, and the run and the planner read
     ("oapl_jax.topology", "oapl_jax.placement", "oapl_jax.workdir", "oapl_jax.models.presets",
-     "oapl_jax.tasks.base", "oapl_jax.tasks.limits"),
+     "oapl_jax.models.names", "oapl_jax.rl.names", "oapl_jax.tasks.base", "oapl_jax.tasks.limits"),
     ("oapl_jax.distributed", "oapl_jax.metrics"),
     ("oapl_jax.data",),
     ("oapl_jax.rewards",),
@@ -158,9 +158,12 @@ def test_the_checks_catch_a_cycle_within_a_layer(tmp_path):
 
 @pytest.mark.parametrize("module", ["oapl_jax.config", "oapl_jax.placement", "oapl_jax.topology",
                                     "oapl_jax.tasks.registry", "oapl_jax.models.presets",
-                                    "oapl_jax.workdir"])
+                                    "oapl_jax.models.names", "oapl_jax.rl.names", "oapl_jax.workdir"])
 def test_leaves_a_config_is_checked_against_import_no_jax(module):
+  """Config files, launchers and --dry_run's refusals read these without starting JAX; a config
+  is validated without it too."""
   code = (f"import sys, {module}; "
+          "from oapl_jax import config; config.validate(config.repo_config('tiny.py')); "
           "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'tensorflow'}))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                        cwd=ROOT.parent)

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from oapl_jax.models import ModelConfig, Transformer, init_cache, write_prefix
-from oapl_jax.models.transformer import LOGICAL_AXES
+from oapl_jax.models.names import LOGICAL_AXES
 from oapl_jax.sampling import decode as decode_lib
 from oapl_jax.sampling.layout import EngineLayout
 

@@ -98,7 +98,7 @@ def _refused(rules, match: str) -> None:
 
 
 def test_default_rules_cover_every_logical_axis_and_are_valid():
-  from oapl_jax.models.transformer import LOGICAL_AXES
+  from oapl_jax.models.names import LOGICAL_AXES
   c = tiny.get_config()
   assert {logical for logical, _ in c.sharding.rules} == set(LOGICAL_AXES) | {"batch"}
   assert dict(c.sharding.rules)["batch"] == ("data", "fsdp")  # a train step's batch rows

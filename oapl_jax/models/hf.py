@@ -41,14 +41,15 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from oapl_jax import sharding
-from oapl_jax.models.transformer import ModelConfig, Transformer, dtype_name
+from oapl_jax.models.names import dtype_name
+from oapl_jax.models.transformer import ModelConfig, Transformer
 
 ARCHITECTURES = {  # HF architecture -> model_type
     "Qwen3ForCausalLM": "qwen3",
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
 }
-# dtype name (transformer.DTYPE_NAMES) -> the NumPy type weights are read into.
+# dtype name (names.DTYPE_NAMES) -> the NumPy type weights are read into.
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")

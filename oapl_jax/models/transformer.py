@@ -54,32 +54,7 @@ import numpy as np
 from flax import nnx
 
 from oapl_jax.models.attention import DEFAULT_ATTN_BLOCK, causal_attention
-
-
-ROPE_SCALING_TYPES = (None, "llama3")
-DTYPE_NAMES = ("bfloat16", "float16", "float32")  # Weight / compute dtypes the model supports.
-# Every logical axis name a weight carries (`logical_axes` metadata); `config.sharding.rules`
-# needs a rule for each (oapl_jax/sharding.py). V vocabulary, E hidden size, F MLP width,
-# N query heads, K key/value heads, D head width; "norm" is the hidden-size RMSNorm weights;
-# "vocab_embed" is E of the embedding table and LM head (a rule of its own: see config.py).
-LOGICAL_AXES = ("vocab", "embed", "vocab_embed", "mlp", "q_heads", "kv_heads", "head_dim", "norm")
-
-
-def dtype_name(value: Any, argument: str = "dtype") -> str:
-  """The canonical name in `DTYPE_NAMES` of a dtype as JAX users write it: the name itself,
-  or a NumPy / JAX dtype or scalar type (`jnp.bfloat16`, `np.float32`, `jnp.dtype("float16")`).
-  Anything else (`"float8"`, `3`, `None`, Python's `float`) is a ValueError naming `argument`."""
-  if isinstance(value, str):
-    name = value
-  else:
-    try:
-      name = None if value is None else np.dtype(value).name  # np.dtype(None) would be float64
-    except TypeError:
-      name = None
-  if name not in DTYPE_NAMES:
-    raise ValueError(f"{argument}={value!r} is not supported; use one of {list(DTYPE_NAMES)} "
-                     "(a name, or a NumPy/JAX dtype such as jnp.bfloat16)")
-  return name
+from oapl_jax.models.names import ROPE_SCALING_TYPES, dtype_name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from oapl_jax.rl.names import ADV_NORMS, IS_LEVELS, IS_MODES, LOSS_NAMES, NORMS
+
 
 def _check_groups(batch: int, group_size: int) -> int:
   """Return the number of groups; raise ValueError unless ``group_size`` divides ``batch``."""
@@ -157,10 +159,6 @@ def oapl(
 
 # --- the baseline: GRPO with importance sampling ------------------------------------------------
 
-ADV_NORMS = ("std", "none")  # GRPO (divide by the group's std) | Dr.GRPO (no division)
-IS_LEVELS = ("token", "sequence")
-IS_MODES = ("truncate", "mask", "none")  # min(w, C) | drop outside [1/C, C] | w = 1
-NORMS = ("token_mean", "seq_mean", "constant")
 
 
 def group_advantages(rewards: jax.Array, *, group_size: int, adv_norm: str = "std",
@@ -455,6 +453,7 @@ LOSS_SPECS: dict[str, LossSpec] = {
 }
 # Name -> loss function: the names `config.rl.loss` is checked against.
 LOSSES: dict[str, LossFn] = {name: spec.fn for name, spec in LOSS_SPECS.items()}
+assert tuple(LOSSES) == LOSS_NAMES, (tuple(LOSSES), LOSS_NAMES)  # config validates against LOSS_NAMES
 
 
 def kwargs_from_config(config) -> dict:

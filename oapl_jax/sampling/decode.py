@@ -17,7 +17,7 @@ Everything else is the model's own code: RMSNorms, RoPE (`Transformer.rope_table
 `apply_rope`), `decode_attend` (chunked attention up to `live_len`), `Attention.output`, the
 final norm and LM head (`Transformer._logits`); the cache layout is `init_cache`'s. The
 forward pass computes the same arithmetic (q scaled in the compute dtype, `_online_update`):
-see the bfloat16 parity notes in `models/transformer.py`.
+see the bfloat16 parity notes in `models/attention.py` and `models/transformer.py`.
 """
 
 from __future__ import annotations
