@@ -13,8 +13,8 @@ Where the numbers come from:
   `config.sharding.rules` (through `oapl_jax.sharding.logical_to_spec`) give its
   PartitionSpec; a device holds the block of each dimension divided by its mesh axes' sizes.
   The trainer's copies (float32 master weights, gradients, pi_old in model.dtype) use the
-  trainer's mesh; the engines' copy uses the rules with every mesh axis but "tensor" dropped,
-  on an engine's `sampling.tensor` devices.
+  trainer's mesh; the engines' copy uses the engines' own rules (`sampling.layout.engine_rules`:
+  every mesh axis but "tensor" dropped), on an engine's `sampling.tensor` devices.
 * optimizer state: `jax.eval_shape(optimizer.init)` of the abstract weights; each leaf that
   mirrors a weight (AdamW's mu, nu) is laid out as that weight.
 * KV cache and engine logits: closed forms of the engine's buffers (`kv_cache_bytes`).
@@ -49,6 +49,7 @@ from oapl_jax import placement, sharding
 from oapl_jax.errors import ConfigError, UserError
 from oapl_jax.models.transformer import ModelConfig, Transformer
 from oapl_jax.placement import seq_len
+from oapl_jax.sampling.layout import engine_rules  # the engines' own rules (no TensorFlow)
 from oapl_jax.topology import GiB, MESH_AXES, TOPOLOGIES
 
 
@@ -100,16 +101,6 @@ def shard_bytes(shape: tuple[int, ...], dtype, spec: PartitionSpec, mesh_shape: 
     names = (entry,) if isinstance(entry, str) else tuple(entry or ())
     dims[i] = -(-dims[i] // math.prod(mesh_shape.get(n, 1) for n in names))
   return math.prod(dims) * np.dtype(dtype).itemsize
-
-
-def engine_rules(rules) -> dict:
-  """The engines' rules: `rules` with every mesh axis but "tensor" dropped (an engine is a
-  `("tensor",)` sub-mesh; decode weights are not fsdp-sharded)."""
-  out = {}
-  for logical, axes in sharding.rules_dict(rules).items():
-    names = tuple(n for n in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if n == "tensor")
-    out[logical] = names[0] if names else None
-  return out
 
 
 def abstract_params(config) -> nnx.State:
