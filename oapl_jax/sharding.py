@@ -62,6 +62,25 @@ def make_mesh(mesh_cfg, devices) -> Mesh:
   return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=(AxisType.Auto,) * len(shape))
 
 
+def process_rows(rows_sharding, rows: int) -> np.ndarray:
+  """Where each process's rows land in a global `[rows, ...]` array that
+  `jax.make_array_from_process_local_data(rows_sharding, local_rows)` assembles: entry
+  `p * n + j` (n = rows / processes) is the global row of process p's j-th local row, which
+  fills its devices' row blocks in increasing order. On a TPU slice a process's devices need
+  not be contiguous on the mesh's batch axes (v5p-64's fsdp axis runs over processes
+  0, 2, 4, 6, 0, ...), so this is not `arange(rows)`. A ValueError if the processes do not hold
+  equal, disjoint shares (a batch axis that replicates across processes)."""
+  owned: dict[int, set[int]] = {}
+  for device, index in rows_sharding.devices_indices_map((rows,)).items():
+    owned.setdefault(device.process_index, set()).update(range(*index[0].indices(rows)))
+  shares = [sorted(owned[p]) for p in sorted(owned)]
+  flat = np.concatenate(shares)
+  if len(flat) != rows or len(set(flat.tolist())) != rows:
+    raise ValueError(f"the batch sharding {rows_sharding.spec} does not give each of the "
+                     f"{len(shares)} processes its own rows of {rows}")
+  return flat
+
+
 def batch_axes(rules: Rules | None) -> MeshAxes:
   """The mesh axes batch rows are split over: the "batch" rule's (None = replicated)."""
   return rules_dict(rules).get("batch")

@@ -190,7 +190,14 @@ STEP8 = textwrap.dedent("""
     exec(COMMON)
     assert jax.device_count() == 8, jax.devices()
     c = config(1, 8, 1)
-    mesh = sharding.make_mesh(c.mesh, jax.devices())
+    c.sampling.engines = 2  # one engine replica per process (or two in one process)
+    c.rl.group_size, c.rl.groups_per_step = int(sys.argv[3]), 32 // int(sys.argv[3])
+    # argv[2] "interleaved": the mesh's fsdp axis alternates processes, as a TPU slice's may
+    # (v5p-64's runs over processes 0, 2, 4, 6, 0, ...): process p's rows are not rows p*n on.
+    devices = jax.devices()
+    if sys.argv[2] == "interleaved":
+      devices = [devices[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)]
+    mesh = sharding.make_mesh(c.mesh, devices)
     _, graphdef, params = init_model(c, mesh=mesh)
     _, _, other = init_model(_reseeded(c), mesh=mesh)
     step = make_train_step(c, graphdef, make_optimizer(c.train, c.train.steps),
@@ -212,9 +219,15 @@ STEP8 = textwrap.dedent("""
 """)
 
 
-def test_two_processes_of_four_devices_step_like_one_process_of_eight(tmp_path):
-  """fsdp over 8 devices in 2 processes (each with half the batch) == fsdp 8 in one process."""
-  runs = _start(STEP8, 2, 4, str(tmp_path / "multi.npz")), _start(STEP8, 0, 8, str(tmp_path / "single.npz"))
+@pytest.mark.parametrize("order, group_size", [("plain", 4), ("interleaved", 8)])
+def test_two_processes_of_four_devices_step_like_one_process_of_eight(tmp_path, order, group_size):
+  """fsdp over 8 devices in 2 processes (each with half the batch) == fsdp 8 in one process.
+  "interleaved": the processes' devices alternate on the fsdp axis and a group of 8 rows spans
+  two devices (4 rows each), so rows placed by process number would mix groups: V_hat and the
+  residuals over the wrong answers."""
+  args = (order, str(group_size))
+  runs = (_start(STEP8, 2, 4, str(tmp_path / "multi.npz"), *args),
+          _start(STEP8, 0, 8, str(tmp_path / "single.npz"), *args))
   for procs in runs:
     _outputs(procs)
   got, want = np.load(tmp_path / "multi.npz"), np.load(tmp_path / "single.npz")

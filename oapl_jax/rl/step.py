@@ -171,9 +171,9 @@ class TrainStep:
     Multi-host: `batch` holds this process's rows (B / process_count of them, the same count on
     every process: its engine replicas' share of the step's groups, `loop.Run.step`). They
     become one global array (`jax.make_array_from_process_local_data`: each process's rows on
-    its own devices), and one jitted shuffle puts every row where a single process with all
-    the replicas would have it (`parallel.global_row_order`), so the step computes on exactly
-    that batch."""
+    its own devices, wherever the mesh puts them: `sharding.process_rows`), and one jitted
+    shuffle puts every row where a single process with all the replicas would have it
+    (`parallel.global_row_order`), so the step computes on exactly that batch."""
     processes = jax.process_count()
     check_batch_divides(self.config, self.mesh, batch.tokens.shape[0] * processes)
     if processes > 1:
@@ -191,12 +191,13 @@ class TrainStep:
       return self._relayout(batch)
 
   def _to_global_order(self, rows: int):
-    """Jitted: process-major rows `[rows, ...]` -> the global order, as `[accum, rows / accum, ...]`."""
+    """Jitted: the processes' rows as assembled `[rows, ...]` -> the global order, as
+    `[accum, rows / accum, ...]`."""
     if rows not in self._orders:
-      g = self.config.rl.group_size
+      g, n = self.config.rl.group_size, jax.process_count()
       from oapl_jax.sampling.parallel import global_row_order  # noqa: PLC0415 (imports the engine)
-      order = global_row_order(rows // g // jax.process_count(), g, jax.process_count(),
-                               placement.local_engines(self.config, jax.process_count()))
+      wanted = global_row_order(rows // g // n, g, n, placement.local_engines(self.config, n))
+      order = sharding_lib.process_rows(self.rows_sharding, rows)[wanted]  # where each one lies
       self._orders[rows] = jax.jit(lambda b: jax.tree.map(
           lambda x: x[order].reshape(self.accum, rows // self.accum, *x.shape[1:]), b),
           out_shardings=self.batch_sharding)
