@@ -173,6 +173,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50  # Save the train state every this many trainer steps (and at the end).
   c.checkpoint.keep = 2  # Most recent checkpoints kept.
+  c.checkpoint.lock_lease_s = 300.0  # The workdir lock (run.lock) is a lease renewed every lease/10 s; one not renewed for this long is taken over from any host (a preempted slice's run resumes).
 
   # Multi-host runs (oapl_jax/distributed.py; docs/scaling.md "Multi-host runs"): the same command on every
   # process. All three of coordinator_address / num_processes / process_id, or none (then the
@@ -467,6 +468,7 @@ def validate(c, *, dry_run: bool = False) -> None:
   _number(c, "warmup.digit_noise", 0, 1, hi_open=True)
   _int(c, "checkpoint.every", 1)
   _int(c, "checkpoint.keep", 1)
+  _number(c, "checkpoint.lock_lease_s", 1, note="the lock's holder renews it every lease / 10 s")
   _int(c, "log.every", 1)
   _validate_distributed(c)
 

@@ -58,7 +58,8 @@ def run_validated(config, workdir: str) -> dict:
   say(f"jax {jax.__version__}, devices {jax.devices()}"  # process 0's console only
       + (f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""))
   plan_lib.check(config)  # before anything is allocated
-  lock = WorkdirLock(workdir) if distributed.is_writer() else contextlib.nullcontext()
+  lock = (WorkdirLock(workdir, config.checkpoint.lock_lease_s) if distributed.is_writer()
+          else contextlib.nullcontext())
   with lock, StopSignals() as stop:  # multi-host: process 0 holds the lock for all
     return _run(config, workdir, stop)
 

@@ -12,11 +12,13 @@ on SIGTERM / SIGINT (`StopSignals`).
     offline/          offline mode's round files (`rl.sources.OfflineSource`)
     eval_step<N>.json an evaluation of checkpoint N (`python -m oapl_jax.evaluate`)
 
-`WorkdirLock(workdir)` creates `<workdir>/run.lock` (pid, host, start time) atomically and
+`WorkdirLock(workdir, lease_s)` creates `<workdir>/run.lock` (pid, host, start time, heartbeat)
+atomically, renews its heartbeat every lease_s / 10 seconds from a background thread, and
 removes it on release; a second run on the same workdir is refused with a message naming the
-holder. A lock left by a process that died (kill -9, power loss) on this host is detected by
-its pid and taken over with a warning; one held from another host cannot be checked from here,
-so the message says how to remove it.
+holder. The lock is a lease: one not renewed for `lease_s` seconds is taken over from any host,
+with a warning line (a preempted TPU slice, re-created with new host names, resumes on its
+own). Sooner, on this host: a lock whose process is gone (kill -9), or that names this very
+process (a restarted container that got the same pid back).
 
 `StopSignals` turns SIGTERM (what a TPU VM or a scheduler sends before preemption) and SIGINT
 into a request the training loop reads between steps (`requested`), so the run finishes its
@@ -106,15 +108,24 @@ def _alive(pid: int) -> bool:
   return True
 
 
-class WorkdirLock:
-  """`with WorkdirLock(workdir):` holds `<workdir>/run.lock` for the block."""
+_HELD_HERE: set[str] = set()  # lock paths this process holds now (a second run in it is refused)
 
-  def __init__(self, workdir: str):
+
+class WorkdirLock:
+  """`with WorkdirLock(workdir, lease_s):` holds `<workdir>/run.lock` for the block, renewing
+  its heartbeat every `lease_s / 10` seconds (module docstring)."""
+
+  def __init__(self, workdir: str, lease_s: float = 300.0):
     self.path = Layout(os.path.abspath(workdir)).lock
+    self.lease_s = float(lease_s)
     self.held = False
+    self._me: dict = {}
+    self._stop = threading.Event()
+    self._renewer: threading.Thread | None = None
 
   def holder(self) -> dict | None:
-    """The lock file's contents (pid, host, started), {} if unreadable, None if there is none."""
+    """The lock file's contents (pid, host, started, heartbeat), {} if unreadable, None if
+    there is none."""
     try:
       with open(self.path) as f:
         return json.load(f)
@@ -125,47 +136,90 @@ class WorkdirLock:
 
   def acquire(self) -> None:
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
-    me = {"pid": os.getpid(), "host": socket.gethostname(),
-          "started": datetime.datetime.now().isoformat(timespec="seconds")}
-    for _ in range(2):  # a second try after removing a dead holder's lock
+    self._me = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": datetime.datetime.now().isoformat(timespec="seconds"),
+                "heartbeat": time.time()}
+    for _ in range(2):  # a second try after removing a stale lock
       try:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
       except FileExistsError:
         holder = self.holder()
         if holder is None:
           continue  # released between our two calls
-        if not self._stale(holder):
+        why = self._stale(holder)
+        if why is None:
           raise WorkdirBusy(self._busy_message(holder)) from None
-        logging.warning("workdir lock %s was left by process %s on %s, which is gone: taking it over",
-                        self.path, holder.get("pid"), holder.get("host"))
+        logging.warning("workdir lock %s of process %s on %s: %s; taking it over", self.path,
+                        holder.get("pid"), holder.get("host"), why)
         with contextlib.suppress(FileNotFoundError):
           os.remove(self.path)
         continue
       with os.fdopen(fd, "w") as f:
-        json.dump(me, f)
+        json.dump(self._me, f)
       self.held = True
+      _HELD_HERE.add(self.path)
+      self._start_renewing()
       return
     raise WorkdirBusy(f"could not take the workdir lock {self.path}: another run is starting there")
 
-  def _stale(self, holder: dict) -> bool:
-    """A lock whose holder is a dead process of this host (or unreadable, and older than a minute)."""
+  def _heartbeat(self, holder: dict) -> float:
+    """When `holder` last renewed the lock: its heartbeat, else (an older lock file) its mtime."""
+    if "heartbeat" in holder:
+      return float(holder["heartbeat"])
+    try:
+      return os.path.getmtime(self.path)
+    except FileNotFoundError:
+      return 0.0
+
+  def _stale(self, holder: dict) -> str | None:
+    """Why the lock of `holder` may be taken over, or None if its run may be alive."""
     if not holder:
-      try:
-        return os.path.getmtime(self.path) < time.time() - 60
-      except FileNotFoundError:
-        return True
-    return holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", -1)))
+      return "unreadable for over a minute" if time.time() - self._heartbeat({}) > 60 else None
+    age = time.time() - self._heartbeat(holder)
+    if age > self.lease_s:
+      return f"not renewed for {age:.0f} s (the lease is {self.lease_s:g} s)"
+    if holder.get("host") != socket.gethostname():
+      return None
+    pid = int(holder.get("pid", -1))
+    if pid == os.getpid():
+      return None if self.path in _HELD_HERE else "it names this process (a restart that got the same pid back)"
+    return None if _alive(pid) else "that process is gone"
 
   def _busy_message(self, holder: dict) -> str:
     who = (f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started')})"
            if holder else "a run that is starting")
     workdir = os.path.dirname(self.path)
     return (f"--workdir={workdir} is in use by {who}; use another --workdir, or stop that run "
-            f"(if it is gone, e.g. on another host, delete {self.path})")
+            f"(a run that is gone is taken over once it has not renewed the lock for "
+            f"{self.lease_s:g} s; or delete {self.path})")
+
+  def _start_renewing(self) -> None:
+    self._stop.clear()
+    self._renewer = threading.Thread(target=self._renew, name="workdir-lease", daemon=True)
+    self._renewer.start()
+
+  def _renew(self) -> None:
+    """Rewrites the heartbeat every lease_s / 10 seconds while the lock is ours (written aside,
+    then renamed: a reader never sees half a file)."""
+    while not self._stop.wait(max(self.lease_s / 10, 0.05)):
+      holder = self.holder() or {}
+      if (holder.get("pid"), holder.get("host")) != (self._me["pid"], self._me["host"]):
+        logging.error("workdir lock %s was taken over by process %s on %s", self.path,
+                      holder.get("pid"), holder.get("host"))
+        return
+      self._me["heartbeat"] = time.time()
+      tmp = f"{self.path}.{os.getpid()}.tmp"
+      with open(tmp, "w") as f:
+        json.dump(self._me, f)
+      os.replace(tmp, self.path)
 
   def release(self) -> None:
     if self.held:
       self.held = False
+      _HELD_HERE.discard(self.path)
+      self._stop.set()
+      if self._renewer is not None:
+        self._renewer.join()
       with contextlib.suppress(FileNotFoundError):
         os.remove(self.path)
 

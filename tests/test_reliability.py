@@ -47,8 +47,45 @@ def test_workdir_lock_of_a_dead_process_is_taken_over(tmp_path):
 
 def test_workdir_lock_of_another_host_is_refused_with_the_way_out(tmp_path):
   (tmp_path / "run.lock").write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": "then"}))
-  with pytest.raises(WorkdirBusy, match="process 1 on elsewhere.*delete .*run.lock"):
+  with pytest.raises(WorkdirBusy, match="process 1 on elsewhere.*not renewed .* for 300 s.*delete .*run.lock"):
     WorkdirLock(str(tmp_path)).acquire()
+
+
+def test_workdir_lease_not_renewed_is_taken_over_from_any_host(tmp_path, caplog):
+  """A preempted slice's lock (another host, its heartbeat older than the lease) is taken over
+  with a warning naming it; a fresh one of a live-looking holder is not."""
+  path = tmp_path / "run.lock"
+  path.write_text(json.dumps({"pid": 1, "host": "old-slice-w0", "started": "then",
+                              "heartbeat": time.time() - 301}))
+  with caplog.at_level("WARNING"), WorkdirLock(str(tmp_path), lease_s=300) as lock:
+    assert lock.held and json.loads(path.read_text())["host"] == socket.gethostname()
+  assert "process 1 on old-slice-w0: not renewed for 301 s (the lease is 300 s)" in caplog.text
+  path.write_text(json.dumps({"pid": 1, "host": "old-slice-w0", "started": "then",
+                              "heartbeat": time.time() - 200}))
+  with pytest.raises(WorkdirBusy, match="old-slice-w0"):
+    WorkdirLock(str(tmp_path), lease_s=300).acquire()
+
+
+def test_workdir_lock_naming_this_pid_is_a_restart_unless_this_process_holds_it(tmp_path):
+  """After a container restart the new run can get the old one's pid back: its lock is stale.
+  A lock this very process holds is still refused."""
+  path = tmp_path / "run.lock"
+  path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "then",
+                              "heartbeat": time.time()}))
+  with WorkdirLock(str(tmp_path)) as lock:
+    assert lock.held
+    with pytest.raises(WorkdirBusy, match=f"in use by process {os.getpid()}"):
+      WorkdirLock(str(tmp_path)).acquire()
+
+
+def test_workdir_lease_is_renewed_while_held(tmp_path):
+  with WorkdirLock(str(tmp_path), lease_s=1.0) as lock:
+    first = json.loads(open(lock.path).read())["heartbeat"]
+    time.sleep(1.5)  # past the lease: renewed every 0.1 s, so never stale
+    assert json.loads(open(lock.path).read())["heartbeat"] > first + 1.0
+    with pytest.raises(WorkdirBusy):
+      WorkdirLock(str(tmp_path), lease_s=1.0).acquire()
+  assert not os.path.exists(lock.path) and not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
 # --- non-finite steps -------------------------------------------------------------------------
