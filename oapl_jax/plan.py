@@ -295,6 +295,8 @@ class Plan:
   concurrent: bool
   items: tuple[Item, ...]
   device_bytes: int | None  # None: unknown (CPU): no check
+  processes: int = 1  # hosts, one JAX process each
+  engine_slots: int = 0  # answers one engine replica decodes at once
 
   def _bytes(self, items) -> int:
     return sum(i.nbytes for i in items)
@@ -335,6 +337,9 @@ class Plan:
     layout = ("trainer and engines share devices" if self.shared else "engines on their own devices")
     lines = [f"memory plan per device: {self.topology} ({self.devices} devices); trainer mesh {axes}; "
              f"{self.engines} engine(s) x tensor {self.engine_tensor}; {layout}",
+             f"hosts: {self.processes} (one process each) of {self.devices // self.processes} "
+             f"devices; each runs {self.engines // self.processes} engine(s) of {self.engine_slots} "
+             f"decode slots on {self.engine_tensor} device(s)",
              f"{'item':<17} {'bytes':>17} {'GiB':>8}  {'where':<13}  note"]
     counted = {id(i) for i in self.counted()}
     for i in self.items:
@@ -450,7 +455,8 @@ def make_plan(config) -> Plan:
            f"{s.max_prefill_batch} prompts x {s.max_prompt_len} tokens, one layer at a time"),
   ]
   return Plan(where.name, where.devices, mesh, s.engines, s.tensor, shared,
-              placement.overlaps_training(config), tuple(items), where.device_bytes)
+              placement.overlaps_training(config), tuple(items), where.device_bytes,
+              where.processes, slots)
 
 
 def _prefill_bytes(config) -> int:

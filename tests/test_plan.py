@@ -142,6 +142,27 @@ def test_engines_are_counted_over_all_processes_as_the_run_places_them():
                                  train__grad_accum=32))
 
 
+@pytest.mark.parametrize("module, topology, hosts", [(math, "v5p-64", 8), (code, "v5p-128", 16)])
+def test_shipped_configs_pass_every_check_before_the_first_step_on_their_pod(module, topology, hosts):
+  """The paper's configs as shipped, on their pods (hosts of 4 devices, one process each): the
+  checks the run makes before its first step, with the process count it would see, pass; the
+  dry run prints the per-host figures."""
+  from oapl_jax import placement  # noqa: PLC0415
+  from oapl_jax.rl.loop import check_processes  # noqa: PLC0415
+  from oapl_jax.rl.step import check_batch_divides  # noqa: PLC0415
+  from oapl_jax.sampling.layout import check_tensor  # noqa: PLC0415
+  c = _config(module, topology)
+  plan = plan_lib.make_plan(c)
+  assert plan.fits and plan.processes == hosts
+  assert check_processes(c, hosts) == c.rl.groups_per_step  # whole groups per engine replica
+  split = placement.split_devices(c, 4, hosts)
+  assert len(split.engines) == placement.local_engines(c, hosts) * c.sampling.tensor <= 4
+  check_batch_divides(c, plan.mesh)
+  check_tensor(ModelConfig.from_config(c.model), c.sampling.tensor)
+  assert placement.engine_slots(c) >= max(c.rl.group_size, c.eval.samples_per_problem)
+  assert f"hosts: {hosts} (one process each) of 4 devices; each runs 1 engine(s)" in plan.format()
+
+
 def test_activation_settings_move_the_plan_the_right_way():
   base = _config(math, "v5p-64", sampling__engines=8, sampling__tensor=4)
   act = lambda **o: _item(plan_lib.make_plan(_config(math, "v5p-64", sampling__engines=8,  # noqa: E731

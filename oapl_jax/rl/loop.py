@@ -111,11 +111,10 @@ def draw_rollout(config, sampler: Sampler, weights, *, index: int, version: int,
                int(scored.rollout.lengths.sum()))
 
 
-def check_processes(config) -> int:
-  """rl.groups_per_step, once checked against the processes (multi-host): whole groups per
+def check_processes(config, n: int) -> int:
+  """rl.groups_per_step, once checked against `n` processes (multi-host): whole groups per
   engine replica (over all processes), so every process holds the same number of rows at
   every step."""
-  n = jax.process_count()
   if n == 1:
     return config.rl.groups_per_step
   if config.rl.mode != "sync":
@@ -176,7 +175,7 @@ class Run:
     self.model_cfg, self.graphdef, params = init_model(config, mesh=self.mesh)  # created sharded
     self.optimizer = make_optimizer(config.train, config.train.steps)
     sampling = SamplingParams.from_config(config.sampling)  # the engine's and the trainer's
-    self.groups_per_step = check_processes(config) // jax.process_count()  # this process's share
+    self.groups_per_step = check_processes(config, jax.process_count()) // jax.process_count()  # this process's share
     replicas = make_replicas(config, self.model_cfg, self.graphdef, sampling, engine_devices(config))
     self.sampler = Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
     self.source = SOURCES[config.rl.mode](self, workdir)  # offline: may refuse its file here
