@@ -8,8 +8,10 @@ Start-up (`initialize`, called by `oapl_jax.main` before anything touches JAX):
     the environment's `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` / `JAX_PROCESS_ID`;
     settings win over the environment. All three, or none.
   * detected: with none of those set, `jax.distributed.initialize()`'s own cluster detection
-    (TPU VMs, SLURM, Open MPI) runs when the environment says the launch is multi-host
-    (`detected_launch`: several TPU workers, several SLURM tasks, an MPI world of several).
+    (TPU VMs, SLURM, Open MPI) runs when the environment says the launch may be multi-host
+    (`detected_launch`: several TPU workers listed (GKE, xpk), several SLURM tasks, an MPI world
+    of several, or TPU chips on this host's PCI bus: a Cloud TPU VM, whose peers JAX finds
+    through the metadata server; on a one-host TPU VM that start-up is one process).
   * otherwise: nothing; a single process runs exactly as it always has.
 A process that cannot reach the coordinator within `distributed.initialization_timeout`
 seconds stops with one line naming the address and the setting (`CoordinatorError`).
@@ -29,6 +31,7 @@ unchanged.
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import socket
 import time
@@ -72,8 +75,25 @@ def _int(value, where: str) -> int:
     raise UserError(f"{where}={value!r}: not an integer") from None
 
 
-def detected_launch(environ=None) -> str | None:
-  """The kind of multi-host launch the environment shows ("tpu", "slurm", "mpi"), or None."""
+GOOGLE_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")  # v3 .. v7x
+
+
+def tpu_chips(pci_devices: str = "/sys/bus/pci/devices") -> int:
+  """TPU chips attached to this host over PCI (Google's vendor id and a TPU device id)."""
+  chips = 0
+  for device in glob.glob(os.path.join(pci_devices, "*")):
+    try:
+      with open(os.path.join(device, "vendor")) as v, open(os.path.join(device, "device")) as d:
+        chips += v.read().strip() == GOOGLE_PCI_VENDOR and d.read().strip() in TPU_PCI_DEVICES
+    except OSError:
+      continue
+  return chips
+
+
+def detected_launch(environ=None, pci_devices: str = "/sys/bus/pci/devices") -> str | None:
+  """The kind of launch the environment shows that may span hosts ("tpu" for listed TPU
+  workers, "slurm", "mpi", "tpu-vm" for a Cloud TPU VM's chips), or None."""
   env = os.environ if environ is None else environ
   if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]) > 1:
     return "tpu"
@@ -81,6 +101,8 @@ def detected_launch(environ=None) -> str | None:
     return "slurm"
   if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
     return "mpi"
+  if tpu_chips(pci_devices) and not env.get("TPU_SKIP_MDS_QUERY"):
+    return "tpu-vm"
   return None
 
 
@@ -143,6 +165,18 @@ def _wait_for_coordinator(address: str, process_id: int, timeout: float) -> floa
       if time.monotonic() >= deadline:
         return None
       time.sleep(0.2)
+
+
+def check_started(expected: int, setting: str) -> None:
+  """Refuses, in one line, a run whose topology (`setting`) spans `expected` processes when this
+  process sees another count: on a pod, a process whose distributed system never started."""
+  import jax  # noqa: PLC0415
+  if jax.process_count() != expected:
+    raise CoordinatorError(
+        f"{setting} runs {expected} processes (one per host) but this process sees "
+        f"{jax.process_count()}: the distributed system did not start. Run the same command on "
+        "every host (launch/tpu_pod.sh does), with config.distributed.* or JAX_COORDINATOR_ADDRESS "
+        "/ JAX_NUM_PROCESSES / JAX_PROCESS_ID where JAX cannot find its peers itself")
 
 
 # --- who does what ---------------------------------------------------------------------------

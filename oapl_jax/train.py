@@ -27,6 +27,7 @@ from oapl_jax.errors import UserError
 from oapl_jax.metrics import MetricsLog, read_metrics, say, write_json
 from oapl_jax.placement import seq_len
 from oapl_jax.rl.loop import Run
+from oapl_jax.topology import TOPOLOGIES
 from oapl_jax.workdir import Interrupted, Layout, StopSignals, WorkdirLock
 
 __all__ = ["NonFiniteSteps", "Run", "run", "run_validated"]
@@ -55,6 +56,9 @@ def run_validated(config, workdir: str) -> dict:
   """`run` of a config its caller has validated (`python -m oapl_jax.main` does, before it
   imports this module, so that a refused setting is one line on a quiet console)."""
   placement.request_host_devices(placement.devices_wanted(config))  # on CPU, before JAX starts
+  if config.mesh.topology is not None:  # a pod's processes must have found each other
+    distributed.check_started(TOPOLOGIES[config.mesh.topology].processes,
+                              f"config.mesh.topology={config.mesh.topology}")
   say(f"jax {jax.__version__}, devices {jax.devices()}"  # process 0's console only
       + (f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""))
   plan_lib.check(config)  # before anything is allocated

@@ -96,6 +96,45 @@ def test_multi_host_launches_are_detected_from_the_environment():
   assert distributed.detected_launch({"OMPI_COMM_WORLD_SIZE": "8"}) == "mpi"
 
 
+def _pci(root, *devices):
+  """A fake /sys/bus/pci/devices: one folder per (vendor, device) pair."""
+  for i, (vendor, device) in enumerate(devices):
+    d = root / f"0000:00:{i:02x}.0"
+    d.mkdir(parents=True)
+    (d / "vendor").write_text(vendor + "\n")
+    (d / "device").write_text(device + "\n")
+  return str(root)
+
+
+def test_a_cloud_tpu_vm_is_detected_by_its_tpu_chips(tmp_path):
+  """A gcloud-made TPU VM lists no workers in its environment (JAX finds them through the
+  metadata server): its TPU chips on the PCI bus say to start jax.distributed; Google's network
+  card (same vendor, another device id) or another vendor's device does not."""
+  v5p = _pci(tmp_path / "v5p", *[("0x1ae0", "0x0062")] * 4, ("0x1ae0", "0x0042"))
+  assert distributed.tpu_chips(v5p) == 4
+  assert distributed.detected_launch({}, pci_devices=v5p) == "tpu-vm"
+  assert distributed.detected_launch({"TPU_SKIP_MDS_QUERY": "1"}, pci_devices=v5p) is None
+  other = _pci(tmp_path / "gpu", ("0x10de", "0x2330"), ("0x1ae0", "0x0042"))
+  assert distributed.tpu_chips(other) == 0 and distributed.detected_launch({}, pci_devices=other) is None
+  assert distributed.tpu_chips(str(tmp_path / "none")) == 0
+
+
+def test_a_pod_topology_with_one_process_is_one_line():
+  """A v5p-64 run whose process sees no peers (the distributed system did not start) stops
+  before its first step with one line, instead of training one host's share as the whole."""
+  code = ("from oapl_jax import distributed\n"
+          "try:\n  distributed.check_started(8, 'config.mesh.topology=v5p-64')\n"
+          "except distributed.CoordinatorError as e:\n  print(e)\n"
+          "distributed.check_started(1, 'config.mesh.topology=v5p-8')\nprint('one host: fine')")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True, capture_output=True,
+                       env=_env(1), timeout=120, check=True).stdout
+  assert out.splitlines() == [
+      "config.mesh.topology=v5p-64 runs 8 processes (one per host) but this process sees 1: the "
+      "distributed system did not start. Run the same command on every host (launch/tpu_pod.sh "
+      "does), with config.distributed.* or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / "
+      "JAX_PROCESS_ID where JAX cannot find its peers itself", "one host: fine"]
+
+
 @pytest.mark.parametrize("setting, value, needle", [
     ("coordinator_address", "localhost", "must be host:port"),
     ("num_processes", 0, "must be None or an int >= 1"),
