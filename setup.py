@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["oapl_jax", "oapl_jax.*"]),
     install_requires=[
-        "jax>=0.10,<0.11",  # on TPU: pip install "jax[tpu]" of the same version
+        "jax>=0.10,<0.11",  # on TPU / GPUs: the extras below add JAX's own TPU or CUDA build
         "flax>=0.12,<0.13",
         "optax>=0.2.5,<0.3",
         "orbax-checkpoint>=0.11,<0.13",
@@ -29,6 +29,11 @@ setup(
         "tqdm>=4.66,<5",
     ],
     extras_require={
+        # The accelerator builds of the same JAX: pip install -e '.[tpu]' (libtpu) on a TPU VM,
+        # '.[cuda12]' or '.[cuda13]' (JAX's CUDA plugin and NVIDIA's wheels) on a GPU machine.
+        "tpu": ["jax[tpu]>=0.10,<0.11"],
+        "cuda12": ["jax[cuda12]>=0.10,<0.11"],
+        "cuda13": ["jax[cuda13]>=0.10,<0.11"],
         "test": [
             "pytest>=8,<10",
             "chex>=0.1.88,<0.2",
