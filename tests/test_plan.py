@@ -163,6 +163,16 @@ def test_shipped_configs_pass_every_check_before_the_first_step_on_their_pod(mod
   assert f"hosts: {hosts} (one process each) of 4 devices; each runs 1 engine(s)" in plan.format()
 
 
+@pytest.mark.parametrize("topology, overrides, fits", [
+    ("h200x8", dict(sampling__engines=2), True),
+    ("h100x8", dict(sampling__engines=2), False),  # the KV cache of 256 slots does not fit
+    ("h100x8", dict(sampling__engines=2, sampling__max_slots=64), True),
+])
+def test_math_on_one_8_gpu_node_with_the_documented_overrides(topology, overrides, fits):
+  """docs/scaling.md's overrides for one 8-GPU node (one process of 8 devices)."""
+  assert plan_lib.make_plan(_config(math, topology, **overrides)).fits == fits
+
+
 def test_activation_settings_move_the_plan_the_right_way():
   base = _config(math, "v5p-64", sampling__engines=8, sampling__tensor=4)
   act = lambda **o: _item(plan_lib.make_plan(_config(math, "v5p-64", sampling__engines=8,  # noqa: E731
