@@ -12,18 +12,26 @@
 # What each worker runs (the arguments after `--` are appended):
 #
 #   python -m oapl_jax.main --config=configs/math.py --workdir=/mnt/bucket/runs/math_l50 \
+#       --config.checkpoint.directory=gs://my-bucket/runs/math_l50/checkpoints \
 #       --config.model.path=/mnt/bucket/ckpt/Qwen3-4B-Thinking-2507 \
 #       --config.task.train_path=/mnt/bucket/data/deepscaler.jsonl \
 #       --config.task.eval_path=/mnt/bucket/data/aime2025.jsonl
 #
-# The workdir lives in the bucket, mounted with gcsfuse at the same path on every worker:
-# a run writes its workdir through ordinary file calls (run.lock, metrics.jsonl, summary.json,
-# orbax checkpoints), so a gs:// URL is not passed to it directly. Checkpoints and metrics
-# outlive the VMs; running the script again on a new slice resumes the run.
+# The workdir lives in the bucket: its small files (run.lock, metrics.jsonl, summary.json) through
+# a gcsfuse mount at the same path on every worker, its checkpoints straight at
+# gs://BUCKET/RUN/checkpoints (--config.checkpoint.directory: orbax writes to the bucket itself;
+# gcsfuse cannot rename the directories an orbax save finishes with). Checkpoints and metrics
+# outlive the VMs; running the script again on a new slice resumes the run (the workdir lock is
+# a lease, taken over once the old slice stops renewing it).
 #
-# Steps (each skipped with --skip-*): create (`gcloud compute tpus tpu-vm create`), copy (a
-# tarball of the git checkout, `scp --worker=all`), install (pip install -e . and
-# gcsfuse; jax[tpu] of this checkout's JAX version), run (`ssh --worker=all`, in the background under nohup, log in ~/oapl_run.log).
+# Steps (each skipped with --skip-*): create (`gcloud compute tpus tpu-vm create`, or with
+# --queued a queued resource, waited for until ACTIVE), copy (a tarball of the git checkout,
+# `scp --worker=all`), install (a venv ~/oapl_venv on Python >= 3.11, Ubuntu's python3.11
+# package if the image has no such Python; pip install -e '.[tpu]'; bubblewrap for
+# the code reward's sandbox; gcsfuse from Google's apt repository), run (`ssh --worker=all`, in
+# the background under nohup, log in ~/oapl_run.log). --watch then checks the slice every
+# WATCH_SECONDS (600) until the run's summary.json exists, and re-creates, re-installs and
+# restarts it (the run resumes) whenever the slice was preempted or is gone.
 # --dry-run prints every command instead of running it; --delete deletes the slice.
 # Options (defaults in brackets):
 #   --name NAME            TPU VM name [oapl]
@@ -32,17 +40,19 @@
 #   --version RUNTIME      TPU VM software version [v2-alpha-tpuv5]
 #   --project PROJECT      gcloud project [gcloud's default]
 #   --spot                 create a Spot slice (preemptible: the run resumes from its checkpoints)
+#   --queued               create it as a queued resource (waits for capacity) [off]
+#   --watch                re-create and resume the run after a preemption, until it finishes
 #   --bucket gs://BUCKET   bucket holding the workdir (required unless --dry-run)
 #   --mount DIR            where the bucket is mounted on the workers [/mnt/bucket]
 #   --run PATH             the workdir inside the bucket [runs/oapl]
 #   --config SPEC          config file and arg, e.g. configs/code.py [configs/math.py]
-#   --python PYTHON        python on the workers [python3]
+#   --python PYTHON        python (>= 3.11) for the workers' venv [the newest python3.1x there]
 #   --skip-create, --skip-copy, --skip-install, --skip-run, --dry-run, --delete
 set -euo pipefail
 
 name=oapl zone=us-east5-a accelerator=v5p-64 version=v2-alpha-tpuv5 project="" spot=""
-bucket="" mount=/mnt/bucket run=runs/oapl config=configs/math.py python=python3
-dry_run=0 skip_create=0 skip_copy=0 skip_install=0 skip_run=0 delete=0
+bucket="" mount=/mnt/bucket run=runs/oapl config=configs/math.py python=""
+dry_run=0 skip_create=0 skip_copy=0 skip_install=0 skip_run=0 delete=0 queued=0 watch=0
 overrides=()
 while (($#)); do
   case "$1" in
@@ -51,7 +61,7 @@ while (($#)); do
     --mount=*) mount=${1#*=} ;; --run=*) run=${1#*=} ;; --config=*) config=${1#*=} ;;
     --python=*) python=${1#*=} ;; --spot) spot=--spot ;; --dry-run) dry_run=1 ;;
     --skip-create) skip_create=1 ;; --skip-copy) skip_copy=1 ;; --skip-install) skip_install=1 ;;
-    --skip-run) skip_run=1 ;; --delete) delete=1 ;;
+    --skip-run) skip_run=1 ;; --delete) delete=1 ;; --queued) queued=1 ;; --watch) watch=1 ;;
     --) shift; overrides=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "tpu_pod.sh: unknown option $1 (--help lists them; setting overrides go after --)" >&2; exit 2 ;;
@@ -89,24 +99,74 @@ on_all() {  # run a shell command on every worker of the slice
 }
 
 if ((delete)); then
-  do_ "${gcloud_tpu[@]}" delete "$name" "${where[@]}" --quiet
+  if ((queued)); then
+    do_ gcloud compute tpus queued-resources delete "$name" "${where[@]}" --force --quiet
+  else
+    do_ "${gcloud_tpu[@]}" delete "$name" "${where[@]}" --quiet
+  fi
   exit 0
 fi
-((skip_create)) || do_ "${gcloud_tpu[@]}" create "$name" "${where[@]}" \
-    --accelerator-type="$accelerator" --version="$version" $spot
-if ! ((skip_copy)); then
+
+create() {
+  if ((queued)); then
+    do_ gcloud compute tpus queued-resources create "$name" "${where[@]}" --node-id="$name" \
+        --accelerator-type="$accelerator" --runtime-version="$version" $spot
+    say "# wait until the queued resource is ACTIVE"
+    ((dry_run)) || until [[ "$(gcloud compute tpus queued-resources describe "$name" "${where[@]}" \
+        --format='value(state.state)')" == ACTIVE ]]; do sleep 60; done
+  else
+    do_ "${gcloud_tpu[@]}" create "$name" "${where[@]}" \
+        --accelerator-type="$accelerator" --version="$version" $spot
+  fi
+}
+
+copy() {
   do_ git archive --format=tar.gz --prefix=oapl_jax/ -o "$tarball" HEAD
   do_ "${gcloud_tpu[@]}" scp "$tarball" "$name:~/" "${where[@]}" --worker=all
   on_all "rm -rf ~/oapl_jax && tar xzf ~/$(basename "$tarball") -C ~"
-fi
-if ! ((skip_install)); then
-  on_all "cd ~/oapl_jax && $python -m pip install -q -e . 'jax[tpu]==$jax_version' && (command -v gcsfuse >/dev/null || (sudo apt-get update -q && sudo apt-get install -y -q gcsfuse || echo 'install gcsfuse: https://cloud.google.com/storage/docs/gcsfuse-install'))"
-fi
-if ! ((skip_run)); then
+}
+
+# On every worker: a Python >= 3.11 (jax 0.10 needs it; older TPU VM images ship 3.10), a venv
+# with this checkout and jax[tpu] of its JAX version, bubblewrap, and gcsfuse from Google's repo.
+install() {
+  local pick="py=${python:-}; for p in \$py python3.13 python3.12 python3.11; do command -v \$p >/dev/null && \$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' && py=\$p && break; done"
+  local newer="sudo apt-get update -q && sudo apt-get install -y -q python3.11 python3.11-venv"
+  local gcsfuse_repo="echo \"deb [signed-by=/usr/share/keyrings/cloud.google.asc] https://packages.cloud.google.com/apt gcsfuse-\$(lsb_release -c -s) main\" | sudo tee /etc/apt/sources.list.d/gcsfuse.list >/dev/null && curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | sudo tee /usr/share/keyrings/cloud.google.asc >/dev/null"
+  on_all "set -e; $pick; if ! \$py -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then $newer; py=python3.11; fi; \$py -m venv ~/oapl_venv && cd ~/oapl_jax && ~/oapl_venv/bin/pip install -q -e '.[tpu]' 'jax[tpu]==$jax_version'"
+  on_all "set -e; command -v bwrap >/dev/null || (sudo apt-get update -q && sudo apt-get install -y -q bubblewrap); command -v gcsfuse >/dev/null || ($gcsfuse_repo && sudo apt-get update -q && sudo apt-get install -y -q gcsfuse)"
+}
+
+start() {
   on_all "sudo mkdir -p $mount && sudo chown \$USER $mount && (mountpoint -q $mount || gcsfuse --implicit-dirs ${bucket#gs://} $mount)"
-  cmd=(python -m oapl_jax.main --config="$config" --workdir="$workdir" "${overrides[@]}")
-  cmd[0]=$python
+  cmd=(../oapl_venv/bin/python -m oapl_jax.main --config="$config" --workdir="$workdir"
+       --config.checkpoint.directory="$bucket/$run/checkpoints" "${overrides[@]}")
   on_all "cd ~/oapl_jax && nohup $(printf '%q ' "${cmd[@]}") > ~/oapl_run.log 2>&1 &"
   say "# follow it: ${gcloud_tpu[*]} ssh $name ${where[*]} --worker=0 --command='tail -f ~/oapl_run.log'"
   say "# its metrics: $workdir/metrics.jsonl (= $bucket/$run/metrics.jsonl)"
+}
+
+((skip_create)) || create
+((skip_copy)) || copy
+((skip_install)) || install
+((skip_run)) || start
+
+# --watch: until the run's summary.json exists, re-create the slice and resume after a preemption.
+if ((watch)); then
+  say "# watch: every ${WATCH_SECONDS:-600}s until $bucket/$run/summary.json exists; a slice that is preempted or gone is deleted, re-created, re-installed and restarted (the run resumes)"
+  ((dry_run)) && exit 0
+  until gcloud storage ls "$bucket/$run/summary.json" >/dev/null 2>&1; do
+    sleep "${WATCH_SECONDS:-600}"
+    state=$("${gcloud_tpu[@]}" describe "$name" "${where[@]}" --format='value(state)' 2>/dev/null || echo GONE)
+    case "$state" in
+      READY|CREATING|STARTING|RESTARTING) continue ;;
+    esac
+    echo "tpu_pod.sh: slice $name is $state: re-creating it and resuming the run" >&2
+    if ((queued)); then
+      gcloud compute tpus queued-resources delete "$name" "${where[@]}" --force --quiet || true
+    else
+      "${gcloud_tpu[@]}" delete "$name" "${where[@]}" --quiet || true
+    fi
+    create && copy && install && start
+  done
+  say "# the run finished: $bucket/$run/summary.json"
 fi

@@ -35,13 +35,13 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from oapl_jax import distributed
 from oapl_jax.errors import UserError
@@ -177,11 +177,18 @@ def _quiet_failed_read_noise() -> None:
     asyncio_log.addFilter(_DropReadNoise())
 
 
+def directory_of(config, workdir: str) -> str:
+  """Where a run's checkpoints go: `checkpoint.directory` (a local folder or a gs:// URL), else
+  `<workdir>/checkpoints`."""
+  return config.checkpoint.directory or Layout(workdir).checkpoints
+
+
 class Checkpointer:
-  """Saves and restores run states under `<workdir>/checkpoints`."""
+  """Saves and restores run states under `directory`: a local folder, or a URL orbax writes
+  through its own storage layer (gs://): every path operation here goes through etils.epath."""
 
   def __init__(self, directory: str, *, keep: int):
-    self.directory = os.path.abspath(directory)
+    self.directory = directory if "://" in directory else os.path.abspath(directory)
     self._mgr = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
     self._skipped: list[int] = []  # damaged steps passed over by the last restore_latest
@@ -190,7 +197,7 @@ class Checkpointer:
     return self._mgr.latest_step()
 
   def step_dir(self, step: int) -> str:
-    return os.path.join(self.directory, str(step))
+    return str(epath.Path(self.directory) / str(step))
 
   # saving
 
@@ -221,22 +228,22 @@ class Checkpointer:
     """Renames the steps the last restore skipped to `<step>.damaged[-n]` (kept for a look)."""
     for step in self._skipped:
       src = self.step_dir(step)
-      if not os.path.isdir(src):
+      if not epath.Path(src).is_dir():
         continue
       dst, n = src + DAMAGED, 1
-      while os.path.exists(dst):
+      while epath.Path(dst).exists():
         n += 1
         dst = f"{src}{DAMAGED}-{n}"
-      os.rename(src, dst)
+      epath.Path(src).rename(dst)
       warn(f"damaged checkpoint {src} moved aside to {dst} (delete it when no longer needed)")
     self._skipped = []
 
   def _remove_dead_saves(self) -> None:
     """Removes orbax tmp directories left by saves that never finished (a killed process)."""
-    for name in os.listdir(self.directory):
-      if _TMP.match(name):
-        log.info("removing %s, left by a save that never finished", name)
-        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    for path in epath.Path(self.directory).iterdir():
+      if _TMP.match(path.name):
+        log.info("removing %s, left by a save that never finished", path)
+        path.rmtree(missing_ok=True)
 
   # restoring
 
@@ -352,7 +359,7 @@ def restore_policy(config, workdir: str, policy: str):
   name = POLICIES[policy]
   model_cfg, graphdef, abstract = abstract_model(
       config, dtype=config.model.dtype if policy == "snapshot" else None)
-  ckpt = Checkpointer(Layout(workdir).checkpoints, keep=config.checkpoint.keep)
+  ckpt = Checkpointer(directory_of(config, workdir), keep=config.checkpoint.keep)
   found = ckpt.restore_latest({name: abstract}, dataclasses.asdict(model_cfg), partial=True)
   if found is None:
     raise UserError(f"no checkpoint under {ckpt.directory}")

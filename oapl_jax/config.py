@@ -173,6 +173,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50  # Save the train state every this many trainer steps (and at the end).
   c.checkpoint.keep = 2  # Most recent checkpoints kept.
+  c.checkpoint.directory = placeholder(str)  # Where checkpoints go; None = <workdir>/checkpoints. A gs:// URL: orbax writes them straight to the bucket (a workdir on a gcsfuse mount cannot take orbax's directory renames).
   c.checkpoint.lock_lease_s = 300.0  # The workdir lock (run.lock) is a lease renewed every lease/10 s; one not renewed for this long is taken over from any host (a preempted slice's run resumes).
 
   # Multi-host runs (oapl_jax/distributed.py; docs/scaling.md "Multi-host runs"): the same command on every

@@ -265,3 +265,18 @@ def test_last_line_without_newline_is_kept_apart_from_the_next(tmp_path):
   log.write(3, {"loss": 0.3})
   log.close()
   assert [row["step"] for row in read_metrics(workdir)] == [1, 2, 3]
+
+
+def test_checkpoint_directory_setting_sends_checkpoints_elsewhere(saved, tmp_path):
+  """`checkpoint.directory` (a pod's gs:// URL; here a local folder, through the same epath
+  code) holds the checkpoints instead of <workdir>/checkpoints; a run restores from there."""
+  c = tiny.get_config("smoke")
+  c.checkpoint.directory = str(tmp_path / "elsewhere")
+  assert checkpoint.directory_of(c, "/any/workdir") == c.checkpoint.directory
+  c.checkpoint.directory = None
+  assert checkpoint.directory_of(c, "/any/workdir") == "/any/workdir/checkpoints"
+  c.checkpoint.directory = _copy(saved, tmp_path)
+  r = train.Run(c, str(tmp_path / "workdir"))
+  assert r.ckpt.directory == c.checkpoint.directory and r.restore_latest()
+  assert r.counters.step == 2 and _equal(r.params, saved[2][2])
+  assert not os.path.exists(tmp_path / "workdir" / "checkpoints")

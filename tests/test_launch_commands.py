@@ -204,7 +204,15 @@ def test_the_tpu_launcher_dry_run_prints_commands_that_parse():
   assert "tpu-vm create t" in p.stdout and "--worker=all" in p.stdout
   n, problems = check_text(p.stdout, "tpu_pod.sh --dry-run")
   assert n == 1 and not problems, (p.stdout, problems)
-  assert "--workdir=/mnt/bucket/runs/t --config.rl.lag=400" in p.stdout
+  assert ("--workdir=/mnt/bucket/runs/t --config.checkpoint.directory=gs://BUCKET/runs/t/checkpoints "
+          "--config.rl.lag=400") in p.stdout  # orbax writes checkpoints to the bucket itself
+  assert "sys.version_info < (3, 11)" in p.stdout and "python3.11-venv" in p.stdout  # a new Python
+  assert "install -y -q bubblewrap" in p.stdout and "packages.cloud.google.com/apt gcsfuse-" in p.stdout
+  queued = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run", "--name=t", "--queued", "--watch"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert queued.returncode == 0, queued.stderr
+  assert "queued-resources create t" in queued.stdout and "tpu-vm create" not in queued.stdout
+  assert "# watch: every 600s until gs://BUCKET/runs/oapl/summary.json exists" in queued.stdout
   bad = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run", "--config=configs/nope.py"],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
   assert bad.returncode == 2 and "--config=configs/nope.py: no such file" in bad.stderr

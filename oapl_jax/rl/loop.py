@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oapl_jax import distributed, placement, sharding
+from oapl_jax import checkpoint
 from oapl_jax.checkpoint import Checkpointer
 from oapl_jax.errors import ConfigError
 from oapl_jax.eval.evaluate import eval_key, evaluate
@@ -52,7 +53,6 @@ from oapl_jax.placement import seq_len
 from oapl_jax.sampling.parallel import global_row_order
 from oapl_jax.sampling.sampler import Sampler, make_replicas
 from oapl_jax.tasks import make_task
-from oapl_jax.workdir import Layout
 
 
 @dataclasses.dataclass
@@ -183,7 +183,7 @@ class Run:
     self.buffer = GroupBuffer(config.rl.group_size)
     self.counters = Counters()
     self.start_from(params)
-    self.ckpt = Checkpointer(Layout(workdir).checkpoints, keep=config.checkpoint.keep)
+    self.ckpt = Checkpointer(checkpoint.directory_of(config, workdir), keep=config.checkpoint.keep)
 
   def start_from(self, params) -> None:
     """pi_theta <- `params` (placed in the trainer's shardings, in model.param_dtype), a fresh
