@@ -136,6 +136,22 @@ def test_gradient_stops_at_the_clip():
   assert np.all(np.abs(np.asarray(grad)) > 0)
 
 
+def test_a_ratio_past_88_nats_gives_a_finite_loss_and_gradient():
+  """log pi_theta - log pi_prox = 100 nats on one token (exp overflows float32 past ~88): with
+  A > 0 the clipped branch is picked, with A < 0 the unclipped one, capped at exp(50); the loss
+  and every gradient stay finite (the step is not skipped), and the other tokens' terms are the
+  uncapped ones."""
+  logp = jnp.array([[100.0, math.log(1.1)], [100.0, math.log(0.9)]])  # [2, 2]
+  zeros, mask, rewards = jnp.zeros((2, 2)), jnp.ones((2, 2)), jnp.array([1.0, 0.0])  # A = +-0.707
+  f = lambda lp: grpo(lp, zeros, zeros, mask, rewards, group_size=2, is_mode="none")[0]  # noqa: E731
+  loss, grad = jax.value_and_grad(f)(logp)
+  assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(grad)))
+  a = 1.0 / math.sqrt(2.0) / (1.0 + 1e-6 * math.sqrt(2.0))  # (R - mean) / (std + eps)
+  want = -(a * 1.2 + a * 1.1 - a * math.exp(50.0) - a * 0.9) / 4  # clipped, in, capped, in
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+  assert float(grad[0, 0]) == 0.0 and float(grad[1, 0]) == 0.0  # past the clip / the cap
+
+
 def test_kl_penalty():
   logp, prox, sampler, mask, rewards = _arrays()
   ref = prox - 0.3

@@ -180,6 +180,7 @@ def group_advantages(rewards: jax.Array, *, group_size: int, adv_norm: str = "st
 
 
 IS_METRIC_LOG_BOUND = 50.0  # raw IS weights (metrics only) are exp(clip(log w, -50, 50))
+RATIO_LOG_BOUND = 50.0  # PPO's log-ratio log pi_theta - log pi_prox is capped here before exp
 
 
 def importance_weights(prox_logprobs: jax.Array, sampler_logprobs: jax.Array, mask: jax.Array, *,
@@ -346,8 +347,11 @@ def clipped_surrogate(logp, prox, adv, w, *, eps_low: float, eps_high: float):
 
   ``ratio = exp(logp - prox)``, ``obj = w * min(ratio * A, clip(ratio, 1 - eps_low, 1 +
   eps_high) * A)``; logp, prox, w ``[B, T]`` (only logp carries gradient), adv ``[B, 1]``.
+  The log-ratio is capped at ``RATIO_LOG_BOUND`` (50 nats) before the exp: past 88 nats it
+  would overflow to inf (an inf loss, or ``inf * 0 = NaN`` in the gradient of the branch the
+  min did not pick, and the step skipped); below the cap nothing changes, bit for bit.
   """
-  ratio = jnp.exp(logp - prox)  # [B, T]
+  ratio = jnp.exp(jnp.minimum(logp - prox, RATIO_LOG_BOUND))  # [B, T]
   unclipped = ratio * adv  # [B, T]
   clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv  # [B, T]
   return w * jnp.minimum(unclipped, clipped), ratio, unclipped, clipped
