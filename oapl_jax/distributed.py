@@ -68,6 +68,12 @@ def explicit_settings(section) -> dict:
   return out
 
 
+def processes_asked(section=None) -> int:
+  """The process count the settings or the environment give (`explicit_settings`), 1 if none:
+  known before JAX starts (a detected launch's count is JAX's to find, and is 1 here)."""
+  return explicit_settings(section).get("num_processes", 1)
+
+
 def _int(value, where: str) -> int:
   try:
     return int(value)

@@ -63,7 +63,8 @@ def dry_run(config) -> None:
   """Prints the plan; a plan that does not fit raises PlanError (one line, exit 2)."""
   from oapl_jax import plan as plan_lib  # noqa: PLC0415 (no TensorFlow, no weights)
   if config.mesh.topology is None:  # this machine's devices, as many as the run would ask for
-    placement.request_host_devices(placement.devices_wanted(config))
+    placement.request_host_devices(placement.devices_wanted(
+        config, distributed.processes_asked(config.distributed)))
   plan = plan_lib.make_plan(config)
   print(plan.format(), flush=True)
   if not plan.fits:

@@ -87,9 +87,11 @@ def split_devices(config, devices: int, processes: int = 1) -> Split:
 
 def request_host_devices(n: int) -> None:
   """Asks JAX for at least `n` CPU devices, if its backends have not started yet (else a no-op:
-  `parallel.Replicas` then says how many devices there are). Leaves an explicit
-  `--xla_force_host_platform_device_count` in XLA_FLAGS alone."""
-  if n <= 1 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+  `parallel.Replicas` then says how many devices there are). Leaves an explicit device count
+  alone: `--xla_force_host_platform_device_count` in XLA_FLAGS, or JAX_NUM_CPU_DEVICES (as
+  launch/local_multihost.sh gives each process)."""
+  if (n <= 1 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+      or os.environ.get("JAX_NUM_CPU_DEVICES")):
     return
   import jax  # noqa: PLC0415 (this module is read without JAX: the planner's facts)
   if jax.config.jax_num_cpu_devices < n:

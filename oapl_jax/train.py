@@ -55,7 +55,8 @@ def run(config, workdir: str) -> dict:
 def run_validated(config, workdir: str) -> dict:
   """`run` of a config its caller has validated (`python -m oapl_jax.main` does, before it
   imports this module, so that a refused setting is one line on a quiet console)."""
-  placement.request_host_devices(placement.devices_wanted(config))  # on CPU, before JAX starts
+  processes = distributed.processes_asked(config.distributed)  # before JAX starts
+  placement.request_host_devices(placement.devices_wanted(config, processes))  # on CPU
   if config.mesh.topology is not None:  # a pod's processes must have found each other
     distributed.check_started(TOPOLOGIES[config.mesh.topology].processes,
                               f"config.mesh.topology={config.mesh.topology}")
