@@ -294,9 +294,9 @@ class Checkpointer:
     if sums is not None and (not isinstance(sums, dict) or sums.get("meta") != _meta_digest(meta)):
       raise DamagedStep(f"checksum mismatch in {self.step_dir(step)}/meta/metadata")
     if meta.get("model") != model_meta:
-      raise OtherModelError(
-          f"checkpoint {self.step_dir(step)} is of another model:\n  saved:  {meta.get('model')}"
-          f"\n  config: {model_meta}\nUse another --workdir or the matching config.model.")
+      raise OtherModelError(f"checkpoint {self.step_dir(step)} is of another model: "
+                            f"{_model_differences(meta.get('model'), model_meta)}; use another "
+                            "--workdir or the matching config.model")
     if partial:
       abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
       state = self._read(step, "state", ocp.args.PyTreeRestore(
@@ -338,6 +338,16 @@ class Checkpointer:
       raise DamagedStep(f"{where} does not load: {_describe(e)}") from e
 
 
+def _model_differences(saved, config: dict) -> str:
+  """The architecture fields on which a checkpoint's model and the config's differ, named:
+  "config.model.hidden_size=64 (the checkpoint's: 128)"."""
+  if not isinstance(saved, dict):
+    return f"its model record is {saved!r}"
+  fields = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
+  return ", ".join(f"config.model.{k}={config.get(k)!r} (the checkpoint's: {saved.get(k)!r})"
+                   for k in fields)
+
+
 def _row_target(shape, dtype):
   """The restore target of one saved row array: numpy on one process; multi-host, a global
   array split over the processes (`distributed.rows_sharding`)."""
@@ -359,7 +369,10 @@ def restore_policy(config, workdir: str, policy: str):
   name = POLICIES[policy]
   model_cfg, graphdef, abstract = abstract_model(
       config, dtype=config.model.dtype if policy == "snapshot" else None)
-  ckpt = Checkpointer(directory_of(config, workdir), keep=config.checkpoint.keep)
+  directory = directory_of(config, workdir)
+  if not epath.Path(directory).is_dir():  # a mistyped workdir: refused, nothing created there
+    raise UserError(f"no checkpoint under {directory} (--workdir={workdir}: is it the run's?)")
+  ckpt = Checkpointer(directory, keep=config.checkpoint.keep)
   found = ckpt.restore_latest({name: abstract}, dataclasses.asdict(model_cfg), partial=True)
   if found is None:
     raise UserError(f"no checkpoint under {ckpt.directory}")

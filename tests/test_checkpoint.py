@@ -280,3 +280,11 @@ def test_checkpoint_directory_setting_sends_checkpoints_elsewhere(saved, tmp_pat
   assert r.ckpt.directory == c.checkpoint.directory and r.restore_latest()
   assert r.counters.step == 2 and _equal(r.params, saved[2][2])
   assert not os.path.exists(tmp_path / "workdir" / "checkpoints")
+
+
+def test_evaluating_a_mistyped_workdir_is_refused_and_creates_nothing(tmp_path):
+  c = tiny.get_config("smoke")
+  missing = tmp_path / "runs" / "tiyn"
+  with pytest.raises(UserError, match=f"no checkpoint under {missing}/checkpoints"):
+    checkpoint.restore_policy(c, str(missing), "theta")
+  assert not (tmp_path / "runs").exists()

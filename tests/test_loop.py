@@ -78,6 +78,9 @@ def test_checkpoint_of_another_model_is_refused(smoke_config, tmp_path):
     r2.restore_latest()
   except ValueError as e:
     assert "another model" in str(e) and "hidden_size" in str(e)
+    # the differing fields are named, not two whole records printed
+    assert "config.model.hidden_size=64 (the checkpoint's: 128)" in str(e), str(e)
+    assert "num_layers" not in str(e) and "\n" not in str(e)
   else:
     raise AssertionError("restoring a checkpoint of another architecture did not fail")
 
