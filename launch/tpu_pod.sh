@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run oapl_jax on a Cloud TPU VM pod slice: create the slice, copy this checkout to every
-# worker, install it, mount the bucket that holds the workdir, and start the same command on
-# all workers at once (jax.distributed finds the other workers by itself on TPU VMs).
+# worker, install it, mount the bucket read-only for the weights and data, and start the same
+# command on all workers at once (jax.distributed finds the other workers by itself on TPU VMs).
 #
 #   bash launch/tpu_pod.sh --name=oapl-math --zone=us-east5-a --accelerator=v5p-64 \
 #       --bucket=gs://my-bucket --run=runs/math_l50 --dry-run \
@@ -11,18 +11,18 @@
 #
 # What each worker runs (the arguments after `--` are appended):
 #
-#   python -m oapl_jax.main --config=configs/math.py --workdir=/mnt/bucket/runs/math_l50 \
-#       --config.checkpoint.directory=gs://my-bucket/runs/math_l50/checkpoints \
+#   python -m oapl_jax.main --config=configs/math.py --workdir=gs://my-bucket/runs/math_l50 \
 #       --config.model.path=/mnt/bucket/ckpt/Qwen3-4B-Thinking-2507 \
 #       --config.task.train_path=/mnt/bucket/data/deepscaler.jsonl \
 #       --config.task.eval_path=/mnt/bucket/data/aime2025.jsonl
 #
-# The workdir lives in the bucket: its small files (run.lock, metrics.jsonl, summary.json) through
-# a gcsfuse mount at the same path on every worker, its checkpoints straight at
-# gs://BUCKET/RUN/checkpoints (--config.checkpoint.directory: orbax writes to the bucket itself;
-# gcsfuse cannot rename the directories an orbax save finishes with). Checkpoints and metrics
-# outlive the VMs; running the script again on a new slice resumes the run (the workdir lock is
-# a lease, taken over once the old slice stops renewing it).
+# The workdir is the bucket itself (gs://BUCKET/RUN): orbax writes the checkpoints there, and
+# the small files (run.lock, metrics.jsonl, summary.json) are whole-object writes
+# (oapl_jax/storage.py); TensorBoard's events go through tf.io.gfile. The gcsfuse mount is
+# read-only, for the weights and data only (gcsfuse cannot rename the directories an orbax
+# save finishes with). Checkpoints and metrics outlive the VMs; running the script again on a
+# new slice resumes the run (the workdir lock is a lease, taken over once the old slice stops
+# renewing it).
 #
 # Steps (each skipped with --skip-*): create (`gcloud compute tpus tpu-vm create`, or with
 # --queued a queued resource, waited for until ACTIVE), copy (a tarball of the git checkout,
@@ -42,8 +42,8 @@
 #   --spot                 create a Spot slice (preemptible: the run resumes from its checkpoints)
 #   --queued               create it as a queued resource (waits for capacity) [off]
 #   --watch                re-create and resume the run after a preemption, until it finishes
-#   --bucket gs://BUCKET   bucket holding the workdir (required unless --dry-run)
-#   --mount DIR            where the bucket is mounted on the workers [/mnt/bucket]
+#   --bucket gs://BUCKET   bucket holding the workdir, weights and data (required unless --dry-run)
+#   --mount DIR            where the bucket is mounted read-only on the workers [/mnt/bucket]
 #   --run PATH             the workdir inside the bucket [runs/oapl]
 #   --config SPEC          config file and arg, e.g. configs/code.py [configs/math.py]
 #   --python PYTHON        python (>= 3.11) for the workers' venv [the newest python3.1x there]
@@ -78,7 +78,7 @@ fi
 gcloud_tpu=(gcloud compute tpus tpu-vm)
 where=(--zone="$zone")
 [[ -n "$project" ]] && where+=(--project="$project")
-workdir="$mount/$run"
+workdir="$bucket/$run"
 tarball=/tmp/oapl_jax_src.tar.gz
 jax_version=$(python3 -c 'import jax; print(jax.__version__)' 2>/dev/null || echo 0.10.2)
 
@@ -137,12 +137,11 @@ install() {
 }
 
 start() {
-  on_all "sudo mkdir -p $mount && sudo chown \$USER $mount && (mountpoint -q $mount || gcsfuse --implicit-dirs ${bucket#gs://} $mount)"
-  cmd=(../oapl_venv/bin/python -m oapl_jax.main --config="$config" --workdir="$workdir"
-       --config.checkpoint.directory="$bucket/$run/checkpoints" "${overrides[@]}")
+  on_all "sudo mkdir -p $mount && sudo chown \$USER $mount && (mountpoint -q $mount || gcsfuse --implicit-dirs -o ro ${bucket#gs://} $mount)"
+  cmd=(../oapl_venv/bin/python -m oapl_jax.main --config="$config" --workdir="$workdir" "${overrides[@]}")
   on_all "cd ~/oapl_jax && nohup $(printf '%q ' "${cmd[@]}") > ~/oapl_run.log 2>&1 &"
   say "# follow it: ${gcloud_tpu[*]} ssh $name ${where[*]} --worker=0 --command='tail -f ~/oapl_run.log'"
-  say "# its metrics: $workdir/metrics.jsonl (= $bucket/$run/metrics.jsonl)"
+  say "# its metrics: gcloud storage cat $workdir/metrics.jsonl"
 }
 
 ((skip_create)) || create

@@ -173,8 +173,9 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50  # Save the train state every this many trainer steps (and at the end).
   c.checkpoint.keep = 2  # Most recent checkpoints kept.
-  c.checkpoint.directory = placeholder(str)  # Where checkpoints go; None = <workdir>/checkpoints. A gs:// URL: orbax writes them straight to the bucket (a workdir on a gcsfuse mount cannot take orbax's directory renames).
+  c.checkpoint.directory = placeholder(str)  # Where checkpoints go; None = <workdir>/checkpoints (a gs:// workdir: in the bucket, through orbax). Not a gcsfuse mount: it cannot take orbax's directory renames.
   c.checkpoint.lock_lease_s = 300.0  # The workdir lock (run.lock) is a lease renewed every lease/10 s; one not renewed for this long is taken over from any host (a preempted slice's run resumes).
+  c.checkpoint.lock_wait_s = 0.0  # A lock that looks alive is waited for this long (its lease may run out) before the run is refused; a scheduler that restarts a preempted job at once (GKE/xpk) sets it above lock_lease_s.
 
   # Multi-host runs (oapl_jax/distributed.py; docs/scaling.md "Multi-host runs"): the same command on every
   # process. All three of coordinator_address / num_processes / process_id, or none (then the
@@ -189,6 +190,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.log = ml_collections.ConfigDict()
   c.log.every = 1  # Write metrics every this many trainer steps.
   c.log.progress = True  # Show a progress bar (step, reward, speed).
+  c.log.tensorboard = True  # Also write TensorBoard scalars (events.out.* in the workdir; a gs:// workdir through tf.io.gfile).
   return c
 
 def from_file(spec: str) -> ml_collections.ConfigDict:
@@ -470,6 +472,7 @@ def validate(c, *, dry_run: bool = False) -> None:
   _int(c, "checkpoint.every", 1)
   _int(c, "checkpoint.keep", 1)
   _number(c, "checkpoint.lock_lease_s", 1, note="the lock's holder renews it every lease / 10 s")
+  _number(c, "checkpoint.lock_wait_s", 0)
   _int(c, "log.every", 1)
   _validate_distributed(c)
 

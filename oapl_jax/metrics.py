@@ -5,14 +5,15 @@ prints there only), with the metrics combined over all processes (`oapl_jax.rl.l
 
 from __future__ import annotations
 
+import io
 import json
 import logging
-import os
 import sys
 
 from clu import metric_writers
 from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
 
+from oapl_jax import storage
 from oapl_jax.workdir import Layout
 
 log = logging.getLogger(__name__)
@@ -28,44 +29,56 @@ def say(msg: str) -> None:
 
 
 def write_json(path: str, obj) -> None:
-  """Writes `obj` to `path` aside, then renames it: a reader never sees half a file."""
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2)
-  os.replace(tmp, path)
+  """Writes `obj` to `path` (a local path or a URL) at once: a reader never sees half a file."""
+  storage.write_text(path, json.dumps(obj, indent=2))
+
+
+def read_json(path: str):
+  return json.loads(storage.read_text(path))
 
 
 class MetricsLog:
-  """Appends to `<workdir>/metrics.jsonl` and writes TensorBoard scalars.
+  """Appends to `<workdir>/metrics.jsonl` and (with `tensorboard`) writes TensorBoard scalars.
 
   On resume, lines for steps after the restored checkpoint (written before a crash) are
   dropped so the file reads as one continuous run, and so is a line cut short by a power loss
   (with a warning naming it); every complete line ends in a newline before anything is appended.
+  In a bucket (object storage has no append) the whole file is uploaded again at each write.
   """
 
-  def __init__(self, workdir: str, *, resume_step: int = 0):
+  def __init__(self, workdir: str, *, resume_step: int = 0, tensorboard: bool = True):
     self.path = Layout(workdir).metrics
-    self._truncate_after(resume_step)
-    self._file = open(self.path, "a")
-    self._tb = metric_writers.create_default_writer(workdir, asynchronous=False)
+    lines = self._truncate_after(resume_step)
+    self._lines = lines if storage.is_remote(self.path) else None  # a bucket's whole file
+    self._file = None if storage.is_remote(self.path) else open(self.path, "a")
+    self._tb = metric_writers.create_default_writer(workdir, asynchronous=False) if tensorboard else None
 
-  def _truncate_after(self, step: int) -> None:
-    if not os.path.exists(self.path):
-      return
-    kept = [line for row, line in _complete_lines(self.path) if row["step"] <= step]
-    with open(self.path, "w") as f:
-      f.writelines(line.rstrip("\n") + "\n" for line in kept)
+  def _truncate_after(self, step: int) -> list[str]:
+    """Keeps the complete lines of steps <= `step`; returns them."""
+    if not storage.exists(self.path):
+      return []
+    kept = [line.rstrip("\n") + "\n" for row, line in _complete_lines(self.path) if row["step"] <= step]
+    storage.write_text(self.path, "".join(kept))
+    return kept
 
   def write(self, step: int, metrics: dict) -> None:
     row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-    self._file.write(json.dumps(row) + "\n")
-    self._file.flush()
-    scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
-    self._tb.write_scalars(step, scalars)
+    line = json.dumps(row) + "\n"
+    if self._file is not None:
+      self._file.write(line)
+      self._file.flush()
+    else:
+      self._lines.append(line)
+      storage.write_text(self.path, "".join(self._lines))
+    if self._tb is not None:
+      scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+      self._tb.write_scalars(step, scalars)
 
   def close(self) -> None:
-    self._file.close()
-    self._tb.close()
+    if self._file is not None:
+      self._file.close()
+    if self._tb is not None:
+      self._tb.close()
 
 
 def _plain(v):
@@ -87,18 +100,17 @@ def _complete_lines(path: str) -> list[tuple[dict, str]]:
   """(row, line) of every complete row of a metrics file; a line that is not one (half-written
   when the power went) is dropped with a warning naming the file and line."""
   rows = []
-  with open(path, errors="replace") as f:  # a power loss may leave bytes that are not text
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        row = None
-      if isinstance(row, dict) and "step" in row:
-        rows.append((row, line))
-      else:
-        _warn(f"{path} line {number} is not a complete row (cut short?): dropped: {line.strip()[:80]!r}")
+  for number, line in enumerate(io.StringIO(storage.read_text(path)), 1):  # split at "\n" only
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      row = None
+    if isinstance(row, dict) and "step" in row:
+      rows.append((row, line))
+    else:
+      _warn(f"{path} line {number} is not a complete row (cut short?): dropped: {line.strip()[:80]!r}")
   return rows
 
 

@@ -13,7 +13,6 @@ bar; every process checkpoints (orbax) and all stop at the same step on a signal
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 
 from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
@@ -21,10 +20,10 @@ from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
 import jax
 
 from oapl_jax import config as config_lib
-from oapl_jax import distributed, placement, warmup
+from oapl_jax import distributed, placement, storage, warmup
 from oapl_jax import plan as plan_lib
 from oapl_jax.errors import UserError
-from oapl_jax.metrics import MetricsLog, read_metrics, say, write_json
+from oapl_jax.metrics import MetricsLog, read_json, read_metrics, say, write_json
 from oapl_jax.placement import seq_len
 from oapl_jax.rl.loop import Run
 from oapl_jax.topology import TOPOLOGIES
@@ -55,6 +54,9 @@ def run(config, workdir: str) -> dict:
 def run_validated(config, workdir: str) -> dict:
   """`run` of a config its caller has validated (`python -m oapl_jax.main` does, before it
   imports this module, so that a refused setting is one line on a quiet console)."""
+  if storage.is_remote(workdir) and config.rl.mode == "offline":
+    raise UserError(f"--workdir={workdir}: config.rl.mode='offline' writes its round files on a "
+                    "local or shared disk; give a local --workdir")
   processes = distributed.processes_asked(config.distributed)  # before JAX starts
   placement.request_host_devices(placement.devices_wanted(config, processes))  # on CPU
   if config.mesh.topology is not None:  # a pod's processes must have found each other
@@ -63,8 +65,8 @@ def run_validated(config, workdir: str) -> dict:
   say(f"jax {jax.__version__}, devices {jax.devices()}"  # process 0's console only
       + (f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""))
   plan_lib.check(config)  # before anything is allocated
-  lock = (WorkdirLock(workdir, config.checkpoint.lock_lease_s) if distributed.is_writer()
-          else contextlib.nullcontext())
+  lock = (WorkdirLock(workdir, config.checkpoint.lock_lease_s, config.checkpoint.lock_wait_s)
+          if distributed.is_writer() else contextlib.nullcontext())
   with lock, StopSignals() as stop:  # multi-host: process 0 holds the lock for all
     return _run(config, workdir, stop)
 
@@ -76,8 +78,7 @@ def _start(r: Run, config, workdir: str) -> tuple[dict, dict]:
   before_path = Layout(workdir).eval_before
   if r.restore_latest():
     say(f"resumed from step {r.counters.step} in {r.ckpt.directory}")
-    with open(before_path) as f:
-      saved = json.load(f)
+    saved = read_json(before_path)
     return saved["eval"], saved["warmup"]
   warmup_info = {}
   if config.warmup.steps:
@@ -117,7 +118,8 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
   r = Run(config, workdir)
   eval_before, warmup_info = _start(r, config, workdir)
   writer = distributed.is_writer()  # multi-host: process 0 writes metrics and the bar
-  metrics_log = MetricsLog(workdir, resume_step=r.counters.step) if writer else None
+  metrics_log = (MetricsLog(workdir, resume_step=r.counters.step, tensorboard=config.log.tensorboard)
+                 if writer else None)
   bar = tqdm.tqdm(total=config.train.steps, initial=r.counters.step,
                   disable=not (config.log.progress and writer), desc=config.rl.loss, unit="step")
   # evaluations of a resumed run's earlier steps come back from its metrics (each is logged)

@@ -12,9 +12,12 @@ on SIGTERM / SIGINT (`StopSignals`).
     offline/          offline mode's round files (`rl.sources.OfflineSource`)
     eval_step<N>.json an evaluation of checkpoint N (`python -m oapl_jax.evaluate`)
 
+The workdir is a local folder or a bucket URL (`gs://bucket/run`): every file here goes through
+`oapl_jax.storage`, which uses only what object storage has (whole-object reads and writes).
+
 `WorkdirLock(workdir, lease_s)` creates `<workdir>/run.lock` (pid, host, start time, heartbeat)
-atomically, renews its heartbeat every lease_s / 10 seconds from a background thread, and
-removes it on release; a second run on the same workdir is refused with a message naming the
+atomically (in a bucket: written, then read back: `WorkdirLock._claim`), renews its heartbeat
+every lease_s / 10 seconds from a background thread, and removes it on release; a second run on the same workdir is refused with a message naming the
 holder. The lock is a lease: one not renewed for `lease_s` seconds is taken over from any host,
 with a warning line (a preempted TPU slice, re-created with new host names, resumes on its
 own). Sooner, on this host: a lock whose process is gone (kill -9), or that names this very
@@ -42,10 +45,13 @@ import socket
 import sys
 import threading
 import time
+import uuid
 
+from oapl_jax import storage
 from oapl_jax.errors import UserError
 
 LOCK_NAME = "run.lock"
+SETTLE_S = 2.0  # object storage: seconds between writing the lock and reading it back (WorkdirLock._claim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +61,7 @@ class Layout:
   root: str
 
   def _path(self, name: str) -> str:
-    return os.path.join(self.root, name)
+    return storage.join(self.root, name)
 
   @property
   def lock(self) -> str:
@@ -113,36 +119,49 @@ _HELD_HERE: set[str] = set()  # lock paths this process holds now (a second run 
 
 class WorkdirLock:
   """`with WorkdirLock(workdir, lease_s):` holds `<workdir>/run.lock` for the block, renewing
-  its heartbeat every `lease_s / 10` seconds (module docstring)."""
+  its heartbeat every `lease_s / 10` seconds (module docstring). `wait_s`: how long a lock that
+  looks alive is waited for (its lease may run out: a scheduler that restarts a preempted job
+  at once) before the run is refused; 0 refuses at once."""
 
-  def __init__(self, workdir: str, lease_s: float = 300.0):
-    self.path = Layout(os.path.abspath(workdir)).lock
+  def __init__(self, workdir: str, lease_s: float = 300.0, wait_s: float = 0.0):
+    self.path = Layout(storage.absolute(workdir)).lock
     self.lease_s = float(lease_s)
+    self.wait_s = float(wait_s)
     self.held = False
     self._me: dict = {}
     self._stop = threading.Event()
     self._renewer: threading.Thread | None = None
 
   def holder(self) -> dict | None:
-    """The lock file's contents (pid, host, started, heartbeat), {} if unreadable, None if
-    there is none."""
+    """The lock file's contents (pid, host, started, heartbeat, token), {} if unreadable, None
+    if there is none."""
     try:
-      with open(self.path) as f:
-        return json.load(f)
+      return json.loads(storage.read_text(self.path))
     except FileNotFoundError:
       return None
     except (OSError, ValueError):
       return {}  # half-written by a holder that died while writing it
 
   def acquire(self) -> None:
-    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    deadline = time.monotonic() + self.wait_s
+    while True:
+      try:
+        return self._acquire_once()
+      except WorkdirBusy as busy:
+        left = deadline - time.monotonic()
+        if left <= 0:
+          raise
+        print(f"{busy} -- waiting up to {left:.0f} s more for it to be released or its lease to "
+              "run out", file=sys.stderr, flush=True)
+        time.sleep(min(max(self.lease_s / 10, 0.05), 30.0, left))
+
+  def _acquire_once(self) -> None:
+    storage.makedirs(storage.dirname(self.path))
     self._me = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started": datetime.datetime.now().isoformat(timespec="seconds"),
-                "heartbeat": time.time()}
+                "heartbeat": time.time(), "token": uuid.uuid4().hex}
     for _ in range(2):  # a second try after removing a stale lock
-      try:
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-      except FileExistsError:
+      if not self._claim():
         holder = self.holder()
         if holder is None:
           continue  # released between our two calls
@@ -151,25 +170,34 @@ class WorkdirLock:
           raise WorkdirBusy(self._busy_message(holder)) from None
         logging.warning("workdir lock %s of process %s on %s: %s; taking it over", self.path,
                         holder.get("pid"), holder.get("host"), why)
-        with contextlib.suppress(FileNotFoundError):
-          os.remove(self.path)
+        storage.remove(self.path)
         continue
-      with os.fdopen(fd, "w") as f:
-        json.dump(self._me, f)
       self.held = True
       _HELD_HERE.add(self.path)
       self._start_renewing()
       return
     raise WorkdirBusy(f"could not take the workdir lock {self.path}: another run is starting there")
 
+  def _claim(self) -> bool:
+    """Writes our record if there is no lock; True if we then hold it. Locally an exclusive
+    create. Object storage has none: the record is written if no lock is there, and read back
+    after `SETTLE_S` seconds; of two runs that wrote at once, the last write stands and the
+    other run sees its record and is refused (two runs started on one bucket workdir within a
+    second of each other are not told apart)."""
+    text = json.dumps(self._me)
+    if not storage.is_remote(self.path):
+      return storage.create_exclusive(self.path, text)
+    if storage.exists(self.path):
+      return False
+    storage.write_text(self.path, text)
+    time.sleep(SETTLE_S)
+    return (self.holder() or {}).get("token") == self._me["token"]
+
   def _heartbeat(self, holder: dict) -> float:
     """When `holder` last renewed the lock: its heartbeat, else (an older lock file) its mtime."""
     if "heartbeat" in holder:
       return float(holder["heartbeat"])
-    try:
-      return os.path.getmtime(self.path)
-    except FileNotFoundError:
-      return 0.0
+    return storage.mtime(self.path)
 
   def _stale(self, holder: dict) -> str | None:
     """Why the lock of `holder` may be taken over, or None if its run may be alive."""
@@ -188,7 +216,7 @@ class WorkdirLock:
   def _busy_message(self, holder: dict) -> str:
     who = (f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started')})"
            if holder else "a run that is starting")
-    workdir = os.path.dirname(self.path)
+    workdir = storage.dirname(self.path)
     return (f"--workdir={workdir} is in use by {who}; use another --workdir, or stop that run "
             f"(a run that is gone is taken over once it has not renewed the lock for "
             f"{self.lease_s:g} s; or delete {self.path})")
@@ -203,15 +231,12 @@ class WorkdirLock:
     then renamed: a reader never sees half a file)."""
     while not self._stop.wait(max(self.lease_s / 10, 0.05)):
       holder = self.holder() or {}
-      if (holder.get("pid"), holder.get("host")) != (self._me["pid"], self._me["host"]):
+      if holder.get("token") != self._me["token"]:
         logging.error("workdir lock %s was taken over by process %s on %s", self.path,
                       holder.get("pid"), holder.get("host"))
         return
       self._me["heartbeat"] = time.time()
-      tmp = f"{self.path}.{os.getpid()}.tmp"
-      with open(tmp, "w") as f:
-        json.dump(self._me, f)
-      os.replace(tmp, self.path)
+      storage.write_text(self.path, json.dumps(self._me))
 
   def release(self) -> None:
     if self.held:
@@ -220,8 +245,7 @@ class WorkdirLock:
       self._stop.set()
       if self._renewer is not None:
         self._renewer.join()
-      with contextlib.suppress(FileNotFoundError):
-        os.remove(self.path)
+      storage.remove(self.path)
 
   def __enter__(self) -> "WorkdirLock":
     self.acquire()

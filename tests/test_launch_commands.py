@@ -177,7 +177,7 @@ def test_every_command_in_launch_and_readme_parses_against_its_config():
   counts, problems = check_files(documents())
   assert not problems, "\n".join(problems)
   assert counts["README.md"] >= 10
-  for script in ("launch/tpu_pod.sh", "launch/slurm_gpu.sbatch", "launch/tiny_seeds.sh",
+  for script in ("launch/tpu_pod.sh", "launch/gke_xpk.sh", "launch/slurm_gpu.sbatch", "launch/tiny_seeds.sh",
                  "launch/lag_study.sh", "launch/reasoning_study.sh"):
     assert counts[script] >= 1, f"{script}: no python -m oapl_jax command found"
 
@@ -204,8 +204,8 @@ def test_the_tpu_launcher_dry_run_prints_commands_that_parse():
   assert "tpu-vm create t" in p.stdout and "--worker=all" in p.stdout
   n, problems = check_text(p.stdout, "tpu_pod.sh --dry-run")
   assert n == 1 and not problems, (p.stdout, problems)
-  assert ("--workdir=/mnt/bucket/runs/t --config.checkpoint.directory=gs://BUCKET/runs/t/checkpoints "
-          "--config.rl.lag=400") in p.stdout  # orbax writes checkpoints to the bucket itself
+  assert "--workdir=gs://BUCKET/runs/t --config.rl.lag=400" in p.stdout  # the workdir is the bucket
+  assert "gcsfuse --implicit-dirs -o ro BUCKET /mnt/bucket" in p.stdout  # weights and data, read-only
   assert "sys.version_info < (3, 11)" in p.stdout and "python3.11-venv" in p.stdout  # a new Python
   assert "install -y -q bubblewrap" in p.stdout and "packages.cloud.google.com/apt gcsfuse-" in p.stdout
   queued = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run", "--name=t", "--queued", "--watch"],
@@ -216,6 +216,38 @@ def test_the_tpu_launcher_dry_run_prints_commands_that_parse():
   bad = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run", "--config=configs/nope.py"],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
   assert bad.returncode == 2 and "--config=configs/nope.py: no such file" in bad.stderr
+
+
+def test_the_gke_launcher_dry_run_prints_an_xpk_workload_that_parses():
+  p = subprocess.run(["bash", "launch/gke_xpk.sh", "--dry-run", "--workload=t", "--run=runs/t",
+                      "--config=configs/code.py", "--", "--config.rl.lag=400"],
+                     cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert p.returncode == 0, p.stderr
+  n, problems = check_text(p.stdout, "gke_xpk.sh --dry-run")
+  assert n == 1 and not problems, (p.stdout, problems)
+  assert "xpk workload create --workload=t --cluster=CLUSTER --tpu-type=v5p-64" in p.stdout
+  assert "--max-restarts=10" in p.stdout and "--script-dir=." in p.stdout
+  # the restarted workload waits for the killed one's lease (300 s) instead of refusing
+  assert ("--workdir=gs://BUCKET/runs/t --config.checkpoint.lock_wait_s=420 --config.rl.lag=400"
+          in p.stdout)
+  lease = subprocess.run(["bash", "launch/gke_xpk.sh", "--dry-run", "--",
+                          "--config.checkpoint.lock_lease_s=60"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+  assert "--config.checkpoint.lock_wait_s=180" in lease.stdout, lease.stdout
+  bad = subprocess.run(["bash", "launch/gke_xpk.sh", "--cluster=c"], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+  assert bad.returncode == 2 and "--bucket=gs://BUCKET are required" in bad.stderr
+
+
+def test_the_slurm_script_dry_run_prints_the_srun_line_that_parses():
+  env = {**os.environ, "DRY_RUN": "1", "CONFIG": "configs/math.py", "WORKDIR": "/shared/runs/m"}
+  p = subprocess.run(["bash", "launch/slurm_gpu.sbatch", "--config.rl.lag=100"], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 0, p.stderr
+  n, problems = check_text(p.stdout, "slurm_gpu.sbatch dry run")
+  assert n == 1 and not problems, (p.stdout, problems)
+  assert p.stdout.startswith("+ srun --ntasks-per-node=1") and ("--config=configs/math.py "
+      "--workdir=/shared/runs/m --config.checkpoint.lock_wait_s=420 --config.rl.lag=100") in p.stdout
 
 
 # --- the check fails on wrong lines ------------------------------------------------------------

@@ -88,6 +88,20 @@ def test_workdir_lease_is_renewed_while_held(tmp_path):
   assert not os.path.exists(lock.path) and not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
+def test_workdir_lock_waited_for_until_its_lease_runs_out(tmp_path, capsys):
+  """lock_wait_s: a live-looking lock of another host (a job restarted at once by its
+  scheduler) is waited for, and taken over when its lease runs out; without it, refused."""
+  path = tmp_path / "run.lock"
+  path.write_text(json.dumps({"pid": 1, "host": "old-pod", "started": "then", "heartbeat": time.time() - 0.5}))
+  with pytest.raises(WorkdirBusy, match="old-pod"):
+    WorkdirLock(str(tmp_path), lease_s=2.0).acquire()
+  t0 = time.monotonic()
+  with WorkdirLock(str(tmp_path), lease_s=2.0, wait_s=10.0) as lock:
+    assert lock.held and 1.0 < time.monotonic() - t0 < 5.0
+  err = capsys.readouterr().err
+  assert "in use by process 1 on old-pod" in err and "waiting up to 10 s more" in err, err
+
+
 # --- non-finite steps -------------------------------------------------------------------------
 
 

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oapl_jax import distributed, placement, sharding
+from oapl_jax import distributed, placement, sharding, storage
 from oapl_jax import checkpoint
 from oapl_jax.checkpoint import Checkpointer
 from oapl_jax.errors import ConfigError
@@ -165,7 +165,7 @@ class Run:
   def __init__(self, config, workdir: str):
     """config: validated (`oapl_jax.config.validate`; `train.run` does it)."""
     self.config = config
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)
     task, tokenizer = make_task(config)
     if config.model.vocab_size < tokenizer.vocab_size:
       raise ConfigError(

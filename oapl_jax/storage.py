@@ -1,0 +1,106 @@
+"""A workdir's small files (lock, metrics, summary, evaluations) on a local disk or in a bucket.
+
+A local path uses the OS: a file is written aside and renamed into place (a reader never sees
+half of it), appended to, created exclusively (`O_EXCL`).
+
+A URL (`gs://bucket/run`, any scheme etils.epath knows) goes through `etils.epath` (on gs://,
+tf.io.gfile when TensorFlow is installed, else fsspec's gcsfs) and uses only what object
+storage has: an object is read whole and written whole (a write replaces it at once, as a GCS
+upload does), never appended to, renamed or created exclusively. Callers that need those
+(`metrics.MetricsLog`, `workdir.WorkdirLock`) ask `is_remote` and do without them there.
+
+This module imports no JAX; etils is imported only for a URL.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def is_remote(path: str) -> bool:
+  """True for a URL (object storage), False for a local path."""
+  return "://" in str(path)
+
+
+def _epath(path: str):
+  from etils import epath  # noqa: PLC0415 (only URLs need it)
+  return epath.Path(path)
+
+
+def absolute(path: str) -> str:
+  """A local path made absolute; a URL as given (without a trailing slash)."""
+  return str(path).rstrip("/") if is_remote(path) else os.path.abspath(path)
+
+
+def join(root: str, *names: str) -> str:
+  if is_remote(root):
+    return "/".join([str(root).rstrip("/"), *names])
+  return os.path.join(root, *names)
+
+
+def dirname(path: str) -> str:
+  return str(path).rsplit("/", 1)[0] if is_remote(path) else os.path.dirname(path)
+
+
+def exists(path: str) -> bool:
+  return _epath(path).exists() if is_remote(path) else os.path.exists(path)
+
+
+def makedirs(path: str) -> None:
+  """A local folder and its parents; nothing to do in a bucket (folders are name prefixes)."""
+  if not is_remote(path):
+    os.makedirs(path, exist_ok=True)
+
+
+def read_text(path: str) -> str:
+  """The whole file; FileNotFoundError if there is none."""
+  if is_remote(path):
+    p = _epath(path)
+    if not p.exists():
+      raise FileNotFoundError(path)
+    return p.read_text()
+  with open(path, errors="replace") as f:  # a power loss may leave bytes that are not text
+    return f.read()
+
+
+def write_text(path: str, text: str) -> None:
+  """Replaces the file with `text` at once: locally written aside, then renamed; in a bucket, one
+  upload (an object is never seen half-written)."""
+  if is_remote(path):
+    _epath(path).write_text(text)
+    return
+  tmp = f"{path}.{os.getpid()}.tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def remove(path: str) -> None:
+  """Removes the file if it is there."""
+  try:
+    if is_remote(path):
+      _epath(path).unlink(missing_ok=True)
+    else:
+      os.remove(path)
+  except FileNotFoundError:
+    pass
+
+
+def mtime(path: str) -> float:
+  """When the file was last written (seconds since the epoch); 0 if it is gone."""
+  try:
+    return float(_epath(path).stat().mtime) if is_remote(path) else os.path.getmtime(path)
+  except FileNotFoundError:
+    return 0.0
+
+
+def create_exclusive(path: str, text: str) -> bool:
+  """Local only: creates the file holding `text` if there is none (True), else False."""
+  assert not is_remote(path), "object storage has no exclusive create"
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+  except FileExistsError:
+    return False
+  with os.fdopen(fd, "w") as f:
+    f.write(text)
+  return True

@@ -1,0 +1,160 @@
+"""A workdir in a bucket (gs://): lock, metrics, summary and evaluations through
+`oapl_jax.storage`, tested against a local fake of the bucket (tests/fake_bucket: object
+semantics, no append or rename), with checkpoints on local disk (`checkpoint.directory`; orbax
+writes to gs:// through tensorstore, which the fake does not reach)."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import importlib.util
+
+import pytest
+
+from oapl_jax import metrics, storage, workdir
+from oapl_jax.errors import UserError
+from oapl_jax.workdir import WorkdirBusy, WorkdirLock
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAKE = os.path.join(REPO, "tests", "fake_bucket")
+_spec = importlib.util.spec_from_file_location("fake_bucket", os.path.join(FAKE, "sitecustomize.py"))
+fake_bucket = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake_bucket)
+URL = "gs://bkt/runs/r1"
+
+
+@pytest.fixture
+def bucket(tmp_path, monkeypatch):
+  """The fake bucket's root folder; gs:// paths in this process lead there."""
+  root = tmp_path / "bucket"
+  root.mkdir()
+  monkeypatch.setenv(fake_bucket.ROOT_VAR, str(root))
+  monkeypatch.setattr(workdir, "SETTLE_S", 0.05)
+  fake_bucket.install()
+  return root
+
+
+def _lock_file(root):
+  return root / "bkt" / "runs" / "r1" / "run.lock"
+
+
+def test_the_fake_bucket_refuses_what_object_storage_lacks(bucket):
+  storage.write_text(f"{URL}/a.txt", "one")
+  from etils import epath  # noqa: PLC0415
+  with pytest.raises(OSError, match="appended"):
+    epath.Path(f"{URL}/a.txt").open("a")
+  with pytest.raises(OSError, match="rename"):
+    epath.Path(f"{URL}/a.txt").rename(f"{URL}/b.txt")
+  assert storage.read_text(f"{URL}/a.txt") == "one" and (bucket / "bkt/runs/r1/a.txt").is_file()
+
+
+def test_bucket_lock_refuses_a_second_run_takes_over_a_stale_lease_and_is_released(bucket, caplog):
+  with WorkdirLock(URL) as lock:
+    assert lock.path == f"{URL}/run.lock"
+    assert json.loads(_lock_file(bucket).read_text())["pid"] == os.getpid()
+    with pytest.raises(WorkdirBusy, match=f"in use by process {os.getpid()}"):
+      WorkdirLock(URL).acquire()
+  assert not _lock_file(bucket).exists()
+  # a preempted slice's lock: another host, not renewed for longer than the lease
+  _lock_file(bucket).write_text(json.dumps({"pid": 7, "host": "old-slice-w0", "started": "then",
+                                            "heartbeat": time.time() - 400}))
+  with caplog.at_level("WARNING"), WorkdirLock(URL, lease_s=300) as lock:
+    assert json.loads(_lock_file(bucket).read_text())["host"] == socket.gethostname()
+  assert "process 7 on old-slice-w0: not renewed for 400 s" in caplog.text
+  _lock_file(bucket).write_text(json.dumps({"pid": 7, "host": "old-slice-w0", "started": "then",
+                                            "heartbeat": time.time()}))
+  with pytest.raises(WorkdirBusy, match="old-slice-w0"):  # a live lease elsewhere
+    WorkdirLock(URL, lease_s=300).acquire()
+
+
+def test_bucket_lock_of_two_runs_writing_at_once_goes_to_the_last_writer(bucket, monkeypatch):
+  """No exclusive create in a bucket: a rival's record lands between our write and our read-back;
+  we are refused, naming it."""
+  rival = {"pid": 99, "host": "rival", "started": "now", "heartbeat": time.time(), "token": "r"}
+  real_sleep = time.sleep
+
+  def rival_writes(s):
+    _lock_file(bucket).write_text(json.dumps(rival))
+    real_sleep(s)
+
+  monkeypatch.setattr(workdir.time, "sleep", rival_writes)
+  with pytest.raises(WorkdirBusy, match="process 99 on rival"):
+    WorkdirLock(URL).acquire()
+
+
+def test_bucket_metrics_are_rewritten_whole_and_cut_back_on_resume(bucket):
+  log = metrics.MetricsLog(URL, tensorboard=False)
+  for s in (1, 2, 3):
+    log.write(s, {"loss": float(s)})
+  log.close()
+  assert [r["step"] for r in metrics.read_metrics(URL)] == [1, 2, 3]
+  log = metrics.MetricsLog(URL, resume_step=2, tensorboard=False)  # resumed from checkpoint 2
+  log.write(3, {"loss": 30.0})
+  log.close()
+  assert [(r["step"], r["loss"]) for r in metrics.read_metrics(URL)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_offline_mode_in_a_bucket_is_refused_before_anything_starts(smoke_config):
+  from oapl_jax import train  # noqa: PLC0415
+  smoke_config.rl.mode = "offline"
+  with pytest.raises(UserError, match="--workdir=gs://bkt/x: config.rl.mode='offline' writes its round files"):
+    train.run(smoke_config, "gs://bkt/x")
+
+
+# --- a run whose workdir is in the bucket, killed and resumed -----------------------------------
+
+_CONFIG = ["--config=configs/tiny.py:smoke", "--config.train.steps=6", "--config.checkpoint.every=2",
+           "--config.log.progress=False", "--config.eval.every=3", "--config.log.tensorboard=False"]
+_TIMING = ("step_seconds", "train_seconds", "sample_wait_seconds", "sample_tokens_per_s")
+
+
+def _main(workdir, checkpoints, root):
+  env = {**os.environ, fake_bucket.ROOT_VAR: str(root), "PYTHONPATH": FAKE}
+  return subprocess.Popen([sys.executable, "-m", "oapl_jax.main", f"--workdir={workdir}", *_CONFIG,
+                           f"--config.checkpoint.directory={checkpoints}"], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _rows(text):
+  rows = [json.loads(line) for line in text.splitlines()]
+  return [{k: v for k, v in r.items() if k not in _TIMING} for r in rows]
+
+
+def test_a_run_in_a_bucket_killed_then_resumed_from_another_host_is_the_straight_run(tmp_path):
+  """kill -9 mid-RL (the lock left behind), the lock then made another host's stale lease (a
+  re-created slice): the same command takes it over with a warning, resumes from the last
+  checkpoint, and writes the straight local run's metrics and summary."""
+  root = tmp_path / "bucket"
+  root.mkdir()
+  straight = _main(tmp_path / "straight", tmp_path / "straight_ckpt", root)
+  out, err = straight.communicate(timeout=600)
+  assert straight.returncode == 0, err[-3000:]
+  want = _rows((tmp_path / "straight" / "metrics.jsonl").read_text())
+
+  run_dir = root / "bkt" / "runs" / "r1"
+  proc = _main(URL, tmp_path / "ckpt", root)
+  t0 = time.time()
+  while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    assert time.time() - t0 < 600
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert not (run_dir / "summary.json").exists()
+  lock = json.loads((run_dir / "run.lock").read_text())
+  (run_dir / "run.lock").write_text(json.dumps({**lock, "host": "old-slice-w0", "heartbeat": time.time() - 400}))
+  resumed = _main(URL, tmp_path / "ckpt", root)
+  out, err = resumed.communicate(timeout=600)
+  assert resumed.returncode == 0, err[-3000:]
+  assert re.search(r"on old-slice-w0: not renewed for 4\d\d s", err) and "resumed from step" in out + err
+  assert _rows((run_dir / "metrics.jsonl").read_text()) == want
+  summary = json.loads((run_dir / "summary.json").read_text())
+  ref = json.loads((tmp_path / "straight" / "summary.json").read_text())
+  assert summary["eval_after"] == ref["eval_after"] and summary["evals_during"] == ref["evals_during"]
+  assert not (run_dir / "run.lock").exists()
+  assert sorted(os.listdir(run_dir)) == ["eval_before.json", "metrics.jsonl", "summary.json"]
