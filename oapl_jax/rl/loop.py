@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 
 import jax
