@@ -21,6 +21,12 @@ only), and each process restores its own. Each process hashes the shards it hold
 keeps every process's checksums (`by_process`), and a step damaged on any process is skipped
 by all.
 
+The training loop's saves are asynchronous (`save(..., wait=False)`): `save` takes the
+checksums and lets orbax copy the arrays to the host (the trainer may then donate its buffers
+to the next step), and orbax writes the files in the background while training goes on; the
+next `save`, `restore_latest` and `wait` wait for it, and so does the run at its end and before
+it stops on a signal (`rl.loop.Run.close`).
+
 A save killed half-way leaves `<step>.orbax-checkpoint-tmp`, which orbax never takes for a
 checkpoint; the next save removes it. A process killed after orbax renamed a new step into
 place but before it deleted the oldest leaves `keep + 1` steps; the next save is back to `keep`
@@ -201,8 +207,12 @@ class Checkpointer:
 
   # saving
 
-  def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-    """state: pytrees of device arrays, plus host row dicts (`ROWS`) whose shapes vary."""
+  def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], *, wait: bool = True) -> None:
+    """Saves `state` as step `step`: pytrees of device arrays, plus host row dicts (`ROWS`)
+    whose shapes vary. `wait=False` returns once the checksums are taken and orbax holds its
+    own copy of every array, the files written in the background (`wait()`: until they are
+    and the step is in place)."""
+    self.wait()  # the previous save is in place before a new one starts
     meta = {**meta, **{f"{name}_shapes": {k: [list(v.shape), str(v.dtype)] for k, v in state[name].items()}
                        for name in ROWS if name in state}}
     if distributed.process_count() > 1:
@@ -220,6 +230,12 @@ class Checkpointer:
     self._mgr.reload()  # count every step on disk (a kill may have left keep + 1)
     self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    if wait:
+      self.wait()
+
+  def wait(self) -> None:
+    """Until the save in flight (if any) is written and in place; then removes what saves that
+    never finished left behind."""
     self._mgr.wait_until_finished()
     if distributed.is_writer():
       self._remove_dead_saves()
@@ -256,6 +272,7 @@ class Checkpointer:
     Damaged steps are skipped with a warning and left in place. Raises OtherModelError for a
     checkpoint of another model, CheckpointError when every step is damaged.
     """
+    self._mgr.wait_until_finished()  # a save of this Checkpointer in flight
     self._mgr.reload()
     reasons = {}
     for step in sorted(self._mgr.all_steps(), reverse=True):

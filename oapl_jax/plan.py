@@ -154,7 +154,7 @@ def optimizer_bytes(config, params: nnx.State, specs: dict, mesh_shape: dict) ->
 
 # --- activations: an analytic model (docs/memory.md states it and its calibration) -----------
 
-LOGPROB_TILE_COPIES = 6  # f32 [tile, V] blocks alive at once in the log-prob kernel (logits,
+LOGPROB_TILE_COPIES = 6  # f32 [b, tile, V] blocks alive at once in the log-prob kernel (logits,
 # processed logits, keys, log-softmax, its gradient, the top-p bisection's masks).
 
 
@@ -227,10 +227,11 @@ def activation_bytes(x: Dims, policy: str, attn_block: int) -> int:
 
 def logprob_bytes(x: Dims, tile: int) -> int:
   """Peak bytes of the tiled log-prob kernel: the final hidden states [b, T, E] (compute dtype)
-  and their gradient (f32), LOGPROB_TILE_COPIES f32 [tile, V] blocks (tile = min(tile, b*T)),
-  and ~8 f32 [b, T] per-token arrays (log-probs, entropy, mask, targets, loss terms)."""
+  and their gradient (f32), LOGPROB_TILE_COPIES f32 [b, tile, V] blocks (each scan step scores
+  `min(tile, T)` positions of every row of the device: `rl.logprobs.tiled_logprobs`), and ~8
+  f32 [b, T] per-token arrays (log-probs, entropy, mask, targets, loss terms)."""
   tokens = x.b * x.t
-  return tokens * x.e * (x.c + 4) + LOGPROB_TILE_COPIES * min(tile, tokens) * x.v * 4 + 8 * tokens * 4
+  return tokens * x.e * (x.c + 4) + LOGPROB_TILE_COPIES * x.b * min(tile, x.t) * x.v * 4 + 8 * tokens * 4
 
 
 def kv_cache_bytes(config) -> int:
@@ -443,7 +444,7 @@ def make_plan(config) -> Plan:
            f"{x.b} row(s) x {x.t} tokens per device per micro-batch, remat={tr.remat}, "
            f"attn_block={tr.attn_block}", activation_settings(config, x)),
       Item("log-prob kernel", temp["log-prob kernel"], "trainer", "step",
-           f"hidden states + {LOGPROB_TILE_COPIES} f32 [{min(tr.logprob_tile, x.b * x.t)}, {x.v}] tiles"),
+           f"hidden states + {LOGPROB_TILE_COPIES} f32 [{x.b}, {min(tr.logprob_tile, x.t)}, {x.v}] tiles"),
       Item("engine snapshot", weights_bytes(engine_specs, cd, {"tensor": s.tensor}), "engine", "state",
            f"pi_old in {cd.name}, engine layout (split over sampling.tensor={s.tensor} only)"),
       Item("KV cache", kv_cache_bytes(config), "engine", "state",

@@ -139,7 +139,7 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
       _check_finite_steps(r, config)
       saved = s % config.checkpoint.every == 0 or s == config.train.steps
       if saved:
-        r.save()
+        r.save(wait=False)  # written while the next steps train
       if distributed.any_process(stop.requested):  # multi-host: every process stops here
         stop.requested = stop.requested or signal.SIGTERM
         bar.close()

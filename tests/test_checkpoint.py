@@ -157,6 +157,24 @@ def test_bfloat16_arrays_are_verified(tmp_path):
   assert np.array_equal(np.asarray(restored["params"]["w"]), np.asarray(w))
 
 
+def test_a_save_in_the_background_owns_its_data(tmp_path):
+  """save(wait=False) returns while orbax writes; the caller may then free (donate) its device
+  arrays and change its host rows, and the step still holds and verifies what was saved (orbax
+  copies both before `save` returns: the training loop relies on it)."""
+  w = jax.device_put(np.arange(4096, dtype=np.float32).reshape(64, 64))
+  rows = np.arange(8, dtype=np.int32)
+  want_w, want_rows = np.asarray(w).copy(), rows.copy()
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=2)
+  ckpt.save(3, {"params": {"w": w}, "buffer": {"tokens": rows}}, {"model": {}}, wait=False)
+  w.delete()  # what a donating train step does to the old buffers
+  rows[:] = -1  # and a buffer refilled in place
+  ckpt.wait()
+  step, restored, _ = ckpt.restore_latest({"params": {"w": jax.ShapeDtypeStruct((64, 64), np.float32)}}, {})
+  assert step == 3
+  assert np.array_equal(np.asarray(restored["params"]["w"]), want_w)
+  assert np.array_equal(restored["buffer"]["tokens"], want_rows)
+
+
 def test_checkpoint_without_checksums_still_restores(saved, tmp_path):
   """Saved before checksums existed: restored unverified."""
   r, _, params = saved

@@ -204,15 +204,16 @@ class Run:
       trees["reference"] = self.reference
     return trees
 
-  def save(self) -> None:
-    """Checkpoints the run; a rollout in flight is waited for and saved with it."""
+  def save(self, wait: bool = True) -> None:
+    """Checkpoints the run; a rollout in flight is waited for and saved with it. `wait=False`:
+    the files are written in the background (`Checkpointer.save`; `close` waits for them)."""
     check_all_finite({k: v for k, v in self._trees().items() if k != "reference"})
     state = {**self._trees(), "buffer": self.buffer.state()}
     meta = {"counters": dataclasses.asdict(self.counters), "model": self.model_meta()}
     pending = self.source.pending()
     if pending is not None:
       state["inflight"], meta["inflight_tokens"] = pending.rows.as_dict(), pending.answer_tokens
-    self.ckpt.save(self.counters.step, state, meta)
+    self.ckpt.save(self.counters.step, state, meta, wait=wait)
 
   def restore_latest(self) -> bool:
     """Restores the newest checkpoint that loads and verifies (damaged ones are skipped with a
@@ -247,8 +248,10 @@ class Run:
     self.source.wait()
 
   def close(self) -> None:
-    """Waits for the rollout in flight and stops the rollout thread (async mode)."""
+    """Waits for the rollout in flight and stops the rollout thread (async mode), and for the
+    checkpoint being written."""
     self.source.close()
+    self.ckpt.wait()
 
   def refresh_engine(self) -> None:
     """pi_old <- pi_theta; version += 1.
