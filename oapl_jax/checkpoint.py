@@ -29,8 +29,8 @@ it stops on a signal (`rl.loop.Run.close`).
 
 A save killed half-way leaves `<step>.orbax-checkpoint-tmp`, which orbax never takes for a
 checkpoint; the next save removes it. A process killed after orbax renamed a new step into
-place but before it deleted the oldest leaves `keep + 1` steps; the next save is back to `keep`
-(orbax is reloaded from disk before every save, so it counts every step there).
+place but before it deleted the oldest leaves `keep + 1` steps; the next restore (or save:
+orbax is reloaded from disk before every save, so it counts every step there) is back to `keep`.
 """
 
 from __future__ import annotations
@@ -197,6 +197,7 @@ class Checkpointer:
     self.directory = directory if "://" in directory else os.path.abspath(directory)
     self._mgr = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+    self._keep = keep
     self._skipped: list[int] = []  # damaged steps passed over by the last restore_latest
 
   def latest_step(self) -> int | None:
@@ -254,6 +255,15 @@ class Checkpointer:
       warn(f"damaged checkpoint {src} moved aside to {dst} (delete it when no longer needed)")
     self._skipped = []
 
+  def _remove_beyond_keep(self, restored: int) -> None:
+    """Removes the steps older than the `keep - 1` newest before `restored`: what a kill
+    between orbax's rename of a new step and its removal of the oldest left (keep + 1 steps,
+    which a run that then has nothing more to save would otherwise keep)."""
+    older = sorted((s for s in self._mgr.all_steps() if s < restored), reverse=True)
+    for step in older[max(self._keep - 1, 0):]:
+      log.info("removing checkpoint %s: more than checkpoint.keep=%d steps", self.step_dir(step), self._keep)
+      epath.Path(self.step_dir(step)).rmtree(missing_ok=True)
+
   def _remove_dead_saves(self) -> None:
     """Removes orbax tmp directories left by saves that never finished (a killed process)."""
     for path in epath.Path(self.directory).iterdir():
@@ -263,11 +273,14 @@ class Checkpointer:
 
   # restoring
 
-  def restore_latest(self, target: dict[str, Any], model_meta: dict[str, Any], *, partial: bool = False):
+  def restore_latest(self, target: dict[str, Any], model_meta: dict[str, Any], *, partial: bool = False,
+                     tidy: bool = False):
     """(step, state, meta) of the newest step that loads and verifies; None if there is no step.
 
     partial: restore only the entries of `target` (e.g. `{"params": ...}` for evaluation); the
     rest of the run state is not read.
+    tidy: the run resuming (not a command that only reads): steps beyond `keep` older than the
+    restored one are removed (`_remove_beyond_keep`).
 
     Damaged steps are skipped with a warning and left in place. Raises OtherModelError for a
     checkpoint of another model, CheckpointError when every step is damaged.
@@ -288,6 +301,8 @@ class Checkpointer:
         warn(f"checkpoint {self.step_dir(step)} is damaged and skipped ({damaged}); it is left in place")
         continue
       self._skipped = list(reasons)
+      if tidy and distributed.is_writer():
+        self._remove_beyond_keep(step)
       return step, state, meta
     if reasons:
       listed = "; ".join(f"step {s}: {r}" for s, r in reasons.items())

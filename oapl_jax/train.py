@@ -114,6 +114,15 @@ def _stop(r: Run, stop: StopSignals, saved: bool) -> None:
                     f"saved in {r.ckpt.directory}; run the same command again to resume")
 
 
+PER_ANSWER = ("answer_ids",)  # evaluation entries with one value per answer (problems x n)
+
+
+def _logged_eval(result: dict) -> dict:
+  """An evaluation during the run as logged (metrics.jsonl, summary's evals_during): without
+  its per-answer lists, which only the evaluations before and after keep."""
+  return {k: v for k, v in result.items() if k not in PER_ANSWER}
+
+
 def _run(config, workdir: str, stop: StopSignals) -> dict:
   r = Run(config, workdir)
   eval_before, warmup_info = _start(r, config, workdir)
@@ -130,7 +139,7 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
       m = r.step()
       s = r.counters.step
       if config.eval.every and s % config.eval.every == 0 and s < config.train.steps:
-        m["eval"] = r.evaluate(r.params, f"step {s}")
+        m["eval"] = _logged_eval(r.evaluate(r.params, f"step {s}"))
         evals.append({"step": s, **m["eval"]})
       if (s % config.log.every == 0 or "eval" in m) and writer:  # an evaluation is always logged
         metrics_log.write(s, m)

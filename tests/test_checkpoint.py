@@ -207,12 +207,15 @@ def test_half_written_checkpoint_is_ignored_then_cleaned(saved, tmp_path):
 
 def test_keep_is_kept_after_a_kill_between_rename_and_cleanup(saved, tmp_path):
   """Killed after orbax renamed a new step into place but before it deleted the oldest one:
-  three step directories; the next save leaves `keep` of them."""
+  three step directories; the next restore leaves `keep` of them, and so does the next save."""
   r, _, _ = saved
   d = _copy(saved, tmp_path)
   shutil.copytree(os.path.join(d, "2"), os.path.join(d, "0"))
   ckpt = checkpoint.Checkpointer(d, keep=2)
-  step, state, meta = ckpt.restore_latest(_target(r), r.model_meta())
+  ckpt.restore_latest(_target(r), r.model_meta())  # a command that only reads (evaluate)
+  assert sorted(os.listdir(d)) == ["0", "1", "2"]
+  step, state, meta = ckpt.restore_latest(_target(r), r.model_meta(), tidy=True)  # a run resuming
+  assert step == 2 and sorted(os.listdir(d)) == ["1", "2"]  # ... with nothing left to save
   ckpt.save(step + 1, state, {"counters": meta["counters"], "model": r.model_meta()})
   assert sorted(os.listdir(d)) == ["2", "3"]
 

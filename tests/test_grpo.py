@@ -31,37 +31,56 @@ def _arrays():
 
 
 def _hand(*, adv_norm="std", eps_low=0.2, eps_high=0.28, is_level="token", is_mode="truncate",
-          cap=2.0, norm="token_mean", max_tokens=None):
-  """The loss in plain Python floats, token by token, straight from docs/algorithm.md's formulas."""
+          cap=2.0, norm="token_mean", max_tokens=None, data=None):
+  """The loss in plain Python floats, token by token, straight from docs/algorithm.md's formulas.
+  Denominators count what the objective sums: tokens whose IS weight was kept, answers with a
+  counted token."""
+  logp_, prox_, sampler_, mask_, rewards_ = data or (LOGP, PROX, SAMPLER, MASK, REWARDS)
   adv = []
-  for g in range(len(REWARDS) // G):
-    r = REWARDS[g * G:(g + 1) * G]
+  for g in range(len(rewards_) // G):
+    r = rewards_[g * G:(g + 1) * G]
     mean = sum(r) / G
     std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G - 1))
     adv += [(x - mean) / (std + 1e-6) if adv_norm == "std" else x - mean for x in r]
-  terms = []  # per answer: list of per-token objectives
-  for i in range(len(REWARDS)):
-    seq_log_w = sum(p - s for p, s, m in zip(PROX[i], SAMPLER[i], MASK[i]) if m)
+  terms = []  # per counted answer: list of per-token objectives of the tokens kept
+  for i in range(len(rewards_)):
+    if not any(mask_[i]):
+      continue  # nothing counted (cut at max_new_tokens, count_truncated=False)
+    seq_log_w = sum(p - s for p, s, m in zip(prox_[i], sampler_[i], mask_[i]) if m)
     row = []
-    for t in range(3):
-      if not MASK[i][t]:
+    for t in range(len(mask_[i])):
+      if not mask_[i][t]:
         continue
-      w = math.exp(seq_log_w if is_level == "sequence" else PROX[i][t] - SAMPLER[i][t])
+      w = math.exp(seq_log_w if is_level == "sequence" else prox_[i][t] - sampler_[i][t])
       if is_mode == "truncate":
         w = min(w, cap)
       elif is_mode == "mask":
-        w = w if 1 / cap <= w <= cap else 0.0
+        if not 1 / cap <= w <= cap:
+          continue  # dropped: in no denominator either
       else:
         w = 1.0
-      r = math.exp(LOGP[i][t] - PROX[i][t])
+      r = math.exp(logp_[i][t] - prox_[i][t])
       clipped = min(max(r, 1 - eps_low), 1 + eps_high)
       row.append(w * min(r * adv[i], clipped * adv[i]))
     terms.append(row)
   if norm == "token_mean":
-    return -sum(map(sum, terms)) / sum(map(len, terms))
+    return -sum(map(sum, terms)) / max(sum(map(len, terms)), 1)
   if norm == "seq_mean":
-    return -sum(sum(row) / len(row) for row in terms) / len(terms)
+    return -sum(sum(row) / max(len(row), 1) for row in terms) / len(terms)
   return -sum(map(sum, terms)) / (len(terms) * max_tokens)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"norm": "seq_mean"}, {"norm": "constant", "max_tokens": 5},
+                                    {"is_mode": "mask"}])
+def test_an_answer_with_nothing_counted_is_in_no_denominator(kwargs):
+  """A third group whose second answer has no counted token (cut at max_new_tokens under
+  count_truncated=False): the loss is the hand computation's, which skips that answer."""
+  data = (LOGP + [[-0.7, -0.2, -0.4], [-0.3, -0.3, -0.3]], PROX + [[-0.5, -0.2, -0.1], [-0.3, -0.3, -0.3]],
+          SAMPLER + [[-0.6, -0.3, -0.2], [-0.3, -0.3, -0.3]], MASK + [[1, 1, 1], [0, 0, 0]],
+          REWARDS + [1.0, 0.0])
+  f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  loss, _ = grpo(*map(f, data), group_size=G, eps_low=0.2, eps_high=0.28, is_cap=2.0, **kwargs)
+  np.testing.assert_allclose(float(loss), _hand(data=data, **kwargs), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("kwargs", [

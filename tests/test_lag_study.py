@@ -139,6 +139,9 @@ def test_reason_study_runs_the_chain_task_and_measures_votes_and_diversity(reaso
               "entropy_per_token"} <= set(e)
       assert np.array(e["answer_ids"]).shape == (e["num_problems"], n)
       assert e["entropy_per_token"] > 0 and e["mean_answer_tokens"] > 4
+    # evaluations during the run are logged without their per-answer lists (metrics.jsonl too)
+    assert r.summary["evals_during"] and all("answer_ids" not in e and "maj@1" in e
+                                             for e in r.summary["evals_during"])
   assert runs[0].summary["samples_generated"] == runs[1].summary["samples_generated"]
   report = os.path.join(reason_study, "report.md")
   lag_study.write_report(reason_study, report, command="cmd", study="reason")

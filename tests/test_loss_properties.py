@@ -66,7 +66,8 @@ def test_is_weights_from_huge_log_ratios_stay_finite_and_exact(level, mode):
   (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(prox))
   w = _expected_is_weights(level, mode)  # [B, T]
   adv = np.asarray(losses.group_advantages(jnp.asarray(IS_REWARDS), group_size=2))[:, None]
-  n = IS_MASK.sum()
+  # the tokens in the objective: mask mode's dropped ones count in no denominator
+  n = (IS_MASK * ((w != 0) if mode == "mask" else 1)).sum()
   assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(grad)))
   np.testing.assert_allclose(float(loss), -np.sum(w * adv * IS_MASK) / n, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(grad), -w * adv * IS_MASK / n, rtol=1e-5, atol=1e-8)
@@ -78,7 +79,7 @@ def test_is_weights_from_huge_log_ratios_stay_finite_and_exact(level, mode):
   assert float(metrics["is_weight_max"]) == pytest.approx(bound, rel=1e-5)  # saturated, finite
   assert 0.0 < float(metrics["is_weight_min"]) == pytest.approx(1.0 / bound, rel=1e-5)
   dropped = (w == 0) & valid if mode == "mask" else np.zeros_like(valid)
-  np.testing.assert_allclose(float(metrics["is_masked_fraction"]), dropped.sum() / n, rtol=1e-6)
+  np.testing.assert_allclose(float(metrics["is_masked_fraction"]), dropped.sum() / IS_MASK.sum(), rtol=1e-6)
 
 
 def test_importance_weights_returns_clipped_raw_weights():

@@ -218,7 +218,7 @@ class Run:
   def restore_latest(self) -> bool:
     """Restores the newest checkpoint that loads and verifies (damaged ones are skipped with a
     warning); False if there is none. Raises checkpoint.CheckpointError if all are damaged."""
-    found = self.ckpt.restore_latest(self._trees(), self.model_meta())
+    found = self.ckpt.restore_latest(self._trees(), self.model_meta(), tidy=True)
     if found is None:
       return False
     _, state, meta = found

@@ -246,14 +246,23 @@ def _check_grpo_args(logprobs, prox_logprobs, sampler_logprobs, mask, rewards, *
     raise ValueError("kl_coef > 0 needs ref_logprobs")
 
 
-def _normalise(obj: jax.Array, m: jax.Array, norm: str, *, num_tokens, max_tokens) -> jax.Array:
-  """The batch objective from per-token terms `obj` `[B, T]` (zero where `m` is 0), by `norm`."""
+def _normalise(obj: jax.Array, m: jax.Array, kept: jax.Array, norm: str, *, num_tokens,
+               num_answers, max_tokens) -> jax.Array:
+  """The batch objective from per-token terms `obj` `[B, T]` (zero where `m` is 0), by `norm`.
+
+  Only what the objective sums counts in a denominator: the tokens `m` counts and the IS
+  weights kept (`kept`: 0 where `is_mode="mask"` dropped one), the answers with a counted token
+  (an answer cut at max_new_tokens under `count_truncated=False` has none). `num_tokens` /
+  `num_answers` (gradient accumulation: the full batch's counts / accum) replace this
+  micro-batch's; masked-out tokens are then taken off at this micro-batch's kept fraction."""
+  counted = m * kept
   if norm == "token_mean":
-    denom = m.sum() if num_tokens is None else num_tokens
+    denom = counted.sum() if num_tokens is None else num_tokens * counted.sum() / jnp.maximum(m.sum(), 1.0)
     return obj.sum() / jnp.maximum(denom, 1.0)
+  answers = (m.sum(axis=1) > 0).sum() if num_answers is None else num_answers
   if norm == "seq_mean":
-    return jnp.mean(obj.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0))
-  return obj.sum() / (obj.shape[0] * max_tokens)
+    return jnp.sum(obj.sum(axis=1) / jnp.maximum(counted.sum(axis=1), 1.0)) / jnp.maximum(answers, 1.0)
+  return obj.sum() / (jnp.maximum(answers, 1.0) * max_tokens)
 
 
 def grpo(
@@ -274,6 +283,7 @@ def grpo(
     norm: str = "token_mean",
     max_tokens: int | None = None,
     num_tokens: jax.Array | None = None,
+    num_answers: jax.Array | None = None,
     ref_logprobs: jax.Array | None = None,
     kl_coef: float = 0.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -289,8 +299,9 @@ def grpo(
 
   ``norm``: ``"token_mean"`` (sum over counted tokens / their count; ``num_tokens`` overrides
   the count, so gradient-accumulation micro-batches can share the full batch's), ``"seq_mean"``
-  (each answer's token mean, then the mean over answers), ``"constant"`` (Dr.GRPO: sum / (B *
-  ``max_tokens``)). ``k3 = exp(ref - logp) - (ref - logp) - 1`` is the usual non-negative
+  (each answer's token mean, then the mean over answers), ``"constant"`` (Dr.GRPO: sum / (N *
+  ``max_tokens``)), N the answers with a counted token (``num_answers`` overrides it). Tokens
+  that ``is_mode="mask"`` drops count in no denominator (:func:`_normalise`). ``k3 = exp(ref - logp) - (ref - logp) - 1`` is the usual non-negative
   estimator of KL(pi_theta || pi_ref).
 
   With ``logprobs == prox_logprobs == sampler_logprobs`` (lag 0, no engine mismatch) every
@@ -324,7 +335,8 @@ def grpo(
     obj = obj - kl_coef * k3
     metrics["kl"] = jnp.sum(k3 * m) / jnp.maximum(m.sum(), 1.0)
   obj = obj * m
-  loss = -_normalise(obj, m, norm, num_tokens=num_tokens, max_tokens=max_tokens)
+  loss = -_normalise(obj, m, kept, norm, num_tokens=num_tokens, num_answers=num_answers,
+                     max_tokens=max_tokens)
   metrics.update(_grpo_metrics(m, valid, unclipped=unclipped, clipped=clipped, raw_w=raw_w,
                                kept=kept, ratio=ratio, adv=adv))
   return loss, metrics
@@ -423,7 +435,8 @@ def _oapl_inputs(x: LossInputs, **kwargs):
 def _grpo_inputs(x: LossInputs, **kwargs):
   """`grpo` on `LossInputs`: pi_prox is the snapshot's log-probs (always scored)."""
   return grpo(x.logprobs, x.snapshot_logprobs, x.sampler_logprobs, x.mask, x.rewards,
-              ref_logprobs=x.reference_logprobs, num_tokens=x.num_tokens, **kwargs)
+              ref_logprobs=x.reference_logprobs, num_tokens=x.num_tokens,
+              num_answers=x.num_answers, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
