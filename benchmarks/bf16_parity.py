@@ -40,6 +40,7 @@ from flax import nnx
 
 from oapl_jax import config as config_lib
 from oapl_jax.models import ModelConfig, Transformer
+from oapl_jax.models.names import compiler_options
 from oapl_jax.rl.logprobs import make_batch, token_logprobs
 from oapl_jax.sampling import Engine, SamplingParams, rollout
 from oapl_jax.sampling.engine import engine_settings
@@ -66,8 +67,10 @@ def random_params(cfg: ModelConfig, seed: int = 0):
 
 
 def measure(cfg: ModelConfig, *, prompts: int, answers: int, group: int = 4, seed: int = 0,
-            min_decode_width: int | None = None):
-  """Returns (gaps over answer tokens `[n]`, number of answer tokens)."""
+            min_decode_width: int | None = None, exact_rounding: bool = True):
+  """Returns (gaps over answer tokens `[n]`, number of answer tokens). exact_rounding: the
+  engine's and the trainer kernel's programs round to the compute dtype wherever they say
+  (`config.model.exact_rounding`); False: XLA's default."""
   graphdef, master = random_params(cfg, seed)
   compute = jnp.dtype(cfg.dtype)
   snapshot = jax.tree.map(lambda x: x.astype(compute), master)  # the engine's copy
@@ -77,13 +80,15 @@ def measure(cfg: ModelConfig, *, prompts: int, answers: int, group: int = 4, see
   if min_decode_width is not None:
     settings["min_decode_width"] = min_decode_width
   engine = Engine(graphdef, cfg, sampling, max_slots=prompts * group,
-                  max_prefill_length=prompt_len, max_len=prompt_len + answers, **settings)
+                  max_prefill_length=prompt_len, max_len=prompt_len + answers,
+                  exact_rounding=exact_rounding, **settings)
   rng = np.random.default_rng(seed)
   ps = [[1] + list(rng.integers(3, cfg.vocab_size, rng.integers(4, prompt_len))) for _ in range(prompts)]
   ro = rollout(engine, snapshot, ps, group_size=group, max_new_tokens=answers, eos_id=-1,
                pad_id=0, key=jax.random.key(seed))
   batch = make_batch(ro, np.zeros(ro.num_samples), seq_len=prompt_len + answers, pad_id=0)
-  score = jax.jit(lambda p, t: token_logprobs(nnx.merge(graphdef, p), t, sampling)[0])
+  score = jax.jit(lambda p, t: token_logprobs(nnx.merge(graphdef, p), t, sampling)[0],
+                  compiler_options=compiler_options(exact_rounding))
   trainer = np.asarray(score(master, jnp.asarray(batch.tokens)))
   mask = batch.mask > 0
   return np.abs(trainer - batch.sampler_logprobs)[mask], int(mask.sum())

@@ -46,6 +46,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   # (bfloat16 master weights lose updates at lr 1e-6: most steps round back to the same value).
   c.model.param_dtype = "float32"  # Master weight dtype: "float32", "bfloat16" or "float16".
   c.model.dtype = "float32"  # Compute dtype of matmuls and of the engines' weights (log-softmax always float32).
+  c.model.exact_rounding = True  # Round to model.dtype wherever the program says, in the train step and the engines (XLA may otherwise keep float32 there, by shape: bfloat16 log-probs then depend on the batch; docs/design.md "Engine/trainer parity in bfloat16"). False: XLA's default (faster on CPU/GPU).
 
   # The device mesh of the trainer: axes ("data", "fsdp", "tensor"); their product is the number
   # of devices the trainer uses (all of them: at most one axis is -1 = all remaining devices).

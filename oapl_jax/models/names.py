@@ -34,3 +34,13 @@ def dtype_name(value: Any, argument: str = "dtype") -> str:
     raise ValueError(f"{argument}={value!r} is not supported; use one of {list(DTYPE_NAMES)} "
                      "(a name, or a NumPy/JAX dtype such as jnp.bfloat16)")
   return name
+
+
+def compiler_options(exact_rounding: bool) -> dict | None:
+  """XLA options of the programs that run the model (the train step, the engines' prefill and
+  decode, the log-prob pass): with `exact_rounding` (`config.model.exact_rounding`), XLA may not
+  keep float32 where the program rounds to the compute dtype. By default XLA drops such
+  f32 -> bf16 -> f32 round trips where its fusions meet them, and where it does depends on the
+  shapes, so bfloat16 log-probs of a row would change with the batch it is scored in
+  (docs/design.md "Engine/trainer parity in bfloat16")."""
+  return {"xla_allow_excess_precision": False} if exact_rounding else None

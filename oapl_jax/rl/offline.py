@@ -48,6 +48,7 @@ import numpy as np
 from flax import nnx
 
 from oapl_jax.errors import UserError
+from oapl_jax.models.names import compiler_options
 from oapl_jax.rl.buffer import Rows
 from oapl_jax.rl.logprobs import make_batch, token_logprobs
 from oapl_jax.sampling.processing import SamplingParams
@@ -253,7 +254,8 @@ def logprob_fn(config, graphdef, mesh):
   sampling = SamplingParams.from_config(config.sampling)
   kernel = jax.jit(lambda p, t: token_logprobs(nnx.merge(graphdef, p), t, sampling,
                                                tile=config.train.logprob_tile,
-                                               attn_block=config.train.attn_block)[0])
+                                               attn_block=config.train.attn_block)[0],
+                   compiler_options=compiler_options(config.model.exact_rounding))
 
   def logprobs(params, tokens: np.ndarray) -> np.ndarray:
     with jax.set_mesh(mesh):

@@ -32,6 +32,7 @@ from oapl_jax import placement
 from oapl_jax import sharding as sharding_lib
 from oapl_jax.errors import ConfigError
 from oapl_jax.models import build
+from oapl_jax.models.names import compiler_options
 from oapl_jax.rl import losses
 from oapl_jax.rl.buffer import Rows
 from oapl_jax.rl.logprobs import token_logprobs
@@ -147,7 +148,8 @@ class TrainStep:
         fn, donate_argnums=(0, 1),
         in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings, batch,
                       reference),
-        out_shardings=(self.param_shardings, self.opt_shardings, self.replicated))
+        out_shardings=(self.param_shardings, self.opt_shardings, self.replicated),
+        compiler_options=compiler_options(config.model.exact_rounding))
     self.dtype = jnp.dtype(config.model.dtype)
     self._snapshot = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p),
                              out_shardings=self.param_shardings)

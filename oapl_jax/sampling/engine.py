@@ -55,6 +55,7 @@ from oapl_jax.sampling import jetstream_compat  # noqa: F401  (before any JetStr
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from oapl_jax.models.kv_cache import init_cache, write_prefix
+from oapl_jax.models.names import compiler_options
 from oapl_jax.models.transformer import ModelConfig
 from oapl_jax.sampling import decode as decode_lib
 from oapl_jax.sampling.layout import EngineLayout, EngineParams, engine_mesh, load_weights
@@ -170,7 +171,8 @@ class Engine(engine_api.Engine):
   def __init__(self, graphdef, model_cfg: ModelConfig, sampling: SamplingParams, *,
                max_slots: int, max_prefill_length: int, max_len: int, steps_per_call: int,
                attn_chunk: int, cache_bucket: int, max_prefill_batch: int, min_decode_width: int,
-               mesh: jax.sharding.Mesh | None = None, rules=None, tokenizer=None):
+               mesh: jax.sharding.Mesh | None = None, rules=None, tokenizer=None,
+               exact_rounding: bool = True):
     if max_prefill_length >= max_len:
       raise ValueError(f"max_prefill_length={max_prefill_length} must be < max_len={max_len}")
     self._graphdef = graphdef
@@ -199,12 +201,14 @@ class Engine(engine_api.Engine):
     prefix = {"kvs": [(kv, kv)] * layers, "logits": rep, "lengths": rep, "version": rep}
     self._zero_cache = jax.jit(lambda capacity: init_cache(model_cfg, max_slots, capacity),
                                static_argnums=0, out_shardings=cache)
-    self._prefill = jax.jit(self._prefill_impl, out_shardings=prefix)
+    opts = compiler_options(exact_rounding)  # the programs that run the model
+    self._prefill = jax.jit(self._prefill_impl, out_shardings=prefix, compiler_options=opts)
     self._embedding = jax.jit(lambda head: head.T)  # [E, V] -> [V, E] (tied models' prefill)
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state)
-    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, rep))
+    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, rep),
+                             compiler_options=opts)
     self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,),
-                                   out_shardings=(state, rep))
+                                   out_shardings=(state, rep), compiler_options=opts)
     self._resize = jax.jit(self._resize_impl, static_argnums=(1,), out_shardings=state)
     self._narrow = jax.jit(self._narrow_impl, out_shardings=state)
 

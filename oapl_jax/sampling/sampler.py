@@ -31,7 +31,8 @@ def make_engine(config, model_cfg, graphdef, sampling: SamplingParams, mesh=None
                 max_prefill_length=s.max_prompt_len, max_len=seq_len(config),
                 steps_per_call=s.steps_per_call, attn_chunk=s.attn_chunk,
                 cache_bucket=s.cache_bucket, max_prefill_batch=s.max_prefill_batch,
-                min_decode_width=s.min_decode_width, mesh=mesh, rules=config.sharding.rules)
+                min_decode_width=s.min_decode_width, mesh=mesh, rules=config.sharding.rules,
+                exact_rounding=config.model.exact_rounding)
 
 
 def make_replicas(config, model_cfg, graphdef, sampling: SamplingParams, devices=None) -> Replicas:
