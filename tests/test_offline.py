@@ -227,3 +227,74 @@ def test_tiny_offline_rounds_then_online_raise_pass_at_1(tmp_path):
   during = {e["step"]: e["pass@1"] for e in summary["evals_during"]}
   before, after = summary["eval_before"]["pass@1"], summary["eval_after"]["pass@1"]
   assert before + 0.2 < during[64] < during[128] < after, (before, during, after)
+
+
+def _longer_first_answer(h, a):
+  """Answer 0 made 10 tokens longer than it is (offsets shifted): past max_new_tokens."""
+  end = a["answer_offsets"][1]
+  a["answer_tokens"] = np.insert(a["answer_tokens"], end, np.full(10, 3, np.int32))
+  a["answer_logprobs"] = np.insert(a["answer_logprobs"], end, np.full(10, -1.0, np.float32))
+  a["answer_offsets"][1:] += 10
+
+
+def _set(name, index, value):
+  def edit(h, a):
+    a[name][index] = value
+  return edit
+
+
+@pytest.mark.parametrize("edit, why", [
+    (_set("answer_logprobs", 40, np.nan), r"answer \d+ \(group \d, answer \d of it\): a log-prob that is not finite"),
+    (_set("answer_logprobs", 40, 3.0), r"answer \d+ \(group \d, answer \d of it\): a log-prob above 0"),
+    (_set("answer_tokens", 40, -5), r"answer \d+ .*: a token id outside \[0, \d+\) \(model.vocab_size\)"),
+    (_set("answer_tokens", 40, 1000), r"answer \d+ .*: a token id outside \[0, \d+\)"),
+    (_set("rewards", 13, np.inf), r"answer 13 \(group 1, answer 5 of it\): a reward that is not finite"),
+    (_set("prompt_tokens", 3, 999), r"group 0's prompt: a token id outside"),
+    (_longer_first_answer, r"answer 0 \(group 0, answer 0 of it\): longer than sampling.max_new_tokens=6"),
+    (lambda h, a: a.update(rewards=a["rewards"].reshape(8, 8)), r"rewards: not a 1-D array of numbers"),
+    (lambda h, a: h.pop("problems"), r"its header has no list of problems"),
+    (lambda h, a: h["problems"][2].update(prompt="1+1="), r"group 2's prompt tokens are not its header problem's prompt"),
+    (lambda h, a: h["problems"][2].update(level=3), r"header problem 2 is not a problem \(prompt, answer, id\)"),
+])
+def test_a_forged_file_is_refused_naming_the_row(smoke_config, base_file, tmp_path, edit, why):
+  """Written through the project's own writer (its checksum holds): every row is checked when
+  the file is read, not only the rescored ones, and the first bad one is named."""
+  bad = str(tmp_path / "forged.npz")
+  _rewrite(base_file, bad, edit)
+  c = _offline(smoke_config, path=bad)
+  with pytest.raises(offline.OfflineFileError, match=rf"^offline file {bad}: {why}"):
+    data = offline.read(bad)
+    offline.check_matches(data, c, _model_meta(c))
+    offline.check_problems(data, make_task(c)[1])
+  data = offline.read(base_file)  # the file it was forged from passes
+  offline.check_matches(data, c, _model_meta(c))
+  offline.check_problems(data, make_task(c)[1])
+
+
+def _model_meta(c) -> dict:
+  import dataclasses  # noqa: PLC0415
+  from oapl_jax.models.transformer import ModelConfig  # noqa: PLC0415
+  return dataclasses.asdict(ModelConfig.from_config(c.model))
+
+
+def test_a_killed_offline_run_counts_each_answer_once(smoke_config, tmp_path):
+  """Killed after round 2's file was written but before a checkpoint counted it: the resumed
+  run reads the file back and counts its answers, as the straight run does."""
+  c = _offline(smoke_config)
+  c.train.steps = 4  # 2 rounds x 2 steps, both sampled by the run
+  straight = train.Run(c, str(tmp_path / "straight"))
+  for _ in range(4):
+    straight.step()
+  killed = train.Run(c, str(tmp_path / "killed"))
+  for _ in range(2):
+    killed.step()
+  killed.save()  # step 2: round 2 not sampled yet
+  killed.step()  # samples round 2 into offline/round_2.npz; then the kill
+  assert (tmp_path / "killed" / "offline" / "round_2.npz").exists()
+  resumed = train.Run(c, str(tmp_path / "killed"))
+  assert resumed.restore_latest() and resumed.counters.step == 2
+  for _ in range(2):
+    resumed.step()
+  assert resumed.counters.samples_generated == straight.counters.samples_generated == 2 * 64
+  for r in (straight, killed, resumed):
+    r.close()

@@ -211,7 +211,13 @@ def read(path: str) -> OfflineData:
 
 
 def _check_shapes(data: OfflineData) -> None:
-  a, path = data.arrays, data.path
+  a, path, h = data.arrays, data.path, data.header
+  flat = [k for k in ARRAYS if a[k].ndim != 1 or a[k].dtype.kind not in "iuf"]
+  if flat:
+    _fail(path, f"{', '.join(flat)}: not a 1-D array of numbers")
+  if not (isinstance(h.get("problems"), list) and isinstance(h.get("group_size"), int)
+          and not isinstance(h.get("group_size"), bool) and h["group_size"] >= 1):
+    _fail(path, "its header has no list of problems or no group_size >= 1")
   n = data.groups * data.group_size
   ok = (len(data.header["problems"]) == data.groups and data.groups > 0
         and all(len(a[k]) == n for k in ("finish", "rewards", "version"))
@@ -246,6 +252,58 @@ def check_matches(data: OfflineData, config, model_meta: dict) -> None:
   if have.get("group_size") != want["group_size"]:
     _fail(data.path, f"groups of {have.get('group_size')} answers; this run's rl.group_size="
           f"{want['group_size']}")
+  _check_values(data, vocab_size=int(want["model"]["vocab_size"]), max_prompt_len=s["max_prompt_len"],
+                max_new_tokens=s["max_new_tokens"])
+
+
+LOGPROB_SLACK = 1e-4  # a log-prob above 0 by more than this is not one (float rounding aside)
+
+
+def _check_values(data: OfflineData, *, vocab_size: int, max_prompt_len: int, max_new_tokens: int) -> None:
+  """Every row's values: token ids in [0, vocab), prompts and answers within the run's lengths,
+  log-probs finite and <= 0, rewards finite; the first bad one is named (group and answer)."""
+  a, g = data.arrays, data.group_size
+
+  def first_bad(ok: np.ndarray, offsets: np.ndarray | None = None):
+    """The row (answer or group) of the first False in `ok` (per element of a ragged array)."""
+    bad = np.flatnonzero(~ok)
+    if not len(bad):
+      return None
+    return int(bad[0]) if offsets is None else int(np.searchsorted(offsets, bad[0], side="right") - 1)
+
+  def answer(i: int) -> str:
+    return f"answer {i} (group {i // g}, answer {i % g} of it)"
+
+  checks = [
+      (first_bad((a["answer_tokens"] >= 0) & (a["answer_tokens"] < vocab_size), a["answer_offsets"]),
+       answer, f"a token id outside [0, {vocab_size}) (model.vocab_size)"),
+      (first_bad(np.diff(a["answer_offsets"]) <= max_new_tokens), answer,
+       f"longer than sampling.max_new_tokens={max_new_tokens}"),
+      (first_bad(np.isfinite(a["answer_logprobs"]), a["answer_offsets"]), answer, "a log-prob that is not finite"),
+      (first_bad(a["answer_logprobs"] <= LOGPROB_SLACK, a["answer_offsets"]), answer, "a log-prob above 0"),
+      (first_bad(np.isfinite(a["rewards"])), answer, "a reward that is not finite"),
+      (first_bad((a["prompt_tokens"] >= 0) & (a["prompt_tokens"] < vocab_size), a["prompt_offsets"]),
+       lambda p: f"group {p}'s prompt", f"a token id outside [0, {vocab_size}) (model.vocab_size)"),
+      (first_bad(np.diff(a["prompt_offsets"]) <= max_prompt_len), lambda p: f"group {p}'s prompt",
+       f"longer than sampling.max_prompt_len={max_prompt_len}"),
+  ]
+  for row, name, why in checks:
+    if row is not None:
+      _fail(data.path, f"{name(row)}: {why}")
+
+
+def check_problems(data: OfflineData, tokenizer) -> None:
+  """The header's problems are problems (prompt, answer, id) and each group's prompt tokens are
+  its problem's prompt as the sampler encodes it: the answers were sampled for them."""
+  po, tokens = data.arrays["prompt_offsets"], data.arrays["prompt_tokens"]
+  for p, problem in enumerate(data.header["problems"]):
+    try:
+      prompt = Problem(**problem).prompt
+    except TypeError as e:
+      _fail(data.path, f"header problem {p} is not a problem (prompt, answer, id): {e}")
+    if tokens[po[p]:po[p + 1]].tolist() != list(tokenizer.encode(prompt, add_bos=True)):
+      _fail(data.path, f"group {p}'s prompt tokens are not its header problem's prompt "
+            f"({prompt[:60]!r}) as this run's tokenizer encodes it")
 
 
 def logprob_fn(config, graphdef, mesh):

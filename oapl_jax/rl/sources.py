@@ -143,6 +143,7 @@ class OfflineSource:
     if off.path is not None:  # refused now, before any warm-up, if it is not this run's
       self._first = offline.read(off.path)
       offline.check_matches(self._first, config, run.model_meta())
+      offline.check_problems(self._first, run.sampler.tokenizer)
     groups = self._first.groups if self._first else off.problems
     if groups < config.rl.groups_per_step:
       raise ConfigError(f"config.rl.groups_per_step={config.rl.groups_per_step}: more than the "
@@ -168,7 +169,13 @@ class OfflineSource:
     if c.step >= self.schedule.steps:
       return self._online.next(make_job)
     round_index, groups = self.schedule.batch(config.seed, c.step)
-    data, tokens, samples = self._round(round_index)
+    data = self._round(round_index)
+    # A file this run sampled counts as generated at its round's first step, whether it was
+    # sampled now or before a kill and read back (the checkpoint's counters decide, once).
+    ours = os.path.abspath(os.path.dirname(data.path)) == os.path.abspath(self._dir)
+    first = c.step % self.schedule.round_steps == 0
+    tokens, samples = ((len(data.arrays["answer_tokens"]), len(data.arrays["rewards"]))
+                       if ours and first else (0, 0))
     rows = data.rows(groups, seq_len=seq_len(config), pad_id=run.sampler.tokenizer.pad_id,
                      count_truncated=config.rl.count_truncated)
     # Checked to be pi_old's samples: stamped as the engines' snapshot of this round's start.
@@ -176,21 +183,21 @@ class OfflineSource:
                                snapshot_step=np.full(len(rows), c.snapshot_step, np.int32))
     return Drawn(rows, tokens, samples)
 
-  def _round(self, round_index: int) -> tuple[offline.OfflineData, int, int]:
-    """The file of round `round_index` (0-based), checked against pi_old; with the answer
-    tokens and answers sampled to write it now (0, 0 if it was read)."""
+  def _round(self, round_index: int) -> offline.OfflineData:
+    """The file of round `round_index` (0-based), checked against pi_old (sampled into the
+    workdir's offline/ folder first if it is not there)."""
     if self._loaded is not None and self._loaded[0] == round_index:
-      return self._loaded[1], 0, 0
+      return self._loaded[1]
     run, config = self._run, self._run.config
-    tokens = samples = 0
     if round_index == 0 and self._first is not None:
       data = self._first
     else:
       path = os.path.join(self._dir, f"round_{round_index + 1}.npz")
       if not os.path.exists(path):
-        tokens, samples = self._sample(round_index, path)
+        self._sample(round_index, path)
       data = offline.read(path)
     offline.check_matches(data, config, run.model_meta())
+    offline.check_problems(data, run.sampler.tokenizer)
     if self._recompute is None:
       self._recompute = offline.logprob_fn(config, run.graphdef, run.mesh)
     gap = offline.check_logprobs(data, config, self._recompute, run.snapshot,
@@ -199,20 +206,19 @@ class OfflineSource:
     say(f"offline round {round_index + 1}: {data.groups} groups from {data.path} "
         f"(sampler: {data.header['policy'].get('source')}; log-prob check {gap:.2g}/token)")
     self._loaded = (round_index, data)
-    return data, tokens, samples
+    return data
 
-  def _sample(self, round_index: int, path: str) -> tuple[int, int]:
-    """Samples round `round_index`'s file with pi_old into `path`; (answer tokens, answers)."""
+  def _sample(self, round_index: int, path: str) -> None:
+    """Samples round `round_index`'s file with pi_old into `path`."""
     run, c = self._run, self._run.counters
     problems = (offline.round_one_problems(run.config, run.sampler.task) if round_index == 0
                 else self._problems_of_round_one())
     policy = {"version": c.version, "snapshot_step": c.snapshot_step,
               "source": f"pi_old of the run in {os.path.dirname(self._dir)} at step {c.step}"}
-    header, arrays, tokens = offline.sample_round(
+    header, arrays, _ = offline.sample_round(
         run.config, run.sampler, run.engine_weights(), problems, round_index=round_index,
         policy=policy, model_meta=run.model_meta())
     offline.write(path, header, arrays)
-    return tokens, len(arrays["rewards"])
 
   def _problems_of_round_one(self):
     if self._first is not None:
