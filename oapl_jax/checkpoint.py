@@ -51,7 +51,7 @@ from etils import epath
 
 from oapl_jax import distributed
 from oapl_jax.errors import UserError
-from oapl_jax.workdir import Layout
+from oapl_jax.workdir import Layout, check_usable
 
 ROWS = ("buffer", "inflight")  # host row dicts of a run state (names of `state` entries)
 CHECKSUMS = "checksums"  # meta key: {"meta": sha256 of the rest of meta, "state": {path: sha256}}
@@ -401,6 +401,7 @@ def restore_policy(config, workdir: str, policy: str):
   name = POLICIES[policy]
   model_cfg, graphdef, abstract = abstract_model(
       config, dtype=config.model.dtype if policy == "snapshot" else None)
+  check_usable(workdir)
   directory = directory_of(config, workdir)
   if not epath.Path(directory).is_dir():  # a mistyped workdir: refused, nothing created there
     raise UserError(f"no checkpoint under {directory} (--workdir={workdir}: is it the run's?)")

@@ -52,4 +52,37 @@ def run_command(main: Callable[[list[str]], Any]) -> None:
       sys.stderr.flush()
       sys.exit(e.exit_code)
 
-  app.run(wrapped)
+  def parse(argv):
+    """The command line; a flag it cannot take (an unknown or malformed setting, a config file
+    that is missing, fails to load, lacks get_config or refuses its `:variant`) is one line and
+    exit code 2 (`--verbose`: the traceback)."""
+    try:
+      return flags.FLAGS(argv)
+    except Exception as e:  # absl's flags.Error, or what loading the config file raised
+      if "--verbose" in argv:
+        traceback.print_exc()
+      else:
+        print(f"error: {_flag_error(e, argv)}", file=sys.stderr)
+      sys.stderr.flush()
+      sys.exit(2)
+
+  app.run(wrapped, flags_parser=parse)
+
+
+def _flag_error(e: BaseException, argv: list[str]) -> str:
+  """One line for an error of the command line: absl's message, or the config file's error
+  (`--config=c.py: the config file did not load: AttributeError: ... 'get_config'`)."""
+  from absl import flags  # noqa: PLC0415
+  text = str(e)
+  if isinstance(e, flags.Error) and "Traceback (most recent call last)" not in text:
+    return one_line(text)
+  if isinstance(e, flags.Error):  # the config file raised: its last line says what
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    why = lines[-1]
+  else:
+    cause = e
+    while cause.__cause__ is not None:
+      cause = cause.__cause__
+    why = f"{type(cause).__name__}: {cause}"
+  spec = next((a for a in argv if a.startswith("--config=")), "--config")
+  return one_line(f"{spec}: the config file did not load: {why}")

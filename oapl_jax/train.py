@@ -27,7 +27,7 @@ from oapl_jax.metrics import MetricsLog, read_json, read_metrics, say, write_jso
 from oapl_jax.placement import seq_len
 from oapl_jax.rl.loop import Run
 from oapl_jax.topology import TOPOLOGIES
-from oapl_jax.workdir import Interrupted, Layout, StopSignals, WorkdirLock
+from oapl_jax.workdir import Interrupted, Layout, StopSignals, WorkdirLock, check_usable
 
 __all__ = ["NonFiniteSteps", "Run", "run", "run_validated"]
 
@@ -54,6 +54,7 @@ def run(config, workdir: str) -> dict:
 def run_validated(config, workdir: str) -> dict:
   """`run` of a config its caller has validated (`python -m oapl_jax.main` does, before it
   imports this module, so that a refused setting is one line on a quiet console)."""
+  check_usable(workdir)
   if storage.is_remote(workdir) and config.rl.mode == "offline":
     raise UserError(f"--workdir={workdir}: config.rl.mode='offline' writes its round files on a "
                     "local or shared disk; give a local --workdir")

@@ -91,6 +91,12 @@ class Layout:
     return self._path(f"eval_step{step}.json")
 
 
+def check_usable(workdir: str) -> None:
+  """Refuses (one line) a local --workdir that exists and is not a folder."""
+  if not storage.is_remote(workdir) and os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise UserError(f"--workdir={workdir} is a file, not a folder: give a folder (new or a run's)")
+
+
 class WorkdirBusy(UserError):
   """Another run holds the workdir."""
 

@@ -61,3 +61,40 @@ def test_verbose_shows_the_traceback(tmp_path):
 def test_a_message_of_several_lines_is_printed_as_one():
   assert one_line("checkpoint of another model:\n  config.model.a=1\n  config.model.b=2\n") == \
       "checkpoint of another model: config.model.a=1; config.model.b=2"
+
+
+def _cmd_line(module: str, *args) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                        timeout=300, cwd=ROOT)
+
+
+@pytest.mark.parametrize("module", ["oapl_jax.main", "oapl_jax.evaluate"])
+def test_a_workdir_that_is_a_file_is_one_line(module, tmp_path):
+  path = tmp_path / "not_a_folder"
+  path.write_text("notes")
+  out = _cmd_line(module, "--config=configs/tiny.py:smoke", f"--workdir={path}")
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: --workdir={path} is a file, not a folder: give a folder (new or a run's)")
+  assert path.read_text() == "notes"
+
+
+@pytest.mark.parametrize("config, override, why", [
+    ("configs/tiny.py:nope", None, "--config=configs/tiny.py:nope: the config file did not load: "
+     "ValueError: unknown config arg 'nope' (unknown variant; known: smoke)"),
+    ("{no_get}", None, "--config={no_get}: the config file did not load: AttributeError: "),
+    ("{raises}", None, "--config={raises}: the config file did not load: RuntimeError: boom"),
+    ("configs/tiny.py", "--config.rl.group_size=8x",
+     "flag --config.rl.group_size=8x: invalid literal for int() with base 10: '8x'"),
+])
+def test_a_config_file_or_override_that_cannot_load_is_one_line(config, override, why, tmp_path):
+  files = {"no_get": tmp_path / "no_get.py", "raises": tmp_path / "raises.py"}
+  files["no_get"].write_text("x = 1\n")
+  files["raises"].write_text("def get_config():\n  raise RuntimeError('boom')\n")
+  config, why = (s.format(**files) for s in (config, why))
+  out = _cmd_line("oapl_jax.main", f"--config={config}", f"--workdir={tmp_path / 'w'}",
+                  *([override] if override else []))
+  assert out.returncode == 2, out.stderr[-3000:]
+  lines = [line for line in out.stderr.strip().splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and lines[0].startswith(f"error: {why}"), out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
