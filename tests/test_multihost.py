@@ -167,6 +167,25 @@ def test_unreachable_coordinator_is_one_line_naming_address_and_setting(tmp_path
   assert time.perf_counter() - t0 < 60
 
 
+def test_async_mode_over_two_processes_is_refused_in_one_line(tmp_path):
+  """rl.mode='async' is single-host for now: both processes stop at start-up with the one
+  line naming the setting, before anything is built on the devices."""
+  port = _free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "oapl_jax.main", "--config=configs/tiny.py:smoke", f"--workdir={tmp_path}",
+       "--config.rl.mode=async", "--config.sampling.engines=2",
+       f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+       "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
+      cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(2))
+      for i in range(2)]
+  for p in procs:
+    _, err = p.communicate(timeout=300)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert errors == ["error: config.rl.mode='async': multi-host runs (2 processes) support "
+                      "rl.mode='sync' only, for now"], err[-3000:]
+
+
 # --- prompts drawn globally, sampled locally -------------------------------------------------
 
 ROLLOUT = textwrap.dedent("""

@@ -164,6 +164,8 @@ class Run:
   def __init__(self, config, workdir: str):
     """config: validated (`oapl_jax.config.validate`; `train.run` does it)."""
     self.config = config
+    # first: a setting multi-host runs refuse, before anything is built on the devices
+    self.groups_per_step = check_processes(config, jax.process_count()) // jax.process_count()  # this process's share
     storage.makedirs(workdir)
     task, tokenizer = make_task(config)
     if config.model.vocab_size < tokenizer.vocab_size:
@@ -174,7 +176,6 @@ class Run:
     self.model_cfg, self.graphdef, params = init_model(config, mesh=self.mesh)  # created sharded
     self.optimizer = make_optimizer(config.train, config.train.steps)
     sampling = SamplingParams.from_config(config.sampling)  # the engine's and the trainer's
-    self.groups_per_step = check_processes(config, jax.process_count()) // jax.process_count()  # this process's share
     replicas = make_replicas(config, self.model_cfg, self.graphdef, sampling, engine_devices(config))
     self.sampler = Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
     self.source = SOURCES[config.rl.mode](self, workdir)  # offline: may refuse its file here
