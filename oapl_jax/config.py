@@ -191,6 +191,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.log = ml_collections.ConfigDict()
   c.log.every = 1  # Write metrics every this many trainer steps.
   c.log.progress = True  # Show a progress bar (step, reward, speed).
+  c.log.dead_model_steps = 20  # Warn (one line) once the gradient norm has been 0, or the entropy ln(model.vocab_size) (a uniform policy), this many steps in a row: weights that stopped learning (e.g. too high a train.lr); 0 = never.
   c.log.tensorboard = True  # Also write TensorBoard scalars (events.out.* in the workdir; a gs:// workdir through tf.io.gfile).
   return c
 
@@ -474,6 +475,7 @@ def validate(c, *, dry_run: bool = False) -> None:
   _int(c, "checkpoint.keep", 1)
   _number(c, "checkpoint.lock_lease_s", 1, note="the lock's holder renews it every lease / 10 s")
   _number(c, "checkpoint.lock_wait_s", 0)
+  _int(c, "log.dead_model_steps", 0)
   _int(c, "log.every", 1)
   _validate_distributed(c)
 

@@ -13,6 +13,7 @@ bar; every process checkpoints (orbax) and all stop at the same step on a signal
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 
 from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
@@ -115,6 +116,24 @@ def _stop(r: Run, stop: StopSignals, saved: bool) -> None:
                     f"saved in {r.ckpt.directory}; run the same command again to resume")
 
 
+class DeadModelWatch:
+  """Counts trainer steps in a row whose gradient norm is 0 or whose policy is uniform (entropy
+  ln V): a model that stopped learning, which no error would stop. `update` returns a warning
+  line once the count reaches `steps` (again only after a step that breaks the run of them)."""
+
+  def __init__(self, steps: int, vocab_size: int):
+    self.steps, self.uniform, self.count = steps, math.log(vocab_size), 0
+
+  def update(self, step: int, m: dict) -> str | None:
+    dead = float(m["grad_norm"]) == 0.0 or abs(float(m["entropy"]) - self.uniform) < 1e-3
+    self.count = self.count + 1 if dead else 0
+    if self.steps and self.count == self.steps:
+      return (f"WARNING: at step {step}, the gradient norm has been 0 or the policy uniform (entropy "
+              f"{float(m['entropy']):.3f}, ln V = {self.uniform:.3f}) for {self.steps} steps in a row: "
+              f"the weights stopped learning (is train.lr too high?)")
+    return None
+
+
 PER_ANSWER = ("answer_ids",)  # evaluation entries with one value per answer (problems x n)
 
 
@@ -135,10 +154,14 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
   # evaluations of a resumed run's earlier steps come back from its metrics (each is logged)
   evals = [{"step": row["step"], **row["eval"]} for row in read_metrics(workdir)
            if "eval" in row] if writer and r.counters.step > 0 else []
+  dead = DeadModelWatch(config.log.dead_model_steps, config.model.vocab_size)
   with stop.deferring():  # a signal here ends the run after the current step, with a checkpoint
     while r.counters.step < config.train.steps:
       m = r.step()
       s = r.counters.step
+      warning = dead.update(s, m)
+      if warning:
+        say(warning)
       if config.eval.every and s % config.eval.every == 0 and s < config.train.steps:
         m["eval"] = _logged_eval(r.evaluate(r.params, f"step {s}"))
         evals.append({"step": s, **m["eval"]})

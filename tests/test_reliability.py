@@ -257,3 +257,23 @@ def test_kill_sigterm_sigint_mid_rl_resume_to_the_straight_run(tmp_path):
     assert json.loads((workdir / "summary.json").read_text())["eval_after"] == final, sig
     # the evaluations before the stop come back with the resumed run (from its metrics)
     assert json.loads((workdir / "summary.json").read_text())["evals_during"] == during, sig
+
+
+def test_dead_model_watch_warns_once_per_run_of_dead_steps():
+  watch = train.DeadModelWatch(3, vocab_size=32)
+  uniform = {"grad_norm": 0.5, "entropy": np.log(32)}
+  live = {"grad_norm": 0.5, "entropy": 1.0}
+  zero = {"grad_norm": 0.0, "entropy": 1.0}
+  said = [watch.update(s, m) for s, m in enumerate([zero, uniform, live, zero, zero, uniform, zero, zero], 1)]
+  assert [s for s, w in enumerate(said, 1) if w] == [6]  # the run of 3 starting at step 4, once
+  assert "at step 6, the gradient norm has been 0 or the policy uniform" in said[5]
+  assert train.DeadModelWatch(0, vocab_size=32).update(1, zero) is None  # 0: never
+
+
+def test_a_run_that_stopped_learning_says_so(smoke_config, tmp_path, capsys):
+  """train.lr=1e6 blows the tiny model up into a uniform policy with a zero gradient: the run
+  finishes (nothing is wrong to an error check) but prints the warning."""
+  smoke_config.train.lr, smoke_config.train.steps = 1e6, 6
+  smoke_config.log.dead_model_steps, smoke_config.log.progress = 3, False
+  train.run(smoke_config, str(tmp_path))
+  assert "the weights stopped learning (is train.lr too high?)" in capsys.readouterr().out
