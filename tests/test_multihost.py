@@ -352,6 +352,9 @@ def _check_same_run(multi, single, steps: int) -> float:
   assert "eval after:" not in logs[1] and '"trainer_steps"' not in logs[1], logs[1][-2000:]
   assert os.path.isfile(os.path.join(multi, "summary.json"))
   assert not [f for f in os.listdir(multi) if f.endswith(".tmp")]
+  written = [f for _, _, files in os.walk(multi) for f in files]  # the whole workdir tree
+  for name in ("metrics.jsonl", "summary.json", "eval_before.json", "events.out.tfevents"):
+    assert sum(f.startswith(name) for f in written) == 1, (name, sorted(written))
   got, want = _metrics(multi), _metrics(single)
   assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, steps + 1))
   worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(got, want))
