@@ -11,7 +11,7 @@
 # replica each: --config.sampling.engines=N (the replicas over all processes; an override of
 # sampling.engines given here wins, and must be a multiple of N). Process 0's
 # output is shown here and kept, with every other process's, in LOG_DIR/process_<i>.log
-# (default: <workdir>/logs). Waits for all; if one fails, the others are stopped and the exit
+# (default: <workdir>/logs; ./logs for a gs:// workdir). Waits for all; if one fails, the others are stopped and the exit
 # status is the failed one's. SIGTERM / SIGINT are passed to every process (they stop at the
 # same step with a checkpoint; run the same command again to resume).
 set -uo pipefail
@@ -34,7 +34,10 @@ WORKDIR=""
 for arg in "$@"; do
   case $arg in --workdir=*) WORKDIR=${arg#--workdir=} ;; esac
 done
-LOG_DIR=${LOG_DIR:-${WORKDIR:-.}/logs}
+case $WORKDIR in
+  *://*) LOG_DIR=${LOG_DIR:-logs} ;;  # a bucket workdir: the logs stay on this disk
+  *) LOG_DIR=${LOG_DIR:-${WORKDIR:-.}/logs} ;;
+esac
 mkdir -p "$LOG_DIR"
 
 PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

@@ -158,3 +158,46 @@ def test_a_run_in_a_bucket_killed_then_resumed_from_another_host_is_the_straight
   assert summary["eval_after"] == ref["eval_after"] and summary["evals_during"] == ref["evals_during"]
   assert not (run_dir / "run.lock").exists()
   assert sorted(os.listdir(run_dir)) == ["eval_before.json", "metrics.jsonl", "summary.json"]
+
+
+@pytest.mark.slow
+def test_a_two_process_run_in_a_bucket_killed_then_resumed_is_the_straight_run(tmp_path):
+  """launch/local_multihost.sh 2 with the workdir in the fake bucket: kill -9 of both processes
+  mid-RL, the lock made another host's stale lease, the same command again: it resumes and
+  writes the straight two-process run's metrics (checkpoints on local disk)."""
+  root = tmp_path / "bucket"
+  root.mkdir()
+  env = {**os.environ, fake_bucket.ROOT_VAR: str(root), "PYTHONPATH": FAKE, "JAX_PLATFORMS": "cpu",
+         "PYTHON": sys.executable}
+  env.pop("XLA_FLAGS", None)
+
+  def launch(workdir, checkpoints, logs):
+    return subprocess.Popen(["bash", "launch/local_multihost.sh", "2", "configs/tiny.py:smoke",
+                             f"--workdir={workdir}", *_CONFIG[1:],
+                             f"--config.checkpoint.directory={checkpoints}"], cwd=REPO,
+                            env={**env, "LOG_DIR": str(logs)}, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+  straight = launch(tmp_path / "straight", tmp_path / "straight_ckpt", tmp_path / "logs0")
+  out, _ = straight.communicate(timeout=900)
+  assert straight.returncode == 0, out[-3000:]
+  want = _rows((tmp_path / "straight" / "metrics.jsonl").read_text())
+  run_dir = root / "bkt" / "runs" / "r1"
+  first = launch(URL, tmp_path / "ckpt", tmp_path / "logs1")
+  t0 = time.time()
+  while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+    assert first.poll() is None, first.communicate()[0][-3000:]
+    assert time.time() - t0 < 900
+    time.sleep(0.05)
+  os.killpg(first.pid, signal.SIGKILL)  # the launcher and both processes, at once
+  first.wait()
+  assert not (run_dir / "summary.json").exists()
+  lock = json.loads((run_dir / "run.lock").read_text())
+  (run_dir / "run.lock").write_text(json.dumps({**lock, "host": "old-slice-w0", "heartbeat": time.time() - 400}))
+  resumed = launch(URL, tmp_path / "ckpt", tmp_path / "logs2")
+  out, _ = resumed.communicate(timeout=900)
+  assert resumed.returncode == 0, out[-3000:]
+  assert "resumed from step" in out and re.search(r"on old-slice-w0: not renewed for 4\d\d s", out)
+  assert _rows((run_dir / "metrics.jsonl").read_text()) == want
+  summary = json.loads((run_dir / "summary.json").read_text())
+  assert summary["eval_after"] == json.loads((tmp_path / "straight" / "summary.json").read_text())["eval_after"]
