@@ -1,0 +1,137 @@
+"""OAPL on grade-school math: Qwen3-0.6B on GSM8K, on the one device of a Colab-class runtime.
+
+  # The weights and the data on local disk (any way that gives the files; docs/real_model.md):
+  python -m oapl_jax.main --config=configs/gsm8k.py --workdir=/tmp/oapl_gsm8k \
+      --config.model.path=/data/Qwen3-0.6B \
+      --config.task.train_path=/data/gsm8k/main/train-00000-of-00001.parquet \
+      --config.task.eval_path=/data/gsm8k/main/test-00000-of-00001.parquet
+  # GSM8K through TFDS's huggingface: namespace, prepared beforehand (`tfds build` on a machine
+  # with network); the default sources are tfds:huggingface:gsm8k/main, splits train / test:
+  python -m oapl_jax.main --config=configs/gsm8k.py --workdir=/tmp/oapl_gsm8k \
+      --config.model.path=/data/Qwen3-0.6B --config.task.data_dir=/data/tfds
+  # Only when asked: fetch Qwen/Qwen3-0.6B and openai/gsm8k from the Hugging Face Hub into its
+  # cache (huggingface_hub.snapshot_download, while this file is read) and use them:
+  python -m oapl_jax.main --config=configs/gsm8k.py:hub --workdir=/tmp/oapl_gsm8k
+  # A 40-80 GB device (A100 / H100 80 GB, L40S 48 GB): float32 master weights, longer answers,
+  # a larger batch:
+  python -m oapl_jax.main --config=configs/gsm8k.py:large,hub --workdir=/tmp/oapl_gsm8k_large
+  # Memory plans of both on one device (no weight is read):
+  python -m oapl_jax.main --config=configs/gsm8k.py --config.mesh.topology=h100x1 --dry_run
+  python -m oapl_jax.main --config=configs/gsm8k.py:large --config.mesh.topology=h100x1 --dry_run
+
+  # CPU check of the same code path: a tiny random Qwen3 written locally and the 50 problems in
+  # configs/data/gsm8k_tiny_{train,eval}.jsonl (a few minutes on 2 cores):
+  python launch/make_tiny_hf.py --preset=tiny_qwen3
+  python -m oapl_jax.main --config=configs/gsm8k.py:tiny --workdir=/tmp/oapl_gsm8k_tiny
+
+Arg string: comma-separated `tiny`, `large`, `hub` and/or `lag=N`.
+
+Rows are GSM8K's: `question` and `answer`, the answer a worked solution ending in `#### N`
+(or only the number). The math reward (oapl_jax/rewards/math.py, math-verify) compares the
+answer's last `\\boxed{}` (else, with task.fallback_last_number, its last number) to the
+reference; on a GSM8K reference math-verify takes the final number after `####` (checked on the
+tiny file by tests/test_gsm8k.py).
+
+Fitting 16 GB (Colab's TPU v5e-1, T4, L4 class): one device holds the trainer and the engine
+(sync mode: they take turns). Float32 master weights and AdamW state of 0.6 B parameters are
+12 GiB with their gradients and the two bfloat16 snapshots, which leaves too little for a KV
+cache, so the 16 GB setting keeps master weights in bfloat16 (7 GiB). Its plan is about 13 GiB
+(`--dry_run` above; tests/test_gsm8k.py checks it stays under 14 GiB). The `large` variant
+keeps float32 master weights (lr 1e-6 updates survive), as configs/math.py.
+Wall times on Colab runtimes are not measured.
+"""
+
+import glob
+import os
+
+import ml_collections
+
+from oapl_jax import config as config_lib
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # tiny files shipped in the repo
+TINY_MODEL = "/tmp/oapl_jax_tiny_hf/tiny_qwen3"  # made by `python launch/make_tiny_hf.py`
+TINY_TRAIN = os.path.join(DATA, "gsm8k_tiny_train.jsonl")  # 42 original GSM8K-format problems
+TINY_EVAL = os.path.join(DATA, "gsm8k_tiny_eval.jsonl")  # 8 more, held out
+HUB_MODEL = "Qwen/Qwen3-0.6B"  # Hugging Face repo of the weights (the `hub` variant)
+HUB_DATA = "openai/gsm8k"  # Hugging Face dataset repo of GSM8K (the `hub` variant: its Parquet files)
+TFDS_DATA = "tfds:huggingface:gsm8k/main"  # GSM8K through TFDS's huggingface: namespace
+
+
+def hub_files() -> tuple[str, str, str]:
+  """(model folder, train Parquet, test Parquet) fetched from the Hub into its local cache.
+
+  Called only by the `hub` variant: nothing else in this file touches the network.
+  """
+  from huggingface_hub import snapshot_download  # noqa: PLC0415 (only the hub variant needs it)
+
+  model = snapshot_download(HUB_MODEL, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+  data = snapshot_download(HUB_DATA, repo_type="dataset", allow_patterns=["main/*.parquet"])
+  train = sorted(glob.glob(os.path.join(data, "main", "train-*.parquet")))
+  test = sorted(glob.glob(os.path.join(data, "main", "test-*.parquet")))
+  if len(train) != 1 or len(test) != 1:
+    raise ValueError(f"{HUB_DATA} in {data}: expected one train and one test Parquet file under "
+                     f"main/, found {len(train)} and {len(test)}")
+  return model, train[0], test[0]
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  args = config_lib.parse_arg(arg, tiny=bool, large=bool, hub=bool, lag=int)
+  if args["tiny"] and args["hub"]:
+    raise ValueError("config args 'tiny' and 'hub' exclude each other (tiny reads local files only)")
+  c = config_lib.defaults("tiny_qwen3" if args["tiny"] else "qwen3_0_6b")
+  # 16 GB: bfloat16 master weights and AdamW state (see the module docstring); `large`: float32.
+  c.model.param_dtype = "float32" if args["large"] else "bfloat16"
+  c.model.dtype = "bfloat16"  # Compute, and the engine's copy of pi_old.
+  c.mesh.fsdp = 1  # One device: no split (a single-device runtime; more devices: -1 or data=-1).
+  c.train.remat = "full"  # Recompute each block in the backward pass: 512-token answers in 16 GB.
+
+  # oapl_jax/tasks/math.py: chat prompt + "\boxed{}" instruction, math-verify reward.
+  c.task = config_lib.task_section("math")
+  c.task.train_path = TFDS_DATA  # GSM8K's train split (7473 problems); or a .jsonl/.parquet file.
+  c.task.eval_path = TFDS_DATA  # GSM8K's test split (1319 problems); or a .jsonl/.parquet file.
+  c.task.question_field = "question"  # GSM8K's field names.
+  c.task.answer_field = "answer"  # Field holding the reference: a worked solution ending "#### N", or N.
+  c.task.num_eval = 128  # First 128 test problems for pass@k before and after (all 1319: None).
+  c.task.skip_bad_rows = True  # A prompt longer than sampling.max_prompt_len is skipped and counted, not fatal.
+  c.task.thinking = False  # Qwen3's chat template without <think>: short answers, no thinking trace.
+  c.task.fallback_last_number = True  # Without a \boxed{}, grade the last number (GSM8K answers are numbers).
+  c.task.reward_workers = 1  # Processes scoring answers (math-verify); 1 = in the trainer process (Colab's 2 cores).
+
+  c.sampling.temperature = 1.0  # On-policy samples for OAPL; pass@k at the same temperature.
+  c.sampling.max_prompt_len = 320  # GSM8K questions with the chat template: up to ~250 tokens.
+  c.sampling.max_new_tokens = 512  # Non-thinking answers to GSM8K: ~150-300 tokens.
+  c.sampling.max_slots = 32  # Answers decoded at once: 4 groups of 8 (KV cache ~2.9 GiB).
+  c.sampling.engines = 1  # One device: the engine shares it with the trainer.
+  c.rl.lag = args["lag"] or 10  # Refresh pi_old every 10 steps: several refreshes in a short run on one device (paper: 50 over 1000 steps).
+  c.rl.group_size = 8  # G answers per question (paper: 8).
+  c.rl.groups_per_step = 8  # 64 answers per trainer step.
+  c.rl.groups_per_rollout = 8  # The engine samples one step's groups per call.
+  c.train.grad_accum = 8  # Micro-batches of one group (8 rows x 832 tokens).
+  c.train.logprob_tile = 32  # Log-prob kernel: [8, 32, 151936] float32 logits tiles (~0.9 GiB).
+  c.train.steps = 200  # About an hour's budget on one accelerator is the intent; wall time not measured.
+  c.train.lr = 1e-6  # Paper's AdamW lr.
+  c.eval.samples_per_problem = 8  # pass@1 .. pass@8.
+  c.checkpoint.every = 50
+
+  if args["large"]:
+    c.sampling.max_new_tokens = 1024
+    c.sampling.max_slots = 64  # 8 groups at once (KV cache ~9 GiB; plan ~30 GiB: an A100 40 GB fits).
+    c.rl.groups_per_step = 16  # 128 answers per step.
+    c.rl.groups_per_rollout = 16
+    c.train.grad_accum = 8  # Micro-batches of 2 groups (16 rows x 1344 tokens).
+    c.train.logprob_tile = 64
+    c.eval.samples_per_problem = 16
+
+  if args["hub"]:
+    c.model.path, c.task.train_path, c.task.eval_path = hub_files()
+
+  if args["tiny"]:
+    config_lib.shrink_for_cpu(c, TINY_MODEL)  # float32, 4 RL steps, lag 2, 2 groups per step
+    c.mesh.fsdp = -1
+    c.task.train_path = TINY_TRAIN
+    c.task.eval_path = TINY_EVAL
+    c.task.num_eval = None  # All 8.
+    c.sampling.max_prompt_len = 256  # The tiny byte-level tokenizer spends ~1 token per character.
+    c.sampling.max_new_tokens = 16
+    c.rl.lag = args["lag"] or 2
+  return c
