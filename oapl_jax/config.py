@@ -17,6 +17,7 @@ from ml_collections.config_dict import placeholder
 
 from oapl_jax.errors import ConfigError
 from oapl_jax.models.names import LOGICAL_AXES, ROPE_SCALING_TYPES, dtype_name
+from oapl_jax.models.pallas_names import ATTENTION_KERNELS  # names only: no JAX
 from oapl_jax.models.presets import PRESETS  # names and numbers only: no JAX, no Flax
 from oapl_jax.rl.names import ADV_NORMS, IS_LEVELS, IS_MODES, LOSS_NAMES, NORMS
 from oapl_jax.tasks.registry import TASKS  # task names -> builders: no JAX either
@@ -46,6 +47,11 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   # (bfloat16 master weights lose updates at lr 1e-6: most steps round back to the same value).
   c.model.param_dtype = "float32"  # Master weight dtype: "float32", "bfloat16" or "float16".
   c.model.dtype = "float32"  # Compute dtype of matmuls and of the engines' weights (log-softmax always float32).
+  # Attention code (oapl_jax/models/pallas_names.py): "auto" = the Pallas TPU kernels (splash
+  # attention in the trainer, a Pallas decode kernel in the engine) when the model runs on TPUs,
+  # else the blockwise XLA code; "xla"; "pallas" (set it to compile for TPU ahead of time on a
+  # CPU host, whose devices "auto" would read as CPU); "pallas_interpret" (CPU tests, slow).
+  c.model.attention_kernel = "auto"
   c.model.exact_rounding = True  # Round to model.dtype wherever the program says, in the train step and the engines (XLA may otherwise keep float32 there, by shape: bfloat16 log-probs then depend on the batch; docs/design.md "Engine/trainer parity in bfloat16"). False: XLA's default (faster on CPU/GPU).
 
   # The device mesh of the trainer: axes ("data", "fsdp", "tensor"); their product is the number
@@ -526,6 +532,8 @@ def _validate_model(c) -> None:
     _int(c, "model.rope_original_max_len", 1)
   _dtype(c, "model.param_dtype")
   _dtype(c, "model.dtype")
+  _check(c.model.get("attention_kernel", "auto") in ATTENTION_KERNELS, "model.attention_kernel",
+         c.model.get("attention_kernel"), f"must be one of {ATTENTION_KERNELS}")
 
 
 def _validate_sharding(c) -> None:

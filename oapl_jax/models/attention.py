@@ -18,6 +18,15 @@ dtype, the same chunked arithmetic (`_online_update`). Key blocks of the forward
 (`attn_block`) and decode chunks (`sampling.attn_chunk`) of different lengths round the
 probabilities against different running maxima: equal lengths (or sequences shorter than
 both) give the closest numbers.
+
+Kernels by backend (`attention_impl`, the setting `config.model.attention_kernel`, carried in
+`ModelConfig.attention_kernel`): on TPU ("auto" there, or "pallas") the causal pass runs JAX's
+Pallas splash-attention kernel and the decode step a Pallas decode kernel of this project
+(`pallas_attention.py`); on CPU and GPU ("auto" there, or "xla") the blockwise code below.
+"pallas_interpret" runs the Pallas kernels in interpret mode on any backend (the CPU tests).
+The Pallas kernels compute the same attention to float32 rounding but not bit for bit the
+blockwise numbers (their own block order), so bfloat16 parity between the trainer and the
+engine holds within a backend's choice, not across a mix of the two.
 """
 
 from __future__ import annotations
@@ -26,6 +35,49 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from oapl_jax.models.pallas_names import ATTENTION_KERNELS
+
+
+# --- Which code runs: `config.model.attention_kernel` ---------------------------------------
+
+
+def attention_impl(setting: str) -> str:
+  """The attention code a `config.model.attention_kernel` value selects: "xla" (the blockwise
+  code of this module), "pallas" (the Pallas TPU kernels) or "pallas_interpret" (those kernels
+  in interpret mode). "auto" is "pallas" when the devices the model runs on (`jax.devices()`,
+  read when the program is traced) are TPUs, else "xla": a program compiled for TPU ahead of
+  time on a CPU host sees CPU devices, so such a caller sets "pallas" itself."""
+  if setting not in ATTENTION_KERNELS:
+    raise ValueError(f"attention kernel {setting!r} is not one of {ATTENTION_KERNELS}")
+  if setting == "auto":
+    return "pallas" if jax.devices()[0].platform == "tpu" else "xla"
+  return setting
+
+
+def _over_mesh(fn, specs: tuple, out_spec):
+  """fn, under `jax.shard_map` over the mesh set by `jax.set_mesh` (if any, of more than one
+  device) with these in / out PartitionSpecs: a Pallas call is one opaque custom call, which
+  XLA's partitioner would run on gathered (replicated) operands; under shard_map each device
+  runs it on its own block. Specs that differ from the operands' shardings cost a reshard,
+  never a wrong number. Without a mesh: fn itself."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return fn
+  return jax.shard_map(fn, in_specs=specs, out_specs=out_spec, check_vma=False)
+
+
+def _axes_dividing(names, dim: int):
+  """The mesh axes among `names` (of the current mesh) whose sizes' product divides `dim`,
+  as a PartitionSpec entry (None if there are none)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axes, size = [], 1
+  for name in names:
+    if name in mesh.axis_names and dim % (size * mesh.shape[name]) == 0:
+      axes.append(name)
+      size *= mesh.shape[name]
+  return tuple(axes) or None
 
 
 # --- Blockwise causal attention (the full forward pass) ------------------------------------
@@ -34,7 +86,7 @@ DEFAULT_ATTN_BLOCK = 512  # `attn_block=None`: query/key block length (config.tr
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = DEFAULT_ATTN_BLOCK,
-                     *, fused: bool = True) -> jax.Array:
+                     *, fused: bool = True, kernel: str = "auto", batch_axes=None) -> jax.Array:
   """Causal grouped-query attention, blockwise (online softmax): no `[T, T]` tensor.
 
   q: `[B, T, N, D]` ALREADY SCALED by 1/sqrt(D) (in the compute dtype, as the decode path
@@ -50,11 +102,23 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = DEFA
 
   fused: on a GPU backend with a 16-bit dtype, use cuDNN's fused causal kernel
   (`jax.nn.dot_product_attention(implementation="cudnn")`: the same blockwise algorithm with
-  its own block sizes). Everywhere else (CPU, TPU, float32) the pure-JAX path runs; the TPU's
-  splash kernel is not wired in yet.
+  its own block sizes). Everywhere else (CPU, TPU, float32) the pure-JAX path runs, unless:
+
+  kernel: a `config.model.attention_kernel` value (`attention_impl`); "pallas" (TPU, and
+  "auto" on TPU) or "pallas_interpret": the splash kernel instead
+  (`pallas_attention.splash_causal_attention`, its own block sizes: `block` is not used).
+  Under a mesh (`jax.set_mesh`) the kernel runs per device over `shard_map`: rows split over
+  batch_axes (mesh axis names, e.g. the trainer's activation rows' ("data", "fsdp"); None =
+  not split) and heads over "tensor" where it divides K.
   """
   b, t, n, d = q.shape
   kv = k.shape[2]
+  impl = attention_impl(kernel)
+  if impl != "xla":
+    from oapl_jax.models.pallas_attention import splash_causal_attention  # noqa: PLC0415
+    spec = P(batch_axes, None, _axes_dividing(("tensor",), kv), None)
+    return _over_mesh(functools.partial(splash_causal_attention, interpret=impl == "pallas_interpret"),
+                      (spec, spec, spec), spec)(q, k, v)
   if fused and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
     return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="cudnn")
   c = min(block, t)
@@ -205,7 +269,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # --- Attention of one query over a KV cache (the decode step) -----------------------------
 
 
-def decode_attend(q, k_cache, v_cache, positions, live_len, chunk: int) -> jax.Array:
+def decode_attend(q, k_cache, v_cache, positions, live_len, chunk: int, *,
+                  kernel: str = "auto") -> jax.Array:
   """Attention of one query per row over a KV cache, chunk by chunk up to `live_len`.
 
   q: `[B, K, G, D]` (already scaled by 1/sqrt(D)); k_cache `[B, K, D, S]`, v_cache
@@ -213,7 +278,19 @@ def decode_attend(q, k_cache, v_cache, positions, live_len, chunk: int) -> jax.A
   int `[]`, every row's positions are `< live_len`. Chunks of `C = min(chunk, S)` positions;
   chunk 0 always runs, the others (online softmax) only while `c * C < live_len`.
   Returns `[B, K, G, D]` float32.
+
+  kernel: a `config.model.attention_kernel` value (`attention_impl`); "pallas" (TPU, and
+  "auto" on TPU) or "pallas_interpret": the Pallas decode kernel instead
+  (`pallas_attention.decode_attention`: each row reads its own live prefix, chunks of
+  `decode_chunk(S, chunk)` positions); under a mesh, per device with heads split over "tensor"
+  where it divides K (the engine's cache sharding).
   """
+  impl = attention_impl(kernel)
+  if impl != "xla":
+    from oapl_jax.models.pallas_attention import decode_attention  # noqa: PLC0415
+    spec = P(None, _axes_dividing(("tensor",), q.shape[1]), None, None)
+    fn = functools.partial(decode_attention, chunk=chunk, interpret=impl == "pallas_interpret")
+    return _over_mesh(fn, (spec, spec, spec, P()), spec)(q, k_cache, v_cache, positions)
   size = k_cache.shape[-1]
   c_len = min(chunk, size)
 

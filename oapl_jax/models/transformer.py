@@ -13,7 +13,7 @@ Entry points (all share every weight and every layer):
   With `return_kv=True` it also returns each layer's keys and values. Attention is
   blockwise (`attention.causal_attention`: online softmax over blocks of `attn_block`
   positions, blocks above the causal diagonal skipped, no `[T, T]` tensor, a blockwise custom
-  gradient), and each transformer block runs under a remat policy (`REMAT_POLICIES`: "none" /
+  gradient; on TPU the Pallas splash kernel, `ModelConfig.attention_kernel`), and each transformer block runs under a remat policy (`REMAT_POLICIES`: "none" /
   "dots" / "full", `config.train.remat`); with remat, the blocks are one `lax.scan` over the
   layers' weights stacked in the compute dtype (`_scan_blocks`: on XLA:CPU only a scan keeps
   the saved activations to one input per layer; with "full" and no keys/values, the trainer's
@@ -55,6 +55,7 @@ from flax import nnx
 
 from oapl_jax.models.attention import DEFAULT_ATTN_BLOCK, causal_attention
 from oapl_jax.models.names import ROPE_SCALING_TYPES, dtype_name
+from oapl_jax.models.pallas_names import ATTENTION_KERNELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,9 @@ class ModelConfig:
   rope_high_freq_factor: float = 4.0  # "high_freq_factor"
   rope_original_max_len: int = 8192  # "original_max_position_embeddings"
   max_position_embeddings: int | None = None  # Context length of the checkpoint; informational.
+  # Not architecture: which attention code runs (`attention.attention_impl`; values
+  # `pallas_names.ATTENTION_KERNELS`): "auto" = the Pallas TPU kernels on TPU, else blockwise.
+  attention_kernel: str = "auto"
 
   def __post_init__(self):
     for field in ("param_dtype", "dtype"):  # frozen: set through object.__setattr__
@@ -92,6 +96,9 @@ class ModelConfig:
       raise ValueError(
           f"model.num_heads={self.num_heads} must be a multiple of "
           f"model.num_kv_heads={self.num_kv_heads}")
+    if self.attention_kernel not in ATTENTION_KERNELS:
+      raise ValueError(f"model.attention_kernel={self.attention_kernel!r} is not one of "
+                       f"{ATTENTION_KERNELS}")
     if self.rope_scaling_type not in ROPE_SCALING_TYPES:
       raise ValueError(
           f"model.rope_scaling_type={self.rope_scaling_type!r} is not supported; "
@@ -268,7 +275,10 @@ class Block(nnx.Module):
     pin = (lambda a: a) if rows is None else (lambda a: jax.lax.with_sharding_constraint(a, rows))  # noqa: E731
     q, k, v = self.attn.project_qkv(self.input_norm(x), rope_cs)  # [B, T, N|K, D]
     q = q * q.shape[-1] ** -0.5  # in the compute dtype, as `decode` scales it
-    x = pin(x + pin(self.attn.output(causal_attention(q, k, v, attn_block))))
+    batch_axes = None if rows is None else getattr(rows, "spec", rows)[0]  # the Pallas kernel's rows
+    out = causal_attention(q, k, v, attn_block, kernel=self.attn.cfg.attention_kernel,
+                           batch_axes=batch_axes)  # [B, T, N, D]
+    x = pin(x + pin(self.attn.output(out)))
     x = pin(x + pin(self.mlp(self.post_attn_norm(x))))
     return x, (k, v)
 

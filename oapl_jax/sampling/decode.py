@@ -14,7 +14,8 @@ to and from `[.., 1, X]` are free.
 
 The embedding of a tied model is read from the head `[E, V]` (the engine holds one copy).
 Everything else is the model's own code: RMSNorms, RoPE (`Transformer.rope_table`,
-`apply_rope`), `decode_attend` (chunked attention up to `live_len`), `Attention.output`, the
+`apply_rope`), `decode_attend` (chunked attention up to `live_len`; on TPU a Pallas kernel,
+`ModelConfig.attention_kernel`), `Attention.output`, the
 final norm and LM head (`Transformer._logits`); the cache layout is `init_cache`'s. The
 forward pass computes the same arithmetic (q scaled in the compute dtype, `_online_update`):
 see the bfloat16 parity notes in `models/attention.py` and `models/transformer.py`.
@@ -80,7 +81,8 @@ def _block(layer, x, positions, rope_cs, k_cache, v_cache, live_len, chunk: int,
   n, d = q.shape[2], q.shape[3]
   kv_heads = k.shape[2]
   q = q[:, 0].reshape(b, kv_heads, n // kv_heads, d) * d**-0.5  # [B, K, G, D]
-  out = decode_attend(q, k_cache, v_cache, positions, live_len, chunk)  # [B, K, G, D]
+  out = decode_attend(q, k_cache, v_cache, positions, live_len, chunk,
+                      kernel=layer.attn.cfg.attention_kernel)  # [B, K, G, D]
   x = x + layer.attn.output(out.reshape(b, 1, n, d).astype(x.dtype))
   x = x + _mlp(layer.mlp, layer.post_attn_norm(x), fused["gate_up"])
   return x, k_cache, v_cache
