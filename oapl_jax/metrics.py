@@ -1,4 +1,7 @@
-"""Metrics: one JSON line per logged trainer step, TensorBoard events through clu, console lines.
+"""Metrics: one JSON line per logged trainer step, TensorBoard scalars, console lines.
+
+TensorBoard: `EventsFile` writes the events file with tensorboard's own protos and record
+framing, so neither training nor sampling imports TensorFlow (clu's writer is `tf.summary`).
 
 Multi-host: process 0 alone writes them (`oapl_jax.train` opens `MetricsLog` there only; `say`
 prints there only), with the metrics combined over all processes (`oapl_jax.rl.loop`)."""
@@ -8,9 +11,10 @@ from __future__ import annotations
 import io
 import json
 import logging
+import socket
 import sys
+import time
 
-from clu import metric_writers
 from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
 
 from oapl_jax import storage
@@ -51,7 +55,7 @@ class MetricsLog:
     lines = self._truncate_after(resume_step)
     self._lines = lines if storage.is_remote(self.path) else None  # a bucket's whole file
     self._file = None if storage.is_remote(self.path) else open(self.path, "a")
-    self._tb = metric_writers.create_default_writer(workdir, asynchronous=False) if tensorboard else None
+    self._tb = EventsFile(workdir) if tensorboard else None
 
   def _truncate_after(self, step: int) -> list[str]:
     """Keeps the complete lines of steps <= `step`; returns them."""
@@ -79,6 +83,41 @@ class MetricsLog:
       self._file.close()
     if self._tb is not None:
       self._tb.close()
+
+
+class EventsFile:
+  """TensorBoard scalars in `<logdir>/events.out.tfevents.<time>.<host>`, without TensorFlow:
+  a TFRecord file of `Event` protos (tensorboard's `event_pb2` and `RecordWriter`), the format
+  `tf.summary` writes and TensorBoard reads.
+
+  Locally the file is appended to and flushed at every write; at a URL (object storage has no
+  append) the whole file is uploaded again at every write, as `metrics.jsonl` is.
+  """
+
+  def __init__(self, logdir: str):
+    from tensorboard.compat.proto import event_pb2, summary_pb2  # noqa: PLC0415 (only with TensorBoard on)
+    from tensorboard.summary.writer.record_writer import RecordWriter  # noqa: PLC0415
+    self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+    self.path = storage.join(logdir, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}")
+    self._bytes = io.BytesIO() if storage.is_remote(self.path) else None  # a bucket's whole file
+    self._records = RecordWriter(self._bytes if self._bytes is not None else open(self.path, "ab"))
+    self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+
+  def write_scalars(self, step: int, scalars: dict) -> None:
+    values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()]
+    self._write(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
+
+  def _write(self, event) -> None:
+    self._records.write(event.SerializeToString())
+    if self._bytes is None:
+      self._records.flush()
+    else:
+      from etils import epath  # noqa: PLC0415 (URLs only)
+      epath.Path(self.path).write_bytes(self._bytes.getvalue())
+
+  def close(self) -> None:
+    if self._bytes is None:
+      self._records.close()
 
 
 def _plain(v):

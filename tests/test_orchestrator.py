@@ -10,7 +10,8 @@ from flax import nnx
 
 from oapl_jax import config as config_lib
 from oapl_jax.models import ModelConfig, Transformer
-from oapl_jax.sampling import Engine, SamplingParams  # also installs the jax.tree_map alias
+from oapl_jax.sampling import Engine, SamplingParams
+from oapl_jax.sampling import jetstream_adapter  # registers Engine, installs the jax.tree_map alias
 from oapl_jax.sampling.engine import engine_settings
 from oapl_jax.tasks.arithmetic import CharTokenizer
 
@@ -18,6 +19,7 @@ _ROOT = logging.getLogger()
 _LEVEL, _HANDLERS = _ROOT.level, list(_ROOT.handlers)
 from jetstream.core import orchestrator  # noqa: E402  (after oapl_jax.sampling)
 from jetstream.core.proto import jetstream_pb2  # noqa: E402
+from jetstream.engine import engine_api  # noqa: E402
 
 # Importing the orchestrator sets the root logger to DEBUG with a stdout handler; undo that.
 for _h in [h for h in _ROOT.handlers if h not in _HANDLERS]:
@@ -44,6 +46,16 @@ async def _decode(client, request):
   async for response in client.Decode(request):
     tokens.extend(response.stream_content.samples[0].token_ids)
   return tokens
+
+
+def test_engine_defines_every_method_of_jetstreams_engine():
+  """`Engine` is JetStream's engine by registration, not inheritance: Python would not refuse
+  an engine that lacks one of the abstract methods, so this test does."""
+  assert issubclass(Engine, engine_api.Engine)
+  missing = [name for name in engine_api.Engine.__abstractmethods__
+             if getattr(Engine, name, None) is getattr(engine_api.Engine, name)]
+  assert not missing, missing
+  assert jetstream_adapter.SampledTokens.__mro__[1] is engine_api.ResultTokens
 
 
 def test_orchestrator_decodes_concurrent_requests():

@@ -39,10 +39,17 @@ everything else in the state replicated; each jitted call returns exactly these 
 Decode runs `decode.decode` (the model's decode step, over the fused layout), prefill the model's
 own `prefill` on the plain weights sliced out of the fused ones. With T = 1 the numbers are the
 single-device engine's, bit for bit.
+
+JetStream: this module imports none of it (its `engine_api` imports seqio and TensorFlow, which
+sampling and training do not need). `Engine` defines every method of JetStream's
+`engine_api.Engine`; `jetstream_adapter.py` registers it as one and holds the JetStream types
+that `generate`, `get_tokenizer` and `build_tokenizer` return, and those three import it on
+first call (see there).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -51,8 +58,6 @@ import numpy as np
 from flax import nnx
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
-from oapl_jax.sampling import jetstream_compat  # noqa: F401  (before any JetStream orchestrator)
-from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from oapl_jax.models.kv_cache import init_cache, write_prefix
 from oapl_jax.models.names import compiler_options
@@ -65,17 +70,6 @@ FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2  # EOS token, length budget, st
 _NO_TOKEN = -2  # fills `recent` before an answer has W tokens (matches no stop sequence)
 _STATE_KEYS = ("next_logits", "positions", "lengths", "limits", "live", "finish", "versions",
                "recent", "slot_ids", "eos", "stops", "key", "step")  # the decode state but the cache
-
-
-@struct.dataclass
-class SampledTokens(engine_api.ResultTokens):
-  """JetStream's `ResultTokens` plus the log-prob of each sampled token, `[S, 1]` float32."""
-
-  log_probs: Any = None
-
-  def convert_to_numpy(self) -> "SampledTokens":
-    return SampledTokens(np.array(self.data), self.tokens_idx, self.valid_idx,
-                         self.length_idx, self.samples_per_slot, np.array(self.log_probs))
 
 
 @struct.dataclass
@@ -97,39 +91,6 @@ class Steps:
   lengths: jax.Array
 
 
-class TokenizerAdapter(tokenizer_api.Tokenizer):
-  """One of our tokenizers (`CharTokenizer`, `HFTokenizer`) as JetStream's `Tokenizer`.
-
-  The orchestrator calls `encode(text, is_bos=, max_prefill_length=, jax_padding=)` ->
-  (padded ids, true length), `decode([id])`, and reads `pad_id`, `eos_id`, `bos_id`,
-  `stop_tokens`.
-  """
-
-  def __init__(self, tokenizer):
-    self.tokenizer = tokenizer
-
-  def encode(self, s: str, **kwargs):
-    ids = np.asarray(self.tokenizer.encode(s, add_bos=kwargs.get("is_bos", True)), np.int32)
-    return token_utils.pad_tokens(ids, self.bos_id, self.pad_id, is_bos=False,
-                                  max_prefill_length=kwargs.get("max_prefill_length"),
-                                  jax_padding=kwargs.get("jax_padding", True))
-
-  def decode(self, token_ids: list[int], **kwargs) -> str:
-    return self.tokenizer.decode(token_ids)
-
-  @property
-  def pad_id(self) -> int:
-    return self.tokenizer.pad_id
-
-  @property
-  def eos_id(self) -> int:
-    return self.tokenizer.eos_id
-
-  @property
-  def bos_id(self) -> int:
-    return self.tokenizer.bos_id
-
-
 # Engine arguments that are `config.sampling` settings of the same name.
 CONFIG_SETTINGS = ("steps_per_call", "attn_chunk", "cache_bucket", "max_prefill_batch",
                    "min_decode_width")
@@ -141,8 +102,9 @@ def engine_settings(sampling) -> dict:
   return {name: sampling[name] for name in CONFIG_SETTINGS}
 
 
-class Engine(engine_api.Engine):
-  """A JetStream engine over `oapl_jax.models.Transformer`.
+class Engine:
+  """A JetStream engine over `oapl_jax.models.Transformer` (JetStream's `engine_api.Engine`
+  API; registered as one by `jetstream_adapter`, which the JetStream-only calls import).
 
   Args:
     graphdef: the model's NNX graph definition (`nnx.split(model, nnx.Param)[0]`).
@@ -175,6 +137,8 @@ class Engine(engine_api.Engine):
                exact_rounding: bool = True):
     if max_prefill_length >= max_len:
       raise ValueError(f"max_prefill_length={max_prefill_length} must be < max_len={max_len}")
+    if "jetstream.engine.engine_api" in sys.modules:  # JetStream is loaded: be one of its engines
+      _jetstream()
     self._graphdef = graphdef
     self.model_cfg = model_cfg
     self.sampling = sampling
@@ -205,8 +169,8 @@ class Engine(engine_api.Engine):
     self._prefill = jax.jit(self._prefill_impl, out_shardings=prefix, compiler_options=opts)
     self._embedding = jax.jit(lambda head: head.T)  # [E, V] -> [V, E] (tied models' prefill)
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state)
-    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, rep),
-                             compiler_options=opts)
+    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
+                             out_shardings=(state, rep, rep), compiler_options=opts)
     self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,),
                                    out_shardings=(state, rep), compiler_options=opts)
     self._resize = jax.jit(self._resize_impl, static_argnums=(1,), out_shardings=state)
@@ -279,20 +243,23 @@ class Engine(engine_api.Engine):
     return self.insert_many(prefix, decode_state, np.array([slot]), np.array([0]),
                             np.array([self.max_len]))
 
-  def generate(self, params, decode_state: dict) -> tuple[dict, SampledTokens]:
-    """One decode step for every slot; returns (new state, `SampledTokens`)."""
-    return self._generate(self.weights(params), decode_state)
+  def generate(self, params, decode_state: dict):
+    """One decode step for every slot; returns (new state, `jetstream_adapter.SampledTokens`)."""
+    state, data, log_probs = self._generate(self.weights(params), decode_state)
+    return state, _jetstream().SampledTokens(data, (0, 1), (1, 2), (2, 3), 1, log_probs)
 
   def get_prefix_destination_sharding(self) -> Any:
     return jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec())
 
-  def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
-    return tokenizer_pb2.TokenizerParameters(path="oapl_jax")
+  def get_tokenizer(self):
+    """JetStream's `TokenizerParameters` (a placeholder: `build_tokenizer` ignores it)."""
+    return _jetstream().tokenizer_parameters()
 
-  def build_tokenizer(self, metadata) -> TokenizerAdapter:
+  def build_tokenizer(self, metadata):
+    """The engine's tokenizer as JetStream's `Tokenizer` (`jetstream_adapter.TokenizerAdapter`)."""
     if self._tokenizer is None:
       raise ValueError("Engine(tokenizer=...) is needed to run under JetStream's orchestrator")
-    return TokenizerAdapter(self._tokenizer)
+    return _jetstream().TokenizerAdapter(self._tokenizer)
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -464,9 +431,11 @@ class Engine(engine_api.Engine):
     return new_state, tokens, logp, live
 
   def _generate_impl(self, weights, state):
+    """(new state, data `[S, 3]` (token, valid, answer length: `ResultTokens` columns),
+    log-probs `[S, 1]`)."""
     new_state, tokens, logp, valid = self._step(weights, state, self._loop_constants(weights, state))
     data = jnp.stack([tokens, valid.astype(jnp.int32), new_state["lengths"]], axis=1)  # [S, 3]
-    return new_state, SampledTokens(data, (0, 1), (1, 2), (2, 3), 1, logp[:, None])
+    return new_state, data, logp[:, None]
 
   def _generate_steps_impl(self, weights, state, stop_after_finished):
     t_max, s = self.steps_per_call, self.width(state)
@@ -489,6 +458,12 @@ class Engine(engine_api.Engine):
     n, state, (tokens, logp, valid) = jax.lax.while_loop(cond, body, (jnp.int32(0), state, bufs))
     return state, Steps(tokens, logp, valid, n, state["live"], state["finish"],
                         state["versions"], state["lengths"])
+
+
+def _jetstream():
+  """`jetstream_adapter` (imports JetStream, seqio and TensorFlow; once)."""
+  from oapl_jax.sampling import jetstream_adapter  # noqa: PLC0415 (only JetStream's callers need it)
+  return jetstream_adapter
 
 
 def _ends_with_any(recent: jax.Array, stops: jax.Array) -> jax.Array:
