@@ -1,7 +1,8 @@
-"""Executes both notebooks top to bottom at their reduced size, so they cannot rot.
+"""Executes the notebooks top to bottom at their reduced size, so they cannot rot.
 
 The notebooks read `OAPL_NOTEBOOK_QUICK=1` (seconds-long runs: `configs/tiny.py:smoke`, the lag
-study's `reduced=True`) and `OAPL_NOTEBOOK_WORKDIR` (where the runs go). The kernel is the
+study's `reduced=True`, real_model's tiny local Qwen3 and GSM8K-format file through
+`configs/gsm8k.py:tiny`, its Hub cells skipped) and `OAPL_NOTEBOOK_WORKDIR` (where the runs go). The kernel is the
 `python3` one, which jupyter_client starts with this interpreter (`sys.executable`); the install
 cell must find the package installed already, from this checkout. About 1-2 minutes each on
 2 CPU cores.
@@ -83,3 +84,29 @@ def test_lag_study_notebook(tmp_path, monkeypatch):
   assert _pngs(cells["lag_plot"]) == 1
   assert _pngs(cells["report"]) == 3
   assert (out / "lag_study.md").is_file()
+
+
+def test_real_model_notebook(tmp_path, monkeypatch):
+  """Quick mode: no Hub access (one line says why), the tiny Qwen3 through configs/gsm8k.py:tiny;
+  the run, curves, pass@k, answers, and the HF export reloaded by transformers at parity."""
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  workdir = tmp_path / "real_model"
+  cells = _execute("real_model.ipynb", workdir, monkeypatch)
+  _check_install_cell(cells)
+  intro = "".join(c.source for c in cells["all"] if c.cell_type == "markdown")
+  assert "Wall times on Colab runtimes are not measured" in intro
+  skipped = [line for line in _stdout(cells["fetch"]).splitlines() if "Hub fetch skipped" in line]
+  assert len(skipped) == 1 and "quick mode" in skipped[0]
+  assert "configs/gsm8k.py:tiny" in _stdout(cells["device"])
+  assert "total" in _stdout(cells["config"])  # the memory plan
+  assert (workdir / "run" / "summary.json").is_file()
+  assert re.search(r"pass@1: \d\.\d{3} -> \d\.\d{3}", _stdout(cells["run"]))
+  assert _pngs(cells["curves"]) == 1 and _pngs(cells["passk"]) == 1
+  rows = [line.split() for line in _stdout(cells["passk"]).splitlines()[1:]]
+  assert [r[0] for r in rows] == ["1", "2"]  # tiny: 2 samples per problem
+  samples = _stdout(cells["samples"])
+  assert samples.count("\nQ: ") == 3 and samples.count("  [") == 6
+  export = _stdout(cells["export"])
+  assert "config.json" in export and "model.safetensors" in export
+  diff = float(re.search(r"max \|logits ours - transformers\| = (\S+)", export).group(1))
+  assert diff < 1e-4, export
