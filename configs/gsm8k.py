@@ -5,10 +5,12 @@
       --config.model.path=/data/Qwen3-0.6B \
       --config.task.train_path=/data/gsm8k/main/train-00000-of-00001.parquet \
       --config.task.eval_path=/data/gsm8k/main/test-00000-of-00001.parquet
-  # GSM8K through TFDS's huggingface: namespace, prepared beforehand (`tfds build` on a machine
-  # with network); the default sources are tfds:huggingface:gsm8k/main, splits train / test:
+  # GSM8K through TFDS's huggingface: namespace (splits train / test), prepared into data_dir
+  # beforehand; TFDS resolves the name through the Hub's API, so this needs network at run time:
   python -m oapl_jax.main --config=configs/gsm8k.py --workdir=/tmp/oapl_gsm8k \
-      --config.model.path=/data/Qwen3-0.6B --config.task.data_dir=/data/tfds
+      --config.model.path=/data/Qwen3-0.6B --config.task.data_dir=/data/tfds \
+      --config.task.train_path=tfds:huggingface:gsm8k/main \
+      --config.task.eval_path=tfds:huggingface:gsm8k/main
   # Only when asked: fetch Qwen/Qwen3-0.6B and openai/gsm8k from the Hugging Face Hub into its
   # cache (huggingface_hub.snapshot_download, while this file is read) and use them:
   python -m oapl_jax.main --config=configs/gsm8k.py:hub --workdir=/tmp/oapl_gsm8k
@@ -32,12 +34,14 @@ answer's last `\\boxed{}` (else, with task.fallback_last_number, its last number
 reference; on a GSM8K reference math-verify takes the final number after `####` (checked on the
 tiny file by tests/test_gsm8k.py).
 
-Fitting 16 GB (Colab's TPU v5e-1, T4, L4 class): one device holds the trainer and the engine
-(sync mode: they take turns). Float32 master weights and AdamW state of 0.6 B parameters are
-12 GiB with their gradients and the two bfloat16 snapshots, which leaves too little for a KV
-cache, so the 16 GB setting keeps master weights in bfloat16 (7 GiB). Its plan is about 13 GiB
-(`--dry_run` above; tests/test_gsm8k.py checks it stays under 14 GiB). The `large` variant
-keeps float32 master weights (lr 1e-6 updates survive), as configs/math.py.
+Fitting 16 GB (Colab's TPU v5e-1 and L4 class): one device holds the trainer and the engine
+(sync mode: they take turns). Float32 master weights and AdamW state (bfloat16 ones would lose
+lr-1e-6 updates: config.model.param_dtype) with their gradients and the two bfloat16 snapshots of
+pi_old are 11.1 GiB of the 0.6 B parameters, so a step is one question's 8 answers, the engine
+decodes 16 answers at once and the log-prob kernel works in tiles of 16 tokens: the planner's
+estimate is 14.5 GiB per device (`--dry_run` above; tests/test_gsm8k.py keeps it under 14.6 GiB).
+That is too tight for a T4 (15 GB, about 14.5 GiB usable after CUDA's own). The `large` variant
+(40 GB and up) takes 8 questions per step, 1024-token answers and 64 decode slots (30.4 GiB).
 Wall times on Colab runtimes are not measured.
 """
 
@@ -54,7 +58,7 @@ TINY_TRAIN = os.path.join(DATA, "gsm8k_tiny_train.jsonl")  # 42 original GSM8K-f
 TINY_EVAL = os.path.join(DATA, "gsm8k_tiny_eval.jsonl")  # 8 more, held out
 HUB_MODEL = "Qwen/Qwen3-0.6B"  # Hugging Face repo of the weights (the `hub` variant)
 HUB_DATA = "openai/gsm8k"  # Hugging Face dataset repo of GSM8K (the `hub` variant: its Parquet files)
-TFDS_DATA = "tfds:huggingface:gsm8k/main"  # GSM8K through TFDS's huggingface: namespace
+TFDS_DATA = "tfds:huggingface:gsm8k/main"  # GSM8K through TFDS's huggingface: namespace (needs the Hub's API)
 
 
 def hub_files() -> tuple[str, str, str]:
@@ -79,16 +83,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if args["tiny"] and args["hub"]:
     raise ValueError("config args 'tiny' and 'hub' exclude each other (tiny reads local files only)")
   c = config_lib.defaults("tiny_qwen3" if args["tiny"] else "qwen3_0_6b")
-  # 16 GB: bfloat16 master weights and AdamW state (see the module docstring); `large`: float32.
-  c.model.param_dtype = "float32" if args["large"] else "bfloat16"
+  c.model.param_dtype = "float32"  # Master weights and AdamW state (bfloat16 would lose lr-1e-6 updates).
   c.model.dtype = "bfloat16"  # Compute, and the engine's copy of pi_old.
   c.mesh.fsdp = 1  # One device: no split (a single-device runtime; more devices: -1 or data=-1).
   c.train.remat = "full"  # Recompute each block in the backward pass: 512-token answers in 16 GB.
 
   # oapl_jax/tasks/math.py: chat prompt + "\boxed{}" instruction, math-verify reward.
   c.task = config_lib.task_section("math")
-  c.task.train_path = TFDS_DATA  # GSM8K's train split (7473 problems); or a .jsonl/.parquet file.
-  c.task.eval_path = TFDS_DATA  # GSM8K's test split (1319 problems); or a .jsonl/.parquet file.
+  # Sources (task.train_path / eval_path, not set here): GSM8K's train (7473 problems) and test
+  # (1319) Parquet files, JSONL in the same fields, or TFDS_DATA with train_split / eval_split.
   c.task.question_field = "question"  # GSM8K's field names.
   c.task.answer_field = "answer"  # Field holding the reference: a worked solution ending "#### N", or N.
   c.task.num_eval = 128  # First 128 test problems for pass@k before and after (all 1319: None).
@@ -100,25 +103,25 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampling.temperature = 1.0  # On-policy samples for OAPL; pass@k at the same temperature.
   c.sampling.max_prompt_len = 320  # GSM8K questions with the chat template: up to ~250 tokens.
   c.sampling.max_new_tokens = 512  # Non-thinking answers to GSM8K: ~150-300 tokens.
-  c.sampling.max_slots = 32  # Answers decoded at once: 4 groups of 8 (KV cache ~2.9 GiB).
+  c.sampling.max_slots = 16  # Answers decoded at once: 2 groups of 8 (KV cache 1.4 GiB).
   c.sampling.engines = 1  # One device: the engine shares it with the trainer.
   c.rl.lag = args["lag"] or 10  # Refresh pi_old every 10 steps: several refreshes in a short run on one device (paper: 50 over 1000 steps).
   c.rl.group_size = 8  # G answers per question (paper: 8).
-  c.rl.groups_per_step = 8  # 64 answers per trainer step.
-  c.rl.groups_per_rollout = 8  # The engine samples one step's groups per call.
-  c.train.grad_accum = 8  # Micro-batches of one group (8 rows x 832 tokens).
-  c.train.logprob_tile = 32  # Log-prob kernel: [8, 32, 151936] float32 logits tiles (~0.9 GiB).
-  c.train.steps = 200  # About an hour's budget on one accelerator is the intent; wall time not measured.
+  c.rl.groups_per_step = 1  # One question's 8 answers per trainer step (16 GB; paper: 32).
+  c.rl.groups_per_rollout = 2  # The engine samples 2 groups per call (fills its 16 slots).
+  c.train.grad_accum = 1  # No accumulation: a running gradient sum would cost another 2.2 GiB.
+  c.train.logprob_tile = 16  # Log-prob kernel: [8, 16, 151936] float32 logits tiles (~0.5 GiB).
+  c.train.steps = 500  # Trainer steps (the notebook stops earlier, at its budget of minutes); wall time not measured.
   c.train.lr = 1e-6  # Paper's AdamW lr.
   c.eval.samples_per_problem = 8  # pass@1 .. pass@8.
   c.checkpoint.every = 50
 
-  if args["large"]:
+  if args["large"]:  # 40-80 GB
     c.sampling.max_new_tokens = 1024
     c.sampling.max_slots = 64  # 8 groups at once (KV cache ~9 GiB; plan ~30 GiB: an A100 40 GB fits).
-    c.rl.groups_per_step = 16  # 128 answers per step.
-    c.rl.groups_per_rollout = 16
-    c.train.grad_accum = 8  # Micro-batches of 2 groups (16 rows x 1344 tokens).
+    c.rl.groups_per_step = 8  # 64 answers per step.
+    c.rl.groups_per_rollout = 8
+    c.train.grad_accum = 4  # Micro-batches of 2 groups (16 rows x 1344 tokens).
     c.train.logprob_tile = 64
     c.eval.samples_per_problem = 16
 
