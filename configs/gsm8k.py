@@ -68,8 +68,14 @@ def hub_files() -> tuple[str, str, str]:
   """
   from huggingface_hub import snapshot_download  # noqa: PLC0415 (only the hub variant needs it)
 
-  model = snapshot_download(HUB_MODEL, allow_patterns=["*.json", "*.safetensors", "*.txt"])
-  data = snapshot_download(HUB_DATA, repo_type="dataset", allow_patterns=["main/*.parquet"])
+  try:
+    model = snapshot_download(HUB_MODEL, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+    data = snapshot_download(HUB_DATA, repo_type="dataset", allow_patterns=["main/*.parquet"])
+  except Exception as e:  # noqa: BLE001 - no network, the Hub unreachable, a gated repo: one line
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    raise ValueError(f"config arg 'hub': cannot fetch {HUB_MODEL} / {HUB_DATA} from the Hugging Face "
+                     f"Hub ({type(e).__name__}: {first}); give --config.model.path and "
+                     "--config.task.train_path / eval_path instead") from None
   train = sorted(glob.glob(os.path.join(data, "main", "train-*.parquet")))
   test = sorted(glob.glob(os.path.join(data, "main", "test-*.parquet")))
   if len(train) != 1 or len(test) != 1:

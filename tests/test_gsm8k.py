@@ -105,3 +105,12 @@ def test_variants_and_no_hub_access_unless_asked():
     gsm8k.get_config("tiny,hub")
   with pytest.raises(ValueError, match="unknown config arg"):
     gsm8k.get_config("huge")
+
+
+def test_the_hub_variant_offline_is_refused_in_one_line():
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")  # no network
+  out = subprocess.run([sys.executable, "-m", "oapl_jax.main", "--config=configs/gsm8k.py:hub",
+                        "--dry_run"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+  assert out.returncode == 2
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and "cannot fetch Qwen/Qwen3-0.6B" in lines[0] and "model.path" in lines[0]
