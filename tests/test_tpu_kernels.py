@@ -74,7 +74,8 @@ def test_splash_equals_blockwise_values_and_gradients(b, t, n, kv):
 def test_decode_chunk():
   assert pallas_attention.decode_chunk(4096, 1024) == 1024
   assert pallas_attention.decode_chunk(1536, 1024) == 768  # the largest 128-multiple divisor
-  assert pallas_attention.decode_chunk(200, 1024) == 200  # none: the whole cache
+  assert pallas_attention.decode_chunk(200, 1024) == 200  # the whole cache, <= chunk
+  assert pallas_attention.decode_chunk(1000, 512) == 1000  # no 128-multiple divides: the whole cache
   assert pallas_attention.decode_chunk(40, 16, interpret=True) == 10
 
 
@@ -96,9 +97,14 @@ def test_decode_kernel_equals_decode_attend(size, chunk):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=0)
 
 
-def test_model_forward_gradient_and_decode_through_the_kernels():
+def test_model_forward_gradient_and_decode_through_the_kernels(monkeypatch):
   """`ModelConfig.attention_kernel` reaches both kernels: the forward pass, its weight
   gradient, and a prefill + decode step equal the blockwise model's."""
+  calls = []
+  for name in ("splash_causal_attention", "decode_attention"):
+    kernel = getattr(pallas_attention, name)
+    monkeypatch.setattr(pallas_attention, name,
+                        lambda *a, kernel=kernel, name=name, **kw: calls.append(name) or kernel(*a, **kw))
   cfg = ModelConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                     head_dim=16, mlp_dim=64)
   models = {kernel: Transformer(dataclasses.replace(cfg, attention_kernel=kernel), rngs=nnx.Rngs(0))
@@ -118,7 +124,10 @@ def test_model_forward_gradient_and_decode_through_the_kernels():
                                   chunk=8, rope_table=model.rope_table(cache_len))
     return loss, nnx.state(grads), logits
 
-  want, got = check(models["xla"]), check(models["pallas_interpret"])
+  want = check(models["xla"])
+  assert not calls
+  got = check(models["pallas_interpret"])
+  assert set(calls) == {"splash_causal_attention", "decode_attention"}, calls
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-4, rtol=1e-5)
 
