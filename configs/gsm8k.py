@@ -11,12 +11,14 @@
       --config.model.path=/data/Qwen3-0.6B --config.task.data_dir=/data/tfds \
       --config.task.train_path=tfds:huggingface:gsm8k/main \
       --config.task.eval_path=tfds:huggingface:gsm8k/main
-  # Only when asked: fetch Qwen/Qwen3-0.6B and openai/gsm8k from the Hugging Face Hub into its
-  # cache (huggingface_hub.snapshot_download, while this file is read) and use them:
-  python -m oapl_jax.main --config=configs/gsm8k.py:hub --workdir=/tmp/oapl_gsm8k
-  # A 40-80 GB device (A100 / H100 80 GB, L40S 48 GB): float32 master weights, longer answers,
-  # a larger batch:
-  python -m oapl_jax.main --config=configs/gsm8k.py:large,hub --workdir=/tmp/oapl_gsm8k_large
+  # Only when asked: fetch Qwen/Qwen3-0.6B and openai/gsm8k's Parquet files from the Hugging Face
+  # Hub into its cache (huggingface_hub.snapshot_download); prints the three settings to add:
+  python -m configs.gsm8k --fetch
+  # A 40-80 GB device (A100 / H100 80 GB, L40S 48 GB): longer answers, a larger batch:
+  python -m oapl_jax.main --config=configs/gsm8k.py:large --workdir=/tmp/oapl_gsm8k_large \
+      --config.model.path=/data/Qwen3-0.6B \
+      --config.task.train_path=/data/gsm8k/main/train-00000-of-00001.parquet \
+      --config.task.eval_path=/data/gsm8k/main/test-00000-of-00001.parquet
   # Memory plans of both on one device (no weight is read):
   python -m oapl_jax.main --config=configs/gsm8k.py --config.mesh.topology=h100x1 --dry_run
   python -m oapl_jax.main --config=configs/gsm8k.py:large --config.mesh.topology=h100x1 --dry_run
@@ -26,7 +28,7 @@
   python launch/make_tiny_hf.py --preset=tiny_qwen3
   python -m oapl_jax.main --config=configs/gsm8k.py:tiny --workdir=/tmp/oapl_gsm8k_tiny
 
-Arg string: comma-separated `tiny`, `large`, `hub` and/or `lag=N`.
+Arg string: comma-separated `tiny`, `large` and/or `lag=N`. Reading this file downloads nothing.
 
 Rows are GSM8K's: `question` and `answer`, the answer a worked solution ending in `#### N`
 (or only the number). The math reward (oapl_jax/rewards/math.py, math-verify) compares the
@@ -64,18 +66,19 @@ TFDS_DATA = "tfds:huggingface:gsm8k/main"  # GSM8K through TFDS's huggingface: n
 def hub_files() -> tuple[str, str, str]:
   """(model folder, train Parquet, test Parquet) fetched from the Hub into its local cache.
 
-  Called only by the `hub` variant: nothing else in this file touches the network.
+  Only `python -m configs.gsm8k --fetch` and notebooks/real_model.ipynb call it: reading the
+  config touches no network. ValueError (one line) if the Hub cannot be reached.
   """
-  from huggingface_hub import snapshot_download  # noqa: PLC0415 (only the hub variant needs it)
+  from huggingface_hub import snapshot_download  # noqa: PLC0415 (only the fetch needs it)
 
   try:
     model = snapshot_download(HUB_MODEL, allow_patterns=["*.json", "*.safetensors", "*.txt"])
     data = snapshot_download(HUB_DATA, repo_type="dataset", allow_patterns=["main/*.parquet"])
   except Exception as e:  # noqa: BLE001 - no network, the Hub unreachable, a gated repo: one line
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    raise ValueError(f"config arg 'hub': cannot fetch {HUB_MODEL} / {HUB_DATA} from the Hugging Face "
-                     f"Hub ({type(e).__name__}: {first}); give --config.model.path and "
-                     "--config.task.train_path / eval_path instead") from None
+    raise ValueError(f"cannot fetch {HUB_MODEL} / {HUB_DATA} from the Hugging Face Hub "
+                     f"({type(e).__name__}: {first}); give --config.model.path and "
+                     "--config.task.train_path / eval_path to local copies instead") from None
   train = sorted(glob.glob(os.path.join(data, "main", "train-*.parquet")))
   test = sorted(glob.glob(os.path.join(data, "main", "test-*.parquet")))
   if len(train) != 1 or len(test) != 1:
@@ -85,9 +88,7 @@ def hub_files() -> tuple[str, str, str]:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = config_lib.parse_arg(arg, tiny=bool, large=bool, hub=bool, lag=int)
-  if args["tiny"] and args["hub"]:
-    raise ValueError("config args 'tiny' and 'hub' exclude each other (tiny reads local files only)")
+  args = config_lib.parse_arg(arg, tiny=bool, large=bool, lag=int)
   c = config_lib.defaults("tiny_qwen3" if args["tiny"] else "qwen3_0_6b")
   c.model.param_dtype = "float32"  # Master weights and AdamW state (bfloat16 would lose lr-1e-6 updates).
   c.model.dtype = "bfloat16"  # Compute, and the engine's copy of pi_old.
@@ -131,9 +132,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.logprob_tile = 64
     c.eval.samples_per_problem = 16
 
-  if args["hub"]:
-    c.model.path, c.task.train_path, c.task.eval_path = hub_files()
-
   if args["tiny"]:
     config_lib.shrink_for_cpu(c, TINY_MODEL)  # float32, 4 RL steps, lag 2, 2 groups per step
     c.mesh.fsdp = -1
@@ -144,3 +142,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.sampling.max_new_tokens = 16
     c.rl.lag = args["lag"] or 2
   return c
+
+
+if __name__ == "__main__":
+  import sys
+
+  if sys.argv[1:] != ["--fetch"]:
+    sys.exit("usage: python -m configs.gsm8k --fetch  (downloads Qwen3-0.6B and GSM8K from the Hub "
+             "into its cache and prints the settings to add)")
+  try:
+    model_dir, train_file, test_file = hub_files()
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(f"--config.model.path={model_dir} --config.task.train_path={train_file} "
+        f"--config.task.eval_path={test_file}")
