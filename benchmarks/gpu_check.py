@@ -263,7 +263,9 @@ def hf_child(model_dir: str, prompts, new_tokens: int, replies) -> None:
   cuda = torch.cuda.is_available()
   device = "cuda" if cuda else "cpu"
   dtype = torch.bfloat16 if cuda else torch.float32
-  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+  major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+  key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in transformers 4.56
+  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **{key: dtype}).to(device)
   model.eval()
   ids = torch.tensor(prompts, device=device)
   kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,

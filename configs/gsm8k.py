@@ -92,7 +92,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = config_lib.defaults("tiny_qwen3" if args["tiny"] else "qwen3_0_6b")
   c.model.param_dtype = "float32"  # Master weights and AdamW state (bfloat16 would lose lr-1e-6 updates).
   c.model.dtype = "bfloat16"  # Compute, and the engine's copy of pi_old.
-  c.mesh.fsdp = 1  # One device: no split (a single-device runtime; more devices: -1 or data=-1).
   c.train.remat = "full"  # Recompute each block in the backward pass: 512-token answers in 16 GB.
 
   # oapl_jax/tasks/math.py: chat prompt + "\boxed{}" instruction, math-verify reward.
@@ -134,7 +133,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   if args["tiny"]:
     config_lib.shrink_for_cpu(c, TINY_MODEL)  # float32, 4 RL steps, lag 2, 2 groups per step
-    c.mesh.fsdp = -1
     c.task.train_path = TINY_TRAIN
     c.task.eval_path = TINY_EVAL
     c.task.num_eval = None  # All 8.
