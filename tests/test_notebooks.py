@@ -2,10 +2,10 @@
 
 The notebooks read `OAPL_NOTEBOOK_QUICK=1` (seconds-long runs: `configs/tiny.py:smoke`, the lag
 study's `reduced=True`, real_model's tiny local Qwen3 and GSM8K-format file through
-`configs/gsm8k.py:tiny`, its Hub cells skipped) and `OAPL_NOTEBOOK_WORKDIR` (where the runs go). The kernel is the
-`python3` one, which jupyter_client starts with this interpreter (`sys.executable`); the install
-cell must find the package installed already, from this checkout. About 1-2 minutes each on
-2 CPU cores.
+`configs/gsm8k.py:tiny`, its Hub cells skipped) and `OAPL_NOTEBOOK_WORKDIR` (where the runs
+go). The kernel is the `python3` one, which jupyter_client starts with this interpreter
+(`sys.executable`); the install cell must find the package installed already, from this
+checkout. About 1-2 minutes each on 2 CPU cores.
 """
 
 import re
@@ -97,7 +97,7 @@ def test_real_model_notebook(tmp_path, monkeypatch):
   assert "Wall times on Colab runtimes are not measured" in intro
   skipped = [line for line in _stdout(cells["fetch"]).splitlines() if "Hub fetch skipped" in line]
   assert len(skipped) == 1 and "quick mode" in skipped[0]
-  assert "configs/gsm8k.py:tiny" in _stdout(cells["device"])
+  assert "configs/gsm8k.py:tiny" in _stdout(cells["config"])
   assert "total" in _stdout(cells["config"])  # the memory plan
   assert (workdir / "run" / "summary.json").is_file()
   assert re.search(r"pass@1: \d\.\d{3} -> \d\.\d{3}", _stdout(cells["run"]))
