@@ -1,6 +1,6 @@
 """The attention kernels compiled ahead of time for one TPU v5p device, beside the blockwise code.
 
-    ALLOW_MULTIPLE_LIBTPU_LOAD=1 .venv-tpu/bin/python benchmarks/tpu_kernels_compile.py [causal|decode]
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 .venv-tpu/bin/python benchmarks/tpu_kernels_compile.py [causal|decode|run]
 
 Needs libtpu in the Python environment (a venv of its own, `pip install -e '.[tpu]'`); runs on a
 CPU host: the TPU compiler builds for one device of `get_topology_desc("v5:2x2x1", "megacore")`
@@ -11,13 +11,18 @@ the project's decode kernel) and "xla" (the blockwise code): compile time, XLA's
 does not count, so the attention's FLOPs are also given by hand) and `memory_analysis()`
 (argument, output and temporary bytes). Shapes: causal B=1, T=2048, N=16, K=8, D=128; decode
 B=64 rows at position 4095 of a 4096-position cache, chunk 1024; bfloat16.
+
+With the argument `run`: the whole `configs/tiny.py` run compiled for v5p-8 by the compile dry
+run (`oapl_jax.aot.compile_run`, which sets `attention_kernel` "pallas" for a TPU topology),
+and the Mosaic (Pallas) calls counted in each compiled program's HLO.
 """
 
 import os
+import sys
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -64,6 +69,20 @@ def _decode_programs(device):
   return progs
 
 
+def tiny_run():
+  """Mosaic calls per program of configs/tiny.py compiled for v5p-8."""
+  from configs import tiny  # noqa: PLC0415
+  from oapl_jax import aot  # noqa: PLC0415
+  from oapl_jax import config as config_lib  # noqa: PLC0415
+  config = tiny.get_config()
+  config.mesh.topology = "v5p-8"
+  config_lib.validate(config, dry_run=True)
+  for prog in aot.compile_run(config, keep_hlo=True).programs:
+    kernels = {k: prog.hlo.count(k) > 0 for k in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv")}
+    calls = prog.hlo.count('custom_call_target="tpu_custom_call"')
+    print(f"{prog.name:<16} Mosaic calls: {calls}  {', '.join(k for k, v in kernels.items() if v)}")
+
+
 def main():
   topology = topologies.get_topology_desc("v5:2x2x1", chip_config_name="megacore",
                                           chips_per_host_bounds=(2, 2, 1))
@@ -91,4 +110,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  tiny_run() if sys.argv[1:] == ["run"] else main()
