@@ -113,3 +113,26 @@ def test_the_fetch_without_the_hub_is_refused_in_one_line():
   assert out.returncode == 2
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1 and "cannot fetch Qwen/Qwen3-0.6B" in lines[0] and "model.path" in lines[0]
+
+
+def test_the_task_reads_gsm8k_parquet_files_as_the_hub_ships_them(tiny_qwen3, tmp_path):
+  """openai/gsm8k's main/{train,test}-*.parquet hold string columns question and answer: the
+  config's task reads such files (here the tiny rows written as Parquet) like the JSONL ones."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  from oapl_jax.tasks.registry import make_task
+
+  c = gsm8k.get_config("tiny")
+  c.model.path = tiny_qwen3
+  for name, rows in (("train", _rows(gsm8k.TINY_TRAIN)), ("test", _rows(gsm8k.TINY_EVAL))):
+    path = tmp_path / f"{name}-00000-of-00001.parquet"
+    pq.write_table(pa.table({"question": [r["question"] for r in rows],
+                             "answer": [r["answer"] for r in rows]}), path)
+    c.task[("eval" if name == "test" else "train") + "_path"] = str(path)
+  config_lib.validate(c)
+  task, _ = make_task(c)
+  assert task.num_train == 42 and len(task.eval_problems()) == 8
+  problem = task.eval_problems()[0]
+  final = problem.answer.rsplit("####", 1)[1].strip()
+  assert task.score(f"\\boxed{{{final}}}", problem) == 1.0 and task.score("\\boxed{-1}", problem) == 0.0
