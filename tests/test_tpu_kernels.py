@@ -71,6 +71,13 @@ def test_splash_equals_blockwise_values_and_gradients(b, t, n, kv):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=TOL, rtol=0, err_msg=name)
 
 
+def test_splash_block():
+  assert pallas_attention.splash_block(2048) == (2048, 512)
+  assert pallas_attention.splash_block(2080) == (2304, 256)  # 2560 would pad 480 > 2080 / 8
+  assert pallas_attention.splash_block(200) == (256, 256)
+  assert pallas_attention.splash_block(37) == (128, 128)
+
+
 def test_decode_chunk():
   assert pallas_attention.decode_chunk(4096, 1024) == 1024
   assert pallas_attention.decode_chunk(1536, 1024) == 768  # the largest 128-multiple divisor

@@ -48,9 +48,12 @@ def _round_up(x: int, m: int) -> int:
 
 
 def splash_block(t: int) -> tuple[int, int]:
-  """(padded length, block) for a sequence of t positions: t rounded up to a multiple of
-  `LANES`, and the largest of `SPLASH_BLOCKS` dividing it."""
-  tp = _round_up(t, LANES)
+  """(padded length, block) for a sequence of t positions: t rounded up to a multiple of the
+  largest of `SPLASH_BLOCKS` that pads it by at most t / 8 (else of `LANES`), and the largest
+  of `SPLASH_BLOCKS` dividing that (2048 -> blocks of 512; 2080 -> 2304, blocks of 256 rather
+  than 2560 or blocks of 128; a guess at the balance, not timed on a TPU)."""
+  tp = next((_round_up(t, c) for c in SPLASH_BLOCKS if _round_up(t, c) - t <= t // 8),
+            _round_up(t, LANES))
   return tp, next(c for c in SPLASH_BLOCKS if tp % c == 0)
 
 
