@@ -58,10 +58,12 @@ def attention_impl(setting: str) -> str:
 
 def _over_mesh(fn, specs: tuple, out_spec):
   """fn, under `jax.shard_map` over the mesh set by `jax.set_mesh` (if any, of more than one
-  device) with these in / out PartitionSpecs: a Pallas call is one opaque custom call, which
-  XLA's partitioner would run on gathered (replicated) operands; under shard_map each device
-  runs it on its own block. Specs that differ from the operands' shardings cost a reshard,
-  never a wrong number. Without a mesh: fn itself."""
+  device) with these in / out PartitionSpecs: a Pallas (Mosaic) call is one opaque custom call
+  that XLA cannot partition (sharded operands without shard_map are a compile error); under
+  shard_map each device runs it on its own block. Specs that differ from the operands'
+  shardings cost a reshard, never a wrong number. Without a mesh: fn itself (one device; a
+  program sharded without a mesh set, as the engine's with sampling.tensor > 1, does not
+  compile: docs/design.md)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return fn
