@@ -9,15 +9,16 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["oapl_jax", "oapl_jax.*"]),
     install_requires=[
-        "jax>=0.10,<0.11",  # on TPU / GPUs: the extras below add JAX's own TPU or CUDA build
+        # Tested on 0.10.2 (Python 3.11) and 0.12.0.1 (Python 3.12); JAX 0.11+ needs Python >= 3.12,
+        # so Python 3.11 gets 0.10.x. On TPU / GPUs the extras below add JAX's own TPU or CUDA build.
+        "jax>=0.10,<0.13",
         "flax>=0.12,<0.13",
         "optax>=0.2.5,<0.3",
         "orbax-checkpoint>=0.11,<0.13",
         "google-jetstream==0.2.2",  # the only release; its engine API is what we implement
         "ml-collections>=1.0,<2",
         "absl-py>=2,<3",
-        "clu>=0.0.12,<0.1",  # metric writers (TensorBoard)
-        "tensorboard>=2.18,<3",
+        "tensorboard>=2.18,<3",  # its event protos and record writer (oapl_jax/metrics.py)
         "transformers>=4.50,<6",
         "safetensors>=0.4,<1",
         "tokenizers>=0.21,<1",
@@ -31,9 +32,9 @@ setup(
     extras_require={
         # The accelerator builds of the same JAX: pip install -e '.[tpu]' (libtpu) on a TPU VM,
         # '.[cuda12]' or '.[cuda13]' (JAX's CUDA plugin and NVIDIA's wheels) on a GPU machine.
-        "tpu": ["jax[tpu]>=0.10,<0.11"],
-        "cuda12": ["jax[cuda12]>=0.10,<0.11"],
-        "cuda13": ["jax[cuda13]>=0.10,<0.11"],
+        "tpu": ["jax[tpu]>=0.10,<0.13"],
+        "cuda12": ["jax[cuda12]>=0.10,<0.13"],
+        "cuda13": ["jax[cuda13]>=0.10,<0.13"],
         "test": [
             "pytest>=8,<10",
             "chex>=0.1.88,<0.2",
