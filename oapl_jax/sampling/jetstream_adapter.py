@@ -18,8 +18,9 @@ itself; what needs JetStream's own types lives here:
 The engine imports this module itself on the first call of a JetStream-only method
 (`generate`, `get_tokenizer`, `build_tokenizer`: the orchestrator's prefill thread calls the
 last two before anything else) and when it is built in a process that has already imported
-JetStream's `engine_api`; so an orchestrator or an `isinstance` check works however it is
-reached, and a process that never touches JetStream never loads it.
+JetStream's `engine_api`; so the orchestrator works however it is reached, `isinstance` holds
+unless the engine was built before JetStream was imported (then import this module first), and
+a process that never touches JetStream never loads it.
 """
 
 from typing import Any
