@@ -22,6 +22,7 @@ setup(
         "transformers>=4.50,<6",
         "safetensors>=0.4,<1",
         "tokenizers>=0.21,<1",
+        "jinja2>=3.1,<4",  # transformers' apply_chat_template (torch brought it along until now)
         "tensorflow-datasets>=4.9,<5",
         "math-verify>=0.7,<1",
         "reasoning-gym>=0.1.25,<0.2",  # procedural tasks (oapl_jax/tasks/reasoning_gym.py)

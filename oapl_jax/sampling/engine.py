@@ -40,11 +40,12 @@ Decode runs `decode.decode` (the model's decode step, over the fused layout), pr
 own `prefill` on the plain weights sliced out of the fused ones. With T = 1 the numbers are the
 single-device engine's, bit for bit.
 
-JetStream: this module imports none of it (its `engine_api` imports seqio and TensorFlow, which
-sampling and training do not need). `Engine` defines every method of JetStream's
-`engine_api.Engine`; `jetstream_adapter.py` registers it as one and holds the JetStream types
-that `generate`, `get_tokenizer` and `build_tokenizer` return, and those three import it on
-first call (see there).
+JetStream: this module imports none of it at load time (its `engine_api` imports seqio and
+TensorFlow, which sampling and training do not need). `Engine` defines every method of
+JetStream's `engine_api.Engine`; `jetstream_adapter.py` holds the JetStream types that
+`generate`, `get_tokenizer` and `build_tokenizer` return. Those three load it on first call, as
+does building an engine once JetStream is imported, and `Engine` then registers as a JetStream
+engine (`_jetstream`; see `jetstream_adapter`).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def engine_settings(sampling) -> dict:
 
 class Engine:
   """A JetStream engine over `oapl_jax.models.Transformer` (JetStream's `engine_api.Engine`
-  API; registered as one by `jetstream_adapter`, which the JetStream-only calls import).
+  API; registered as one once JetStream is loaded, see `_jetstream`).
 
   Args:
     graphdef: the model's NNX graph definition (`nnx.split(model, nnx.Param)[0]`).
@@ -461,8 +462,12 @@ class Engine:
 
 
 def _jetstream():
-  """`jetstream_adapter` (imports JetStream, seqio and TensorFlow; once)."""
+  """`jetstream_adapter` (imports JetStream, seqio and TensorFlow; once), with `Engine`
+  registered as a virtual subclass of JetStream's `engine_api.Engine`."""
   from oapl_jax.sampling import jetstream_adapter  # noqa: PLC0415 (only JetStream's callers need it)
+  engine_abc = jetstream_adapter.engine_api.Engine
+  if not issubclass(Engine, engine_abc):
+    engine_abc.register(Engine)
   return jetstream_adapter
 
 

@@ -1,26 +1,25 @@
-"""Our `Engine` under JetStream's own names: import this module to serve the engine with
-`jetstream.core.orchestrator` (or to ask `isinstance(engine, engine_api.Engine)`).
+"""What our `Engine` needs of JetStream's own types, to be served by `jetstream.core.orchestrator`.
 
 `oapl_jax.sampling.engine` imports no JetStream: JetStream's `engine_api` imports `token_utils`,
 which imports seqio and TensorFlow (seconds of start-up, ~0.6 GiB resident), and neither the
 trainer nor `rollout` needs any of it. The engine implements JetStream's `Engine` methods
 itself; what needs JetStream's own types lives here:
 
-* `Engine` is registered as a virtual subclass of `engine_api.Engine` (`isinstance` holds;
-  JetStream's ABC has no behaviour to inherit, only abstract methods, which `Engine` defines:
-  tests/test_orchestrator.py checks that none is missing);
 * `SampledTokens`: what `Engine.generate` returns, JetStream's `ResultTokens` plus log-probs;
 * `TokenizerAdapter` and `tokenizer_parameters()`: for `get_tokenizer` / `build_tokenizer`;
 * `jax.tree_map`, which JAX removed and JetStream 0.2.2's orchestrator calls (freeing
   prefixes after insert; without it the generate thread dies on the first request), is
   restored as an alias of `jax.tree.map`, only if missing.
 
-The engine imports this module itself on the first call of a JetStream-only method
-(`generate`, `get_tokenizer`, `build_tokenizer`: the orchestrator's prefill thread calls the
-last two before anything else) and when it is built in a process that has already imported
-JetStream's `engine_api`; so the orchestrator works however it is reached, `isinstance` holds
-unless the engine was built before JetStream was imported (then import this module first), and
-a process that never touches JetStream never loads it.
+The engine loads this module itself (`engine._jetstream`) on the first call of a JetStream-only
+method (`generate`, `get_tokenizer`, `build_tokenizer`: the orchestrator's prefill thread calls
+the last two before anything else) and when it is built in a process that has already imported
+JetStream's `engine_api`, and then registers `Engine` as a virtual subclass of
+`engine_api.Engine` (JetStream's ABC has no behaviour to inherit, only abstract methods, which
+`Engine` defines: tests/test_orchestrator.py checks that none is missing). So the orchestrator
+works however it is reached, `isinstance(engine, engine_api.Engine)` holds for an engine built
+after JetStream was imported (or once a JetStream method has been called), and a process that
+never touches JetStream never loads it. This module imports nothing of `oapl_jax`.
 """
 
 from typing import Any
@@ -30,12 +29,8 @@ import numpy as np
 from flax import struct
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
-from oapl_jax.sampling.engine import Engine
-
 if not hasattr(jax, "tree_map"):
   jax.tree_map = jax.tree.map
-
-engine_api.Engine.register(Engine)
 
 
 @struct.dataclass
