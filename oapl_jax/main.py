@@ -8,8 +8,12 @@ with one line on stderr and exit code 2; `--verbose` prints the traceback instea
 exits: 0 if it fits the devices' memory, 2 with one line naming the setting to change if not.
 It reads no weights or data files and needs no --workdir:
 
-  python -m oapl_jax.main --config=configs/math.py --config.mesh.topology=v5p-64 \
-      --config.sampling.engines=8 --config.sampling.tensor=4 --dry_run
+  python -m oapl_jax.main --config=configs/math.py --config.mesh.topology=v5p-64 --dry_run
+
+`--dry_run=compile` also compiles every program of the run for that topology with the real
+compiler (a TPU slice: libtpu, in a venv of its own; oapl_jax/aot.py) and prints XLA's bytes
+per device beside the plan's, the compiled peak against the device, and a roofline; it exits
+2 if the compiled run does not fit.
 """
 
 import json
@@ -27,8 +31,32 @@ from oapl_jax.workdir import Layout  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and summary.json go "
                                 "(required unless --dry_run).")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the memory plan per device (config.mesh."
-                             "topology, else this machine's devices) and exit: 0 if it fits.")
+
+
+class _DryRunParser(flags.ArgumentParser):
+  """`--dry_run` (or `--dry_run=plan`): the memory plan; `--dry_run=compile`: every program
+  compiled for the topology (oapl_jax/aot.py). A boolean flag, so that `--dry_run` alone works."""
+
+  def parse(self, argument):
+    value = str(argument).lower()
+    if value in ("true", "1", "plan"):
+      return "plan"
+    if value in ("false", "0", "none"):
+      return None
+    if value == "compile":
+      return "compile"
+    raise ValueError(f"{argument!r}: use --dry_run (the plan) or --dry_run=compile")
+
+  def flag_type(self):
+    return "plan | compile"
+
+
+_DRY_RUN = flags.DEFINE(
+    _DryRunParser(), "dry_run", None,
+    "Print the memory plan per device (config.mesh.topology, else this machine's devices) and "
+    "exit: 0 if it fits. --dry_run=compile: compile every program of the run for that topology "
+    "(a TPU slice: needs libtpu) and print XLA's bytes per device beside the plan's.",
+    boolean=True)
 flags.mark_flags_as_required(["config"])
 flags.register_validator("workdir", lambda v: v is not None or _DRY_RUN.value,
                          "--workdir is required (except with --dry_run)")
@@ -40,7 +68,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; keep the console readable
     logging.set_verbosity(logging.WARNING)
   config = config_lib.from_flag(_CONFIG)
-  config_lib.validate(config, dry_run=_DRY_RUN.value)  # once: before JAX starts or the workdir is touched
+  config_lib.validate(config, dry_run=bool(_DRY_RUN.value))  # once: before JAX starts or the workdir is touched
   if _DRY_RUN.value:
     return dry_run(config)
   distributed.initialize(config.distributed)  # multi-host: before anything touches JAX
@@ -69,6 +97,11 @@ def dry_run(config) -> None:
   print(plan.format(), flush=True)
   if not plan.fits:
     raise plan_lib.PlanError(plan.advice())
+  if _DRY_RUN.value == "compile":
+    from oapl_jax import aot  # noqa: PLC0415
+    report = aot.compile_run(config)
+    print(report.format(), flush=True)
+    report.check()
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def axis_shards(mesh: Mesh | Mapping[str, int], rules: Rules | None, logical: st
   """How many shards a dimension with logical axis `logical` is split into on `mesh` (a Mesh,
   or its axis sizes): the product of the sizes of its rule's mesh axes (1: replicated)."""
   sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
-  return int(np.prod([sizes.get(n, 1) for n in _spec_names(rules_dict(rules).get(logical))]))
+  return int(np.prod([sizes.get(n, 1) for n in spec_names(rules_dict(rules).get(logical))]))
 
 
 def _mesh_axes(value: Any) -> MeshAxes:
@@ -128,7 +128,7 @@ def logical_to_spec(axes: Iterable[str | None], rules: Rules | None) -> Partitio
   return PartitionSpec(*(table.get(a) for a in axes))
 
 
-def _spec_names(entry: MeshAxes) -> tuple[str, ...]:
+def spec_names(entry: MeshAxes) -> tuple[str, ...]:
   """The mesh axis names of one PartitionSpec entry."""
   return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
@@ -138,7 +138,7 @@ def check_fits(name: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mes
   axis for two dimensions, or that splits a dimension into a number of shards not dividing it."""
   used = []
   for dim, entry in zip(shape, spec):
-    names = _spec_names(entry)
+    names = spec_names(entry)
     missing = [n for n in names if n not in mesh.shape]
     if missing:
       raise ValueError(f"{name}: sharding rules name mesh axes {missing} that the mesh "

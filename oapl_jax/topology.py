@@ -53,3 +53,12 @@ for _cores in (8, 16, 32, 64, 128, 256, 512, 1024):
 for _gpu, _gib in (("a100", 80), ("h100", 80), ("h200", 141)):
   for _n in (1, 2, 4, 8):
     TOPOLOGIES[f"{_gpu}x{_n}"] = Topology(f"{_gpu}x{_n}", _n, int(_gib * 1e9), _n)
+
+# Per device (a chip; v4 and v5p: both TensorCores): (name, peak dense bf16 FLOP/s, HBM bytes/s),
+# Cloud TPU's published figures; the roofline of `--dry_run=compile` (oapl_jax/aot.py).
+CHIPS: dict[str, tuple[str, float, float]] = {
+    "v4": ("TPU v4", 275e12, 1228e9),
+    "v5p": ("TPU v5p", 459e12, 2765e9),
+    "v5e": ("TPU v5e", 197e12, 819e9),
+    "v6e": ("TPU v6e", 918e12, 1640e9),
+}

@@ -93,7 +93,7 @@ def module_flags(module: str, seen: set | None = None) -> set[str]:
     return set()
   seen.add(path)
   source = open(path).read()
-  names = set(re.findall(r"DEFINE_\w+\(\s*[\"'](\w+)[\"']", source))
+  names = set(re.findall(r"DEFINE\w*\(\s*(?:\w+\(\),\s*)?[\"'](\w+)[\"']", source))  # DEFINE(parser(), "name"
   names |= {n.lstrip("-").replace("-", "_") for n in re.findall(r"add_argument\(\s*[\"'](--[\w-]+)[\"']", source)}
   names |= {n.lstrip("-") for n in re.findall(r"add_argument\(\s*[\"'](--[\w-]+)[\"']", source)}
   if "run_command(" in source:

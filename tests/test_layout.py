@@ -29,7 +29,7 @@ LAYERS = (
     ("oapl_jax.sampling", "oapl_jax.checkpoint"),
     ("oapl_jax.eval",),
     ("oapl_jax.rl", "oapl_jax.warmup"),
-    ("oapl_jax.plan",),
+    ("oapl_jax.plan", "oapl_jax.aot"),  # the memory plan and the compiled programs (--dry_run)
     ("oapl_jax.config",),
     ("oapl_jax.train",),
     # the commands

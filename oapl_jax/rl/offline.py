@@ -306,14 +306,20 @@ def check_problems(data: OfflineData, tokenizer) -> None:
             f"({prompt[:60]!r}) as this run's tokenizer encodes it")
 
 
-def logprob_fn(config, graphdef, mesh):
-  """`(params, tokens [n, T]) -> [n, T-1]` log-probs by the trainer's kernel (the engine's
-  sampling settings), one row per call (one compile), on the trainer's mesh."""
+def logprob_kernel(config, graphdef):
+  """Jitted `(params, tokens [n, T]) -> [n, T-1]`: the trainer's log-prob kernel under the
+  engine's sampling settings (`--dry_run=compile` compiles it too: oapl_jax/aot.py)."""
   sampling = SamplingParams.from_config(config.sampling)
-  kernel = jax.jit(lambda p, t: token_logprobs(nnx.merge(graphdef, p), t, sampling,
-                                               tile=config.train.logprob_tile,
-                                               attn_block=config.train.attn_block)[0],
-                   compiler_options=compiler_options(config.model.exact_rounding))
+  return jax.jit(lambda p, t: token_logprobs(nnx.merge(graphdef, p), t, sampling,
+                                             tile=config.train.logprob_tile,
+                                             attn_block=config.train.attn_block)[0],
+                 compiler_options=compiler_options(config.model.exact_rounding))
+
+
+def logprob_fn(config, graphdef, mesh):
+  """`(params, tokens [n, T]) -> [n, T-1]` log-probs by the trainer's kernel (`logprob_kernel`),
+  one row per call (one compile), on the trainer's mesh."""
+  kernel = logprob_kernel(config, graphdef)
 
   def logprobs(params, tokens: np.ndarray) -> np.ndarray:
     with jax.set_mesh(mesh):

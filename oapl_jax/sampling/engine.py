@@ -167,12 +167,13 @@ class Engine:
     self._zero_cache = jax.jit(lambda capacity: init_cache(model_cfg, max_slots, capacity),
                                static_argnums=0, out_shardings=cache)
     opts = compiler_options(exact_rounding)  # the programs that run the model
-    self._prefill = jax.jit(self._prefill_impl, out_shardings=prefix, compiler_options=opts)
+    self._prefill = jax.jit(self._on_mesh(self._prefill_impl), out_shardings=prefix,
+                            compiler_options=opts)
     self._embedding = jax.jit(lambda head: head.T)  # [E, V] -> [V, E] (tied models' prefill)
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state)
-    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
+    self._generate = jax.jit(self._on_mesh(self._generate_impl), donate_argnums=(1,),
                              out_shardings=(state, rep, rep), compiler_options=opts)
-    self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,),
+    self._generate_steps = jax.jit(self._on_mesh(self._generate_steps_impl), donate_argnums=(1,),
                                    out_shardings=(state, rep), compiler_options=opts)
     self._resize = jax.jit(self._resize_impl, static_argnums=(1,), out_shardings=state)
     self._narrow = jax.jit(self._narrow_impl, out_shardings=state)
@@ -346,6 +347,21 @@ class Engine:
     return self._narrow(decode_state, np.asarray(keep, np.int32))
 
   # --- jitted implementations ----------------------------------------------------------
+
+  def _on_mesh(self, fn):
+    """fn traced with the engine's mesh as the abstract mesh, where the model's attention runs
+    the Pallas kernels on more than one device: a Mosaic call must run under `shard_map`,
+    which needs a mesh at trace time (`attention._over_mesh`). Otherwise fn itself: the
+    blockwise code is partitioned by XLA from the arrays' shardings alone."""
+    from oapl_jax.models.attention import attention_impl  # noqa: PLC0415
+
+    def traced(*args):
+      if self._mesh.size == 1 or attention_impl(self.model_cfg.attention_kernel) == "xla":
+        return fn(*args)
+      with jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh):
+        return fn(*args)
+
+    return traced
 
   def _placed(self, state: dict) -> dict:
     """`state` constrained to its shardings (inside the decode loop: the carry stays placed)."""

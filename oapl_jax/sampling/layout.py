@@ -73,7 +73,7 @@ def engine_rules(rules) -> dict:
   engine's weights are split over heads / MLP / vocabulary only, and replicated over the rest."""
   out = {}
   for logical, axes in sharding_lib.rules_dict(rules).items():
-    kept = tuple(a for a in sharding_lib._spec_names(axes) if a in ENGINE_MESH_AXES)
+    kept = tuple(a for a in sharding_lib.spec_names(axes) if a in ENGINE_MESH_AXES)
     out[logical] = kept[0] if len(kept) == 1 else (kept or None)
   return out
 
@@ -210,11 +210,29 @@ def engine_bytes(weights: EngineParams) -> int:
 
 
 def _source_devices(params) -> list:
-  """The devices pi_theta's arrays lie on (sorted by id)."""
+  """The devices pi_theta's arrays lie on: in its mesh's order where it has one (the trainer's
+  mesh; on a TPU slice that is the torus' order, not the ids'), else sorted by id."""
   devices = set()
   for x in jax.tree.leaves(params):
+    if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding):
+      return list(x.sharding.mesh.devices.flat)
     devices |= set(x.sharding.device_set) if isinstance(x, jax.Array) else set()
   return sorted(devices or {jax.devices()[0]}, key=lambda d: d.id)
+
+
+def in_device_order(shardings, order: list):
+  """The same PartitionSpecs on meshes of the same shapes and axes whose devices are listed in
+  `order` (the same devices): a jitted program's arguments and results must list their
+  devices in one order, and the staging mesh's differs from the trainer mesh's when the
+  replicas' device groups are not runs of the trainer mesh's order (a TPU slice's torus order
+  is not the ids' order). `jax.device_put` to these moves each block on device (a jitted
+  permutation of the shards; JAX's reshard for a new device order), not through the host."""
+  def move(s):
+    mesh = Mesh(np.array(order).reshape(s.mesh.devices.shape), s.mesh.axis_names,
+                axis_types=s.mesh.axis_types)
+    return NamedSharding(mesh, s.spec)
+
+  return jax.tree.map(move, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
 def staging_mesh(source: list, meshes: list[Mesh], tensor: int, *,
@@ -294,6 +312,10 @@ def load_weights(params: nnx.State, version: int, layout: EngineLayout,
   source = _source_devices(params)
   stage = staging_mesh(source, meshes if groups is None else [engine_mesh(g) for g in groups],
                        layout.tensor, in_source_order=groups is not None)
+  order = list(stage.devices.flat)
+  if order != source:  # the re-layout's argument must list its devices as its result does
+    params = jax.device_put(params, in_device_order(
+        jax.tree.map(lambda x: x.sharding, params), order))
   rest_s, decode_s = layout.shardings(params, stage)
   replicated = NamedSharding(stage, PartitionSpec())
   staged_rest, staged_decode = layout.jitted_relayout(stage, (rest_s, decode_s))(params)

@@ -1,0 +1,406 @@
+"""Every program a run executes, compiled ahead of time for its devices: `--dry_run=compile`.
+
+    report = compile_run(config)   # nothing allocated, no weights or data read
+    print(report.format())         # per program: XLA's bytes per device beside the planner's
+    report.check()                 # PlanError (one line) if the compiled run does not fit
+
+`config.mesh.topology` names a TPU slice: the programs are compiled by the real TPU compiler
+(libtpu, through `jax.experimental.topologies`: the slice's devices as libtpu describes them,
+hosts and device order included) on whatever host runs the command, CPU included. libtpu is
+not a dependency of the project: it lives in a venv of its own (`pip install -e '.[tpu]'`;
+docs/memory.md). With no topology, the programs are compiled for this machine's devices.
+
+The programs (`programs`), built by the run's own code with the run's shardings:
+* "train step": `rl.step.TrainStep.jitted` (its micro-batch loop, the snapshot's and the
+  reference's log-probs when the loss needs them), arguments as `Run` holds them;
+* "offline log-probs" (rl.mode "offline"): the kernel that rescores a file's rows;
+* "refresh": the re-layout of pi_old from the trainer's shardings to the engines'
+  (`sampling.layout.load_weights`' one program);
+* "prefill": an engine's prefill of `sampling.max_prefill_batch` prompts of
+  `max_prompt_len` tokens (the largest call);
+* "decode @ C": an engine's `generate_steps` at every KV-cache capacity C the run reaches
+  (`sampling.cache_bucket` x powers of 2, up to the row length), and "decode step": one step
+  at the largest (the roofline's unit).
+
+For each: `memory_analysis()` (arguments, outputs, aliased, temporaries: bytes per device)
+and `cost_analysis()` (FLOPs and bytes accessed per device); and the run's peak per device
+from them, against the device's memory (the planner's `Plan` decides which programs share a
+device: `compiled_peak`). A roofline of the train step and the decode step from the chip's peak
+FLOP/s and HBM bandwidth (`topology.CHIPS`): a lower bound on time, an upper bound on MFU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from oapl_jax import placement, sharding
+from oapl_jax import plan as plan_lib
+from oapl_jax.errors import ConfigError, UserError
+from oapl_jax.placement import seq_len
+from oapl_jax.topology import CHIPS, GiB, TOPOLOGIES, Topology
+
+# libtpu's names of a TPU generation, its chip config and its chips' grid per slice size.
+_GRID_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4),
+            128: (4, 4, 8), 256: (4, 8, 8), 512: (8, 8, 8)}  # v4, v5p: chips in a 3-D torus
+_GRID_2D = {8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}  # v5e, v6e
+_TPU = {"v4": ("v4", "megacore", _GRID_3D), "v5p": ("v5", "megacore", _GRID_3D),
+        "v5e": ("v5e", "default", _GRID_2D), "v6e": ("v6e", "default", _GRID_2D)}
+
+INSTALL = ("the TPU compiler (libtpu) is not installed in this Python environment: in a venv of "
+           "its own, `pip install -e '.[tpu]'` (docs/memory.md, 'Compiled for the pod')")
+
+
+def libtpu_name(t: Topology) -> tuple[str, str, tuple[int, ...]]:
+  """(libtpu topology name, chip config name, chips per host bounds) of a TPU slice."""
+  generation = t.name.split("-")[0]
+  if generation not in _TPU:
+    raise ConfigError(f"config.mesh.topology={t.name!r}: --dry_run=compile compiles for TPU "
+                      f"slices ({', '.join(_TPU)}) or, with no topology, this machine's devices")
+  platform, chip_config, grids = _TPU[generation]
+  if t.devices not in grids:
+    raise ConfigError(f"config.mesh.topology={t.name!r}: not a single TPU slice libtpu describes "
+                      f"(slices of {sorted(grids)} chips)")
+  grid = grids[t.devices]
+  per_host = (2, 4, 1) if t.devices_per_host == 8 else (2, 2, 1)
+  return f"{platform}:{'x'.join(map(str, grid))}", chip_config, per_host
+
+
+def tpu_devices(t: Topology) -> list:
+  """The devices of TPU slice `t` as libtpu describes them (for compiling only)."""
+  name, chip_config, per_host = libtpu_name(t)
+  try:
+    import libtpu  # noqa: F401, PLC0415 (optional: only this command needs it)
+  except ImportError:
+    raise UserError(INSTALL) from None
+  from jax.experimental import topologies  # noqa: PLC0415
+  devices = list(topologies.get_topology_desc(name, chip_config_name=chip_config,
+                                              chips_per_host_bounds=per_host).devices)
+  hosts = len({d.process_index for d in devices})
+  if len(devices) != t.devices or hosts != t.processes:
+    raise RuntimeError(f"libtpu's {name} has {len(devices)} devices on {hosts} hosts; "
+                       f"topology.py says {t.devices} on {t.processes}")
+  return devices
+
+
+def local_devices(devices: list, process: int) -> list:
+  """The devices of one process, in id order (as `jax.local_devices()` lists them there)."""
+  return sorted((d for d in devices if d.process_index == process), key=lambda d: d.id)
+
+
+# --- the programs -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Program:
+  """One compiled program: XLA's bytes per device and cost, and the planner's figures for the
+  same buffers (arguments: the state it reads; temp: what it allocates)."""
+
+  name: str
+  where: str  # "trainer" or "engine"
+  argument: int
+  output: int
+  alias: int
+  temp: int
+  flops: float
+  bytes_accessed: float
+  seconds: float  # compile time on this host
+  planned_argument: int | None = None
+  planned_temp: int | None = None
+  hlo: str = dataclasses.field(default="", repr=False)  # optimized HLO text (tests read it)
+
+  @property
+  def total(self) -> int:
+    """Bytes per device while it runs: arguments, outputs not aliased to an argument, temp."""
+    return self.argument + self.output - self.alias + self.temp
+
+
+def _compile(name: str, where: str, lowered, planned_argument=None, planned_temp=None,
+             keep_hlo: bool = False) -> Program:
+  start = time.perf_counter()
+  compiled = lowered.compile()
+  seconds = time.perf_counter() - start
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis() or {}
+  if isinstance(cost, list):  # older JAX: one dict per computation
+    cost = cost[0] if cost else {}
+  return Program(name, where, mem.argument_size_in_bytes, mem.output_size_in_bytes,
+                 mem.alias_size_in_bytes, mem.temp_size_in_bytes, float(cost.get("flops", 0.0)),
+                 float(cost.get("bytes accessed", 0.0)), seconds, planned_argument, planned_temp,
+                 compiled.as_text() if keep_hlo else "")
+
+
+def _sds(tree, shardings=None, dtype=None):
+  """`tree`'s leaves as ShapeDtypeStructs (dtype: cast floating leaves), with `shardings`' leaves."""
+  cast = lambda x: dtype if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype  # noqa: E731
+  if shardings is None:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cast(x)), tree)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=s), tree, shardings)
+
+
+def capacities(config) -> list[int]:
+  """The KV-cache capacities a run's engines reach: sampling.cache_bucket x 2^k, capped at the
+  row length (`Engine.capacity_for`)."""
+  out, c, top = [], config.sampling.cache_bucket, seq_len(config)
+  while True:
+    out.append(min(c, top))
+    if c >= top:
+      return out
+    c *= 2
+
+
+def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False) -> list[Program]:
+  """Compiles every program of a run of `config` on `devices` (all processes'), the run's own
+  code and shardings, abstract arguments; `plan` gives the planner's figures beside each."""
+  from oapl_jax.models import build  # noqa: PLC0415
+  from oapl_jax.rl.buffer import Rows  # noqa: F401, PLC0415 (the batch's fields)
+  from oapl_jax.rl.step import Batch, make_optimizer, make_train_step, uses_reference  # noqa: PLC0415
+  from oapl_jax.sampling.layout import engine_mesh, in_device_order, staging_mesh  # noqa: PLC0415
+  from oapl_jax.sampling.processing import SamplingParams  # noqa: PLC0415
+  from oapl_jax.sampling.sampler import make_engine  # noqa: PLC0415
+
+  processes = len({d.process_index for d in devices})
+  split = placement.split_devices(config, len(local_devices(devices, 0)), processes)
+  trainer = (sorted(devices, key=lambda d: d.id) if len(split.trainer) == len(local_devices(devices, 0))
+             else [local_devices(devices, 0)[i] for i in split.trainer])
+  mesh = sharding.make_mesh(config.mesh, trainer)
+  m, s, tr = config.model, config.sampling, config.train
+  model_cfg, graphdef, abstract = build.abstract_model(config)
+  sampling = SamplingParams.from_config(s)
+  items = {i.name: i.nbytes for i in plan.items}
+  out = []
+
+  # the train step, arguments as the run holds them
+  optimizer = make_optimizer(tr, tr.steps)
+  step = make_train_step(config, graphdef, optimizer, sampling, mesh)
+  params = _sds(abstract)
+  snapshot = _sds(abstract, dtype=jnp.dtype(m.dtype))
+  rows, t = config.rl.groups_per_step * config.rl.group_size, seq_len(config)
+  micro = (tr.grad_accum, rows // tr.grad_accum)
+  batch = Batch(tokens=jax.ShapeDtypeStruct((*micro, t), jnp.int32),
+                mask=jax.ShapeDtypeStruct((*micro, t - 1), jnp.float32),
+                sampler_logprobs=jax.ShapeDtypeStruct((*micro, t - 1), jnp.float32),
+                rewards=jax.ShapeDtypeStruct(micro, jnp.float32))
+  reference = params if uses_reference(config) else None
+  opt_state = jax.eval_shape(optimizer.init, params)
+  state_names = ("master weights", "optimizer state", "trainer snapshot", "reference policy",
+                 "train batch")
+  with jax.set_mesh(mesh):
+    lowered = step.jitted.lower(params, opt_state, snapshot, batch, reference)
+  out.append(_compile("train step", "trainer", lowered,
+                      sum(items.get(n, 0) for n in state_names),
+                      sum(items[n] for n in ("gradients", "activations", "log-prob kernel")),
+                      keep_hlo))
+
+  if config.rl.mode == "offline":
+    from oapl_jax.rl.offline import logprob_kernel  # noqa: PLC0415
+    kernel = logprob_kernel(config, graphdef)
+    with jax.set_mesh(mesh):
+      lowered = kernel.lower(_sds(abstract, step.param_shardings),
+                             jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=step.replicated))
+    out.append(_compile("offline log-probs", "trainer", lowered, items["master weights"], None, keep_hlo))
+
+  # the engines: one replica's programs (every replica runs the same ones)
+  groups = [[local_devices(devices, p)[i] for i in split.engines[r * s.tensor:(r + 1) * s.tensor]]
+            for p in range(processes) for r in range(len(split.engines) // s.tensor)]
+  engine = make_engine(config, model_cfg, graphdef, sampling, engine_mesh(groups[0]))
+  layout = engine.layout
+  shapes = jax.eval_shape(layout.relayout, snapshot)  # (rest, decode)
+  rep = NamedSharding(engine.mesh, PartitionSpec())
+
+  # the refresh: pi_old from the trainer's shardings to the staging layout of every replica
+  source = list(mesh.devices.flat)  # `load_weights`: pi_old's devices in its mesh's order
+  stage = staging_mesh(source, [engine_mesh(g) for g in groups], s.tensor,
+                       in_source_order=processes > 1)
+  order = list(stage.devices.flat)  # where it differs, pi_old is first moved to this order (on device)
+  source_shardings = (step.param_shardings if order == source
+                      else in_device_order(step.param_shardings, order))
+  lowered = jax.jit(layout.relayout, out_shardings=layout.shardings(snapshot, stage)).lower(
+      _sds(snapshot, source_shardings))
+  out.append(_compile("refresh", "trainer", lowered, items["trainer snapshot"], None, keep_hlo))
+
+  from oapl_jax.sampling.layout import EngineParams  # noqa: PLC0415
+  rest_s, decode_s = layout.shardings(snapshot, engine.mesh)
+  weights = EngineParams(_sds(shapes[0], rest_s), jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+                         _sds(shapes[1], decode_s))
+  snap_bytes = items["engine snapshot"]
+  embed = None
+  if model_cfg.tie_embeddings:
+    head = weights.decode["head"]
+    embed_compiled = engine._embedding.lower(head).compile()  # noqa: SLF001
+    embed = jax.ShapeDtypeStruct(head.shape[::-1], head.dtype, sharding=embed_compiled.output_shardings)
+  p = s.max_prefill_batch
+  lowered = engine._prefill.lower(  # noqa: SLF001
+      weights, embed, jax.ShapeDtypeStruct((p, s.max_prompt_len), jnp.int32, sharding=rep),
+      jax.ShapeDtypeStruct((p,), jnp.int32, sharding=rep))
+  out.append(_compile("prefill", "engine", lowered, snap_bytes, items["engine prefill"], keep_hlo))
+
+  caps = capacities(config)
+  stop = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+  for capacity in caps:
+    state = jax.eval_shape(lambda c=capacity: engine.init_decode_state(capacity=c))
+    state = _sds(state, engine._state_sharding)  # noqa: SLF001
+    cache = plan_lib.kv_cache_bytes(config) * capacity // t
+    lowered = engine._generate_steps.lower(weights, state, stop)  # noqa: SLF001
+    out.append(_compile(f"decode @ {capacity}", "engine", lowered, snap_bytes + cache,
+                        items["engine logits"], keep_hlo))
+  lowered = engine._generate.lower(weights, state)  # noqa: SLF001  (the largest capacity's)
+  out.append(_compile("decode step", "engine", lowered, snap_bytes + plan_lib.kv_cache_bytes(config),
+                      items["engine logits"], keep_hlo))
+  return out
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+def compiled_peak(progs: list[Program], plan: plan_lib.Plan) -> int:
+  """The run's peak bytes per device from the compiled programs, as the plan places trainer
+  and engines (`Plan.counted`): with shared devices (sync) the engines' weights and KV cache
+  (the largest decode program's arguments) stay while the train step runs, and the trainer's
+  state (the train step's arguments) while the engines prefill, decode or are refreshed; in
+  async mode training and sampling run at once; on devices of their own the fuller side."""
+  by = {p.name: p for p in progs}
+  train = by["train step"]
+  engine = [p for p in progs if p.where == "engine"]
+  engine_state = max(p.argument for p in engine if p.name.startswith("decode @"))
+  engine_peak = max(p.total for p in engine)
+  refresh = by["refresh"]
+  trainer_side = max(train.total, train.argument + refresh.output + refresh.temp,
+                     *(p.total for p in progs if p.name == "offline log-probs"))
+  if not plan.shared:
+    return max(trainer_side, engine_peak)
+  if plan.concurrent:
+    return trainer_side + engine_peak
+  return max(trainer_side + engine_state, train.argument + engine_peak)
+
+
+def model_flops(config) -> dict[str, float]:
+  """Matmul FLOPs of one train step over all devices (2 per multiply-add), analytic: "useful"
+  is the forward and backward passes of pi_theta (6 x weights x tokens, the LM head included,
+  plus causal attention: 4 L N D T^2 / 2 per row forward, x3 with its backward); "hardware"
+  adds what the step also computes: a second forward under train.remat "full" or "dots"
+  (counted whole: an upper bound for "dots"), and the frozen forward passes of the snapshot
+  and the reference where the loss scores them. XLA's cost analysis counts a loop's body once
+  (micro-batches, log-prob tiles, attention blocks), so it cannot give these."""
+  from oapl_jax.rl import losses  # noqa: PLC0415
+  m = config.model
+  rows, t = config.rl.groups_per_step * config.rl.group_size, seq_len(config) - 1
+  params = plan_lib.abstract_params(config)
+  weights = sum(math.prod(v.get_value().shape) for p, v in jax.tree_util.tree_leaves_with_path(
+      params, is_leaf=lambda x: hasattr(x, "get_value")) if "embed" not in jax.tree_util.keystr(p)
+      and "norm" not in jax.tree_util.keystr(p))
+  per_token = weights + m.hidden_size * m.vocab_size  # blocks' matmuls + the LM head
+  forward = 2 * per_token * rows * t + rows * 4 * m.num_layers * m.num_heads * m.head_dim * t * t / 2
+  needs = losses.needs(config)
+  extra = (config.train.remat != "none") + needs.snapshot + needs.reference
+  return {"useful": 3 * forward, "hardware": (3 + extra) * forward}
+
+
+@dataclasses.dataclass
+class Report:
+  """The compiled programs of a run, its plan, and the chip (None: not a known TPU)."""
+
+  topology: str
+  devices: int
+  plan: plan_lib.Plan
+  programs: list[Program]
+  chip: tuple[str, float, float] | None  # (name, peak bf16 FLOP/s, HBM bytes/s) per device
+  flops: dict[str, float]
+  plan_config: object  # the config the plan was made for
+
+  @property
+  def peak(self) -> int:
+    return compiled_peak(self.programs, self.plan)
+
+  @property
+  def fits(self) -> bool:
+    return self.plan.device_bytes is None or self.peak <= self.plan.device_bytes
+
+  def check(self) -> None:
+    """PlanError (one line) if the compiled run does not fit its devices' memory."""
+    if not self.fits:
+      worst = max(self.programs, key=lambda p: p.total)
+      raise plan_lib.PlanError(
+          f"compiled for {self.topology}, the run needs {self.peak / GiB:.2f} GiB per device but "
+          f"a device has {self.plan.device_bytes / GiB:.2f} GiB; the largest program is the "
+          f"{worst.name} ({worst.total / GiB:.2f} GiB: arguments {worst.argument / GiB:.2f}, "
+          f"temp {worst.temp / GiB:.2f}); `--dry_run` (the plan) names the settings to change")
+
+  def roofline(self) -> list[str]:
+    """Lower bounds on the train step's time and the decode step's, and what they imply."""
+    if self.chip is None:
+      return ["roofline: this backend's peak FLOP/s and bandwidth are not known (TPU topologies only)"]
+    name, flops_s, bw = self.chip
+    c, s = self.plan_config, self.plan_config.sampling
+    step_s = self.flops["hardware"] / (self.devices * flops_s)
+    mfu = self.flops["useful"] / (self.devices * flops_s * step_s)
+    tokens = c.rl.groups_per_step * c.rl.group_size * (seq_len(c) - 1)
+    items = {i.name: i.nbytes for i in self.plan.items}
+    slots = placement.engine_slots(c)
+    read = items["engine snapshot"] + items["KV cache"]  # per device, a full cache read each step
+    half = items["engine snapshot"] + items["KV cache"] / 2
+    decode = next(p for p in self.programs if p.name == "decode step")
+    per_chip = lambda b: slots / (b / bw) / s.tensor  # noqa: E731
+    compute = 2 * decode.flops  # XLA's FLOPs of one step (attention chunks counted once)
+    return [
+        f"roofline on {name} ({flops_s / 1e12:.0f} TFLOP/s bf16, {bw / 1e9:.0f} GB/s HBM per device):",
+        f"  train step: {self.flops['hardware'] / 1e15:.2f} PFLOP over {self.devices} devices "
+        f"(analytic matmuls; useful {self.flops['useful'] / 1e15:.2f}) -> >= {step_s:.2f} s per step, "
+        f"MFU <= {mfu:.2f}, <= {tokens / step_s / self.devices:,.0f} trained tokens/s per device",
+        f"  decode: one step reads {read / GiB:.2f} GiB per device (weights + full KV cache) -> "
+        f"<= {per_chip(read):,.0f} tokens/s per device ({slots} slots, tensor {s.tensor}); "
+        f"with the cache half full <= {per_chip(half):,.0f}; XLA's step: "
+        f"{decode.bytes_accessed / GiB:.2f} GiB accessed, {compute / 1e9:.1f} GFLOP-equivalents",
+    ]
+
+  def format(self) -> str:
+    """The programs' table (GiB per device), the compiled peak against the device and the
+    plan's total, and the roofline."""
+    unit, scale = ("GiB", GiB) if self.peak >= GiB / 4 else ("MiB", 2**20)
+    gib = lambda n: "-" if n is None else f"{n / scale:.2f}"  # noqa: E731
+    lines = [f"compiled for {self.topology} ({self.devices} devices): {unit} per device, XLA's "
+             "memory_analysis() [the plan's]",
+             f"{'program':<16} {'args':>14} {'out':>6} {'alias':>6} {'temp':>14} {'total':>7} "
+             f"{'compile s':>9}"]
+    for p in self.programs:
+      lines.append(f"{p.name:<16} {gib(p.argument):>6} [{gib(p.planned_argument):>5}] "
+                   f"{gib(p.output):>6} {gib(p.alias):>6} {gib(p.temp):>6} [{gib(p.planned_temp):>5}] "
+                   f"{gib(p.total):>7} {p.seconds:>9.1f}")
+    device = self.plan.device_bytes
+    lines.append(f"peak per device: compiled {gib(self.peak)} {unit}, planned {gib(self.plan.total)} "
+                 f"{unit} (ratio {self.peak / self.plan.total:.2f}), device "
+                 f"{gib(device) + ' ' + unit if device else 'unknown'}: "
+                 f"{'fits' if self.fits else 'DOES NOT FIT'}")
+    return "\n".join(lines + self.roofline())
+
+
+def compile_run(config, keep_hlo: bool = False) -> Report:
+  """Compiles every program of a validated `config` for `config.mesh.topology` (a TPU slice,
+  through libtpu) or this machine's devices; nothing is allocated or read."""
+  plan = plan_lib.make_plan(config)
+  name = config.mesh.topology
+  if name is None:
+    devices, chip = jax.devices(), None
+  else:
+    t = TOPOLOGIES[name]
+    devices = tpu_devices(t)
+    chip = CHIPS.get(name.split("-")[0])
+  # The default device is one compiled for: Pallas' TPU lowering reads the chip from it.
+  with jax.default_device(devices[0]):
+    progs = programs(_for_platform(config, devices[0].platform), devices, plan, keep_hlo)
+  return Report(plan.topology, len(devices), plan, progs, chip, model_flops(config), config)
+
+
+def _for_platform(config, platform: str):
+  """config as the run on `platform` builds its programs: `model.attention_kernel` "auto"
+  resolves by the devices' platform, and this host's is not the one compiled for."""
+  if platform != "tpu" or config.model.get("attention_kernel") != "auto":
+    return config
+  config = config.copy_and_resolve_references()
+  config.model.attention_kernel = "pallas"
+  return config

@@ -1,0 +1,123 @@
+"""`--dry_run=compile` (oapl_jax/aot.py): every program of a run compiled ahead of time.
+
+On this machine's CPU devices (always), and for a TPU slice by the real TPU compiler where
+libtpu can be found: installed in this environment, or in a folder named by OAPL_LIBTPU_DIR
+(`pip install --no-deps --target DIR "libtpu==<jax[tpu]'s pin>"`, as .ci/run does); else that
+test is skipped with the reason. The TPU test compiles a small model on v5p-8 with the run's
+shardings, reads XLA's memory figures and checks the optimized programs for a collective that
+moves the whole embedding table or LM head (an all-gather or all-reduce of the full [V, E]).
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import tiny
+from oapl_jax import aot
+from oapl_jax.errors import ConfigError, UserError
+from oapl_jax.topology import TOPOLOGIES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _libtpu_path() -> str | None:
+  """A PYTHONPATH entry under which libtpu imports ("" if this environment has it), or None."""
+  if importlib.util.find_spec("libtpu") is not None:
+    return ""
+  folder = os.environ.get("OAPL_LIBTPU_DIR")
+  if folder and os.path.isdir(os.path.join(folder, "libtpu")):
+    return folder
+  return None
+
+
+NO_LIBTPU = ("libtpu not found (install it in this environment, or set OAPL_LIBTPU_DIR to a "
+             "`pip install --no-deps --target DIR libtpu==...` folder; .ci/run does)")
+
+
+def test_compiles_every_program_on_this_machine():
+  config = tiny.get_config()
+  report = aot.compile_run(config)
+  names = [p.name for p in report.programs]
+  assert names == ["train step", "refresh", "prefill", "decode @ 14", "decode step"], names
+  step = report.programs[0]
+  assert step.argument > 0 and step.temp > 0 and step.total >= step.argument + step.temp - step.alias
+  # the run's peak holds at least the train step, and the plan's total is within a small factor
+  assert report.peak >= step.total
+  assert 0.5 < report.peak / report.plan.total < 2.0, (report.peak, report.plan.total)
+  text = report.format()
+  assert "peak per device: compiled" in text and "train step" in text
+
+
+def test_capacities_are_the_engines_buckets():
+  config = tiny.get_config()
+  config.sampling.max_prompt_len, config.sampling.max_new_tokens = 100, 1000  # rows of 1100
+  config.sampling.cache_bucket = 256
+  assert aot.capacities(config) == [256, 512, 1024, 1100]
+
+
+def test_libtpu_names_of_the_slices():
+  assert aot.libtpu_name(TOPOLOGIES["v5p-64"]) == ("v5:2x4x4", "megacore", (2, 2, 1))
+  assert aot.libtpu_name(TOPOLOGIES["v5p-128"]) == ("v5:4x4x4", "megacore", (2, 2, 1))
+  assert aot.libtpu_name(TOPOLOGIES["v5e-8"]) == ("v5e:2x4", "default", (2, 4, 1))
+  assert aot.libtpu_name(TOPOLOGIES["v6e-256"]) == ("v6e:16x16", "default", (2, 2, 1))
+  with pytest.raises(ConfigError, match="not a single TPU slice"):
+    aot.libtpu_name(TOPOLOGIES["v5e-1024"])  # 1024 v5e chips: more than one slice
+  with pytest.raises(ConfigError, match="compiles for TPU slices"):
+    aot.libtpu_name(TOPOLOGIES["h100x8"])
+
+
+@pytest.mark.skipif(_libtpu_path() == "", reason="libtpu is installed here: nothing to refuse")
+def test_without_libtpu_the_command_says_how_to_get_it():
+  with pytest.raises(UserError, match=r"pip install -e '\.\[tpu\]'"):
+    aot.tpu_devices(TOPOLOGIES["v5p-8"])
+
+
+# Run in a child process with libtpu on its path: a small model (V = 1024 so the vocab-split
+# table is worth sharding) compiled for v5p-8; prints each program's figures and the
+# collectives whose result is a whole [V, E] / [E, V] table.
+_TPU_SCRIPT = r"""
+import json, re, sys
+from configs import tiny
+from oapl_jax import aot
+c = tiny.get_config()
+c.model.vocab_size, c.model.hidden_size, c.model.mlp_dim = 1024, 128, 256
+c.mesh.topology = "v5p-8"
+report = aot.compile_run(c, keep_hlo=True)
+v, e = c.model.vocab_size, c.model.hidden_size
+full = re.compile(r"=\s*\(?[a-z0-9]+\[(%d,%d|%d,%d)\]" % (v, e, e, v))
+out = {}
+for p in report.programs:
+  bad = [line.strip()[:200] for line in p.hlo.splitlines()
+         if ("all-gather" in line or "all-reduce" in line) and full.search(line)]
+  out[p.name] = {"argument": p.argument, "temp": p.temp, "output": p.output,
+                 "flops": p.flops, "full_table_collectives": bad}
+print("REPORT " + json.dumps({"programs": out, "peak": report.peak, "fits": report.fits,
+                              "text": report.format()}))
+"""
+
+
+def test_compiles_for_a_tpu_slice_with_the_tpu_compiler():
+  path = _libtpu_path()
+  if path is None:
+    pytest.skip(NO_LIBTPU)
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (path, ROOT) if p),
+         "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1"}
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, "-c", _TPU_SCRIPT], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=1200)
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+  report = json.loads(lines[0][len("REPORT "):])
+  print(report["text"])
+  programs = report["programs"]
+  assert {"train step", "refresh", "prefill", "decode step"} <= set(programs)
+  for name, p in programs.items():
+    assert p["argument"] > 0, (name, p)  # XLA's memory figures were read
+  assert programs["train step"]["temp"] > 0 and programs["train step"]["flops"] > 0
+  assert report["fits"]
+  for name in ("train step", "prefill", "decode step"):
+    assert programs[name]["full_table_collectives"] == [], (name, programs[name])
