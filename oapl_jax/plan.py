@@ -172,6 +172,7 @@ class Dims:
   v: int  # vocabulary per device
   layers: int
   c: int  # compute dtype bytes (model.dtype)
+  bh: int | None = None  # rows of a log-prob tile per device (the vocab-split head: `head_rows`); None: b
 
 
 def _ceil(a: int, b: int) -> int:
@@ -183,11 +184,22 @@ def micro_batch_rows(config) -> int:
   return config.rl.groups_per_step * config.rl.group_size // config.train.grad_accum
 
 
+def head_rows(config, mesh_shape: dict) -> int:
+  """Rows of one micro-batch a device scores in each log-prob tile: the head is split by V
+  over the "vocab" rule's axes, so a tile's logits `[rows, tile, V / shards]` hold the rows of
+  every device sharing a vocab slice: the micro-batch's rows over only the batch axes V does
+  not use (`rl.step.vocab_split`)."""
+  rules = config.sharding.rules
+  vocab = set(sharding.spec_names(sharding.rules_dict(rules).get("vocab")))
+  own = [a for a in sharding.spec_names(sharding.batch_axes(rules)) if a not in vocab]
+  return _ceil(micro_batch_rows(config), math.prod(mesh_shape.get(a, 1) for a in own))
+
+
 def train_dims(config, mesh_shape: dict) -> Dims:
   """The `Dims` of config's train micro-batch on one device of a trainer mesh `mesh_shape`."""
   m = config.model
   split = lambda logical: sharding.axis_shards(mesh_shape, config.sharding.rules, logical)  # noqa: E731
-  return Dims(b=_ceil(micro_batch_rows(config), split("batch")),
+  return Dims(bh=head_rows(config, mesh_shape), b=_ceil(micro_batch_rows(config), split("batch")),
               t=seq_len(config) - 1, e=m.hidden_size, n=_ceil(m.num_heads, split("q_heads")),
               k=_ceil(m.num_kv_heads, split("kv_heads")), d=m.head_dim,
               f=_ceil(m.mlp_dim, split("mlp")), v=_ceil(m.vocab_size, split("vocab")),
@@ -227,11 +239,12 @@ def activation_bytes(x: Dims, policy: str, attn_block: int) -> int:
 
 def logprob_bytes(x: Dims, tile: int) -> int:
   """Peak bytes of the tiled log-prob kernel: the final hidden states [b, T, E] (compute dtype)
-  and their gradient (f32), LOGPROB_TILE_COPIES f32 [b, tile, V] blocks (each scan step scores
-  `min(tile, T)` positions of every row of the device: `rl.logprobs.tiled_logprobs`), and ~8
-  f32 [b, T] per-token arrays (log-probs, entropy, mask, targets, loss terms)."""
-  tokens = x.b * x.t
-  return tokens * x.e * (x.c + 4) + LOGPROB_TILE_COPIES * x.b * min(tile, x.t) * x.v * 4 + 8 * tokens * 4
+  and their gradient (f32), LOGPROB_TILE_COPIES f32 [bh, tile, V] blocks (each scan step scores
+  `min(tile, T)` positions of the `bh` rows that share the device's vocab slice:
+  `rl.logprobs.tiled_logprobs`, `head_rows`), and ~8 f32 [b, T] per-token arrays (log-probs,
+  entropy, mask, targets, loss terms)."""
+  tokens, rows = x.b * x.t, x.b if x.bh is None else x.bh
+  return tokens * x.e * (x.c + 4) + LOGPROB_TILE_COPIES * rows * min(tile, x.t) * x.v * 4 + 8 * tokens * 4
 
 
 def kv_cache_bytes(config) -> int:
@@ -444,7 +457,7 @@ def make_plan(config) -> Plan:
            f"{x.b} row(s) x {x.t} tokens per device per micro-batch, remat={tr.remat}, "
            f"attn_block={tr.attn_block}", activation_settings(config, x)),
       Item("log-prob kernel", temp["log-prob kernel"], "trainer", "step",
-           f"hidden states + {LOGPROB_TILE_COPIES} f32 [{x.b}, {min(tr.logprob_tile, x.t)}, {x.v}] tiles"),
+           f"hidden states + {LOGPROB_TILE_COPIES} f32 [{x.bh}, {min(tr.logprob_tile, x.t)}, {x.v}] tiles"),
       Item("engine snapshot", weights_bytes(engine_specs, cd, {"tensor": s.tensor}), "engine", "state",
            f"pi_old in {cd.name}, engine layout (split over sampling.tensor={s.tensor} only)"),
       Item("KV cache", kv_cache_bytes(config), "engine", "state",

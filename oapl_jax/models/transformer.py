@@ -89,6 +89,13 @@ class ModelConfig:
   # `pallas_names.ATTENTION_KERNELS`): "auto" = the Pallas TPU kernels on TPU, else blockwise.
   attention_kernel: str = "auto"
 
+  def architecture(self) -> dict:
+    """The fields a checkpoint or an offline file records and is checked against: all but
+    `attention_kernel` (which code computes attention, not what the model is)."""
+    fields = dataclasses.asdict(self)
+    fields.pop("attention_kernel")
+    return fields
+
   def __post_init__(self):
     for field in ("param_dtype", "dtype"):  # frozen: set through object.__setattr__
       object.__setattr__(self, field, dtype_name(getattr(self, field), f"model.{field}"))
@@ -395,8 +402,25 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("vocab_embed", "vocab"), cfg.param_dtype)
 
-  def _embed(self, tokens: jax.Array) -> jax.Array:
-    return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.dtype)  # [B, T, E]
+  def _embed(self, tokens: jax.Array, rows=None) -> jax.Array:
+    """The embeddings `[B, T, E]` of `tokens`, in the compute dtype.
+
+    rows: as in `__call__`. On a mesh of more than one device, the lookup reads the table split
+    by its width E over every mesh axis (a re-layout of the vocab-split table: each device
+    sends and receives 1/n of it), gathers its E-slice for every row (the token ids, int32,
+    are all-gathered) and hands the rows to their devices (one all-to-all of a [B, T, E]
+    activation). The table's gradient comes back the same way. Left to itself, XLA gathers
+    the whole vocab-split table on every device and all-reduces a whole float32 gradient of it
+    (`--dry_run=compile` shows it; tests/test_aot.py). The same values either way."""
+    table = self.embed[...]
+    mesh = getattr(rows, "mesh", None)
+    if mesh is not None and mesh.size > 1:
+      axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+      if self.cfg.hidden_size % math.prod(mesh.shape[a] for a in axes) == 0:
+        split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, axes))
+        x = jnp.take(jax.lax.with_sharding_constraint(table, split), tokens, axis=0)
+        return jax.lax.with_sharding_constraint(x, rows).astype(self.cfg.dtype)
+    return jnp.take(table, tokens, axis=0).astype(self.cfg.dtype)  # [B, T, E]
 
   def head_matrix(self) -> jax.Array:
     """The LM head `[E, V]` (the embedding transposed when tied)."""
@@ -452,7 +476,7 @@ class Transformer(nnx.Module):
       rope_cs = tuple(jnp.asarray(x)[None, :, None, :] for x in rope_table_host(self.cfg, t))
     else:
       rope_cs = rope_tables(positions, rope_frequencies(self.cfg))
-    x = self._embed(tokens)
+    x = self._embed(tokens, rows)
     if remat != "none":
       return _scan_blocks(list(self.layers), x, rope_cs, block, remat, rows, return_kv)
     kvs = []

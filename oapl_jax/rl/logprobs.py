@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # the engine's module imports JetStream (and TensorFlow): onl
 
 
 def token_logprobs(model: nnx.Module, tokens: jax.Array, sampling: SamplingParams, *,
-                   tile: int = 512, **model_kwargs):
+                   tile: int = 512, vocab_split=None, **model_kwargs):
   """Log-probs of each next token under the engine's processed distribution.
 
   tokens: `[B, T]` int. Returns (logprobs `[B, T-1]`, entropy `[B, T-1]`), float32:
@@ -53,14 +53,15 @@ def token_logprobs(model: nnx.Module, tokens: jax.Array, sampling: SamplingParam
   the model's parameters through the hidden states and the LM head; the truncation is
   stop-gradient. Entropy is of the processed distribution, a metric: stop-gradient.
   tile: positions per row per scan step (`min(tile, T-1)`; see the module docstring).
-  model_kwargs go to `model.hidden_states`.
+  vocab_split: see `tiled_logprobs`. model_kwargs go to `model.hidden_states`.
   """
   hidden = model.hidden_states(tokens[:, :-1], **model_kwargs)  # [B, T-1, E] compute dtype
-  return tiled_logprobs(hidden, model.head_matrix(), tokens[:, 1:], sampling, tile=tile)
+  return tiled_logprobs(hidden, model.head_matrix(), tokens[:, 1:], sampling, tile=tile,
+                        vocab_split=vocab_split)
 
 
 def tiled_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
-                   sampling: SamplingParams, *, tile: int = 512):
+                   sampling: SamplingParams, *, tile: int = 512, vocab_split=None):
   """(logprobs, entropy) `[B, T]` float32 of targets `[B, T]` int, logits = hidden @ head.
 
   hidden: `[B, T, E]` (compute dtype); head: `[E, V]` (cast to the compute dtype for the
@@ -70,6 +71,13 @@ def tiled_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
   whose results are dropped (and get zero gradient). Gradients: w.r.t. hidden and head
   (the head's summed over tiles in float32, returned in the head's dtype); none through the
   threshold or the entropy.
+
+  vocab_split: None, or `(head, logits)` NamedShardings of the head `[E, V]` and of a tile's
+  logits `[B, tile, V]`, both split by V (the trainer's mesh: `rl.step`). Each scan step
+  then computes its logits, and the backward its head gradient, vocab-parallel (the rows of
+  a tile gathered, a few MB): left to itself inside the scans, XLA may gather the whole head
+  on every device and all-reduce a whole float32 head gradient (`--dry_run=compile` shows it).
+  The same values either way.
   """
   if tile < 1:
     raise ValueError(f"tile must be >= 1, got {tile}")
@@ -80,7 +88,7 @@ def tiled_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array,
   h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
   h = h.reshape(b, n, tile, e).swapaxes(0, 1)  # [n, B, tile, E]
   y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, tile).swapaxes(0, 1)  # [n, B, tile]
-  logp, ent = _tiles(h, head, y, sampling)  # [n, B, tile] each
+  logp, ent = _tiles(h, head, y, sampling, vocab_split)  # [n, B, tile] each
   unstack = lambda x: x.swapaxes(0, 1).reshape(b, n * tile)[:, :t]  # [B, T]
   return unstack(logp), unstack(ent)
 
@@ -98,19 +106,25 @@ def _is_target(targets: jax.Array, vocab: int) -> jax.Array:
 HEAD_GRAD_ROWS = 128  # The backward adds the head gradient [E, V] this many rows of E at a time.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tiles(h, head, y, sampling):
+def _split(x: jax.Array, sharding) -> jax.Array:
+  """x pinned to `sharding` (None: left to XLA)."""
+  return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _tiles(h, head, y, sampling, vocab_split):
   """(logprobs, entropy) `[n, B, tile]` of tiles h `[n, B, tile, E]`, targets y `[n, B, tile]`."""
-  return _tiles_fwd(h, head, y, sampling)[0]
+  return _tiles_fwd(h, head, y, sampling, vocab_split)[0]
 
 
-def _tiles_fwd(h, head, y, sampling):
-  w = head.astype(h.dtype)  # [E, V]
+def _tiles_fwd(h, head, y, sampling, vocab_split):
+  head_s, logits_s = vocab_split or (None, None)
+  w = _split(head.astype(h.dtype), head_s)  # [E, V]
   vocab = w.shape[-1]
 
   def step(_, xs):
     h_tile, y_tile = xs  # [B, tile, E], [B, tile]
-    scaled = _scaled_logits(h_tile, w, sampling)  # [B, tile, V]
+    scaled = _split(_scaled_logits(h_tile, w, sampling), logits_s)  # [B, tile, V]
     is_target = _is_target(y_tile, vocab)
     if truncates(sampling, vocab):
       threshold = keep_threshold(scaled, sampling)  # [B, tile]: kept iff scaled >= it
@@ -132,15 +146,16 @@ def _tiles_fwd(h, head, y, sampling):
   return (logp, ent), (h, head, y, threshold, top, total)
 
 
-def _tiles_bwd(sampling, residuals, cotangents):
+def _tiles_bwd(sampling, vocab_split, residuals, cotangents):
   h, head, y, threshold, top, total = residuals  # [n, B, tile, E], [E, V], [n, B, tile] x 4
   g = cotangents[0]  # [n, B, tile]; the entropy's cotangent is ignored (stop-gradient)
-  w = head.astype(h.dtype)
+  head_s, logits_s = vocab_split or (None, None)
+  w = _split(head.astype(h.dtype), head_s)
   vocab = w.shape[-1]
 
   def step(dw, xs):
     h_tile, y_tile, threshold_tile, top_tile, total_tile, g_tile = xs  # [B, tile, E], [B, tile] x 5
-    scaled = _scaled_logits(h_tile, w, sampling)  # [B, tile, V] recomputed
+    scaled = _split(_scaled_logits(h_tile, w, sampling), logits_s)  # [B, tile, V] recomputed
     is_target = _is_target(y_tile, vocab)
     kept = (scaled >= threshold_tile[..., None]) | is_target
     e = jnp.exp(scaled - top_tile[..., None])  # softmax numerators of the kept tokens
@@ -159,10 +174,10 @@ def _tiles_bwd(sampling, residuals, cotangents):
       part = jnp.dot(hf[:, e0:e0 + rows].T, dl, preferred_element_type=jnp.float32)  # [rows, V]
       dw = jax.lax.dynamic_update_slice_in_dim(
           dw, jax.lax.dynamic_slice_in_dim(dw, e0, rows) + part, e0, axis=0)
-    return dw, dh  # [E, V] float32, [B, tile, E]
+    return _split(dw, head_s), dh  # [E, V] float32, [B, tile, E]
 
   xs = (h, y, threshold, top, total, g)
-  dw, dh = jax.lax.scan(step, jnp.zeros(head.shape, jnp.float32), xs)
+  dw, dh = jax.lax.scan(step, _split(jnp.zeros(head.shape, jnp.float32), head_s), xs)
   return dh, dw.astype(head.dtype), None
 
 

@@ -270,7 +270,8 @@ def _micro_loss_fn(config, graphdef, sampling: SamplingParams, rows: NamedShardi
   needs, loss_fn = losses.needs(config), losses.from_config(config)
   # The log-prob kernel's settings (memory: train.logprob_tile, train.attn_block); activations
   # pinned to rows over the batch shards; train.remat where gradients are taken.
-  kernel = dict(tile=config.train.logprob_tile, attn_block=config.train.attn_block, rows=rows)
+  kernel = dict(tile=config.train.logprob_tile, attn_block=config.train.attn_block, rows=rows,
+                vocab_split=None if rows is None else vocab_split(config, rows.mesh))
 
   def frozen_logprobs(params, tokens):
     return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), tokens, sampling,
@@ -297,6 +298,18 @@ def _micro_loss_fn(config, graphdef, sampling: SamplingParams, rows: NamedShardi
     return loss, m
 
   return micro_loss
+
+
+def vocab_split(config, mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
+  """(head `[E, V]`, a log-prob tile's logits `[B, tile, V]`) NamedShardings on the trainer's
+  mesh, split by V as the rules split the LM head; the logits' rows over the batch axes that V
+  does not use (`logprobs.tiled_logprobs`)."""
+  rules = config.sharding.rules
+  head = sharding_lib.logical_to_spec(("vocab_embed", "vocab"), rules)
+  vocab_axes = set(sharding_lib.spec_names(head[1])) if len(head) > 1 else set()
+  rows = tuple(a for a in sharding_lib.spec_names(sharding_lib.batch_axes(rules)) if a not in vocab_axes)
+  logits = PartitionSpec(rows or None, None, head[1] if len(head) > 1 else None)
+  return NamedSharding(mesh, head), NamedSharding(mesh, logits)
 
 
 def _accumulate(grad_fn, accum: int, by_rows, params, snapshot, reference, micro):
