@@ -396,7 +396,6 @@ def restore_policy(config, workdir: str, policy: str):
   the optimizer or the buffer): "theta" (pi_theta, saved in model.param_dtype: the master
   weights) or "snapshot" (pi_old, saved in model.dtype). Returns (step, weights, meta,
   model_cfg, graphdef); a UserError if there is no checkpoint."""
-  import dataclasses  # noqa: PLC0415
   from oapl_jax.models.build import abstract_model  # noqa: PLC0415
   name = POLICIES[policy]
   model_cfg, graphdef, abstract = abstract_model(
@@ -406,7 +405,7 @@ def restore_policy(config, workdir: str, policy: str):
   if not epath.Path(directory).is_dir():  # a mistyped workdir: refused, nothing created there
     raise UserError(f"no checkpoint under {directory} (--workdir={workdir}: is it the run's?)")
   ckpt = Checkpointer(directory, keep=config.checkpoint.keep)
-  found = ckpt.restore_latest({name: abstract}, dataclasses.asdict(model_cfg), partial=True)
+  found = ckpt.restore_latest({name: abstract}, model_cfg.architecture(), partial=True)
   if found is None:
     raise UserError(f"no checkpoint under {ckpt.directory}")
   step, state, meta = found

@@ -74,7 +74,6 @@ def checkpoint_policy(config, workdir: str, policy: str):
 
 def generate(config, out: str, workdir: str | None = None, policy: str = "theta") -> dict:
   """Writes the file `out`; returns what it holds (groups, answers, reward mean, seconds)."""
-  import dataclasses  # noqa: PLC0415
   import jax  # noqa: PLC0415
   from oapl_jax.rl import offline  # noqa: PLC0415
   from oapl_jax.sampling import SamplingParams  # noqa: PLC0415
@@ -88,7 +87,7 @@ def generate(config, out: str, workdir: str | None = None, policy: str = "theta"
   t0 = time.perf_counter()
   header, arrays, tokens = offline.sample_round(
       config, sampler, weights, offline.round_one_problems(config, task), round_index=0,
-      policy=record, model_meta=dataclasses.asdict(model_cfg))
+      policy=record, model_meta=model_cfg.architecture())
   offline.write(out, header, arrays)
   return {"out": out, "policy": record["source"], "groups": len(header["problems"]),
           "answers": int(len(arrays["rewards"])), "answer_tokens": tokens,

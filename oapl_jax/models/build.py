@@ -54,7 +54,9 @@ def init_model(config, *, mesh: Mesh | None = None, rules: sharding.Rules | None
     model = from_hf(config.model.path, dtype=config.model.dtype,
                     param_dtype=config.model.param_dtype, mesh=mesh, rules=rules)
     check_same_architecture(model_cfg, model.cfg, config.model.path)
-    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.state(model, nnx.Param)
+    # the graphdef of config.model's ModelConfig: its attention_kernel, not the checkpoint's default
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(params=0))), nnx.Param)[0]
   return model_cfg, graphdef, params
 
 
@@ -80,7 +82,7 @@ def init_params(model_cfg: ModelConfig, seed: int, *, mesh: Mesh | None = None,
 
 def check_same_architecture(expected: ModelConfig, loaded: ModelConfig, path: str) -> None:
   """Refuses (ConfigError) a checkpoint whose architecture differs from config.model's fields."""
-  skip = {"param_dtype", "dtype", "max_position_embeddings"}
+  skip = {"param_dtype", "dtype", "max_position_embeddings", "attention_kernel"}
   diffs = [f"config.model.{f.name}={getattr(expected, f.name)!r} but {path} has "
            f"{getattr(loaded, f.name)!r}" for f in dataclasses.fields(ModelConfig)
            if f.name not in skip and getattr(expected, f.name) != getattr(loaded, f.name)]

@@ -196,7 +196,7 @@ class Run:
 
   # checkpoints
   def model_meta(self) -> dict:
-    return dataclasses.asdict(self.model_cfg)
+    return self.model_cfg.architecture()
 
   def _trees(self) -> dict:
     """The device pytrees of the run state, by checkpoint name."""
