@@ -238,7 +238,13 @@ def _assert_same(loss, grads, ref_loss, ref_grads):
     np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
 
 
-@pytest.mark.parametrize("truncated_rows", [(), (0, 1, 2, 9)], ids=["all_counted", "truncated"])
+# CI runs the truncated case (it covers the all-counted one's code path and more); the other
+# cases of this test and the next are slow (2 min each on 2 cores): `pytest -m slow`.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("truncated_rows", [pytest.param((), marks=SLOW), (0, 1, 2, 9)],
+                         ids=["all_counted", "truncated"])
 def test_oapl_grad_accum_equals_the_full_batch_formula(truncated_rows):
   """The step's loss and gradient, for 1, 2 and 4 micro-batches, equal the full batch's
   mean over counted answers, computed here from the model's log-probs without losses.oapl."""
@@ -264,7 +270,8 @@ def test_oapl_grad_accum_equals_the_full_batch_formula(truncated_rows):
     _assert_same(loss, grads, float(ref_loss), ref_grads)
 
 
-@pytest.mark.parametrize("norm", losses.NORMS)
+@pytest.mark.parametrize("norm", [n if n == "token_mean" else pytest.param(n, marks=SLOW)
+                                  for n in losses.NORMS])
 def test_grpo_grad_accum_equals_the_full_batch(norm):
   """GRPO+IS with each normalisation: 2 and 4 micro-batches give the 1-micro-batch step."""
   config, _, params, _ = _setup("grpo", 1, norm)

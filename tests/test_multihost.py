@@ -277,7 +277,8 @@ STEP8 = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("order, group_size", [("plain", 4), ("interleaved", 8)])
+@pytest.mark.parametrize("order, group_size", [pytest.param("plain", 4, marks=pytest.mark.slow),
+                                               ("interleaved", 8)])  # CI: the harder case
 def test_two_processes_of_four_devices_step_like_one_process_of_eight(tmp_path, order, group_size):
   """fsdp over 8 devices in 2 processes (each with half the batch) == fsdp 8 in one process.
   "interleaved": the processes' devices alternate on the fsdp axis and a group of 8 rows spans
