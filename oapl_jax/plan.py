@@ -272,6 +272,7 @@ SETTINGS = {
     "engine snapshot": "sampling.tensor",
     "KV cache": "sampling.max_slots (or spread the cache: sampling.engines x sampling.tensor)",
     "engine logits": "sampling.max_slots (or sampling.engines)",
+    "decode loop copy": "sampling.max_slots (or spread the cache: sampling.engines x sampling.tensor)",
     "engine prefill": "sampling.max_prefill_batch",
 }
 
@@ -465,6 +466,9 @@ def make_plan(config) -> Plan:
            f"{m.num_kv_heads} KV heads over tensor {s.tensor}, {cd.name}"),
       Item("engine logits", slots * m.vocab_size * 4, "engine", "step",
            "next-token logits [slots, V] f32, replicated on an engine"),
+      Item("decode loop copy", kv_cache_bytes(config), "engine", "step",
+           "a second KV cache: XLA's decode loop (generate_steps) copies its carry "
+           "(memory_analysis of the compiled loop: --dry_run=compile)"),
       Item("engine prefill", _prefill_bytes(config), "engine", "step",
            f"{s.max_prefill_batch} prompts x {s.max_prompt_len} tokens, one layer at a time"),
   ]

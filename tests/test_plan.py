@@ -185,7 +185,9 @@ def test_activation_settings_move_the_plan_the_right_way():
                                                     sampling__tensor=4, train__logprob_tile=t)),
                          "log-prob kernel")
   vocab_shard = base.model.vocab_size // 32  # the vocabulary over tensor 1 x fsdp 32 (v5p-64)
-  assert tile(2048) - tile(512) == plan_lib.LOGPROB_TILE_COPIES * 1536 * vocab_shard * 4
+  # a tile holds the micro-batch's 32 rows (every fsdp device shares the head's rows: head_rows)
+  assert plan_lib.head_rows(base, {"data": 1, "fsdp": 32, "tensor": 1}) == 32
+  assert tile(2048) - tile(512) == plan_lib.LOGPROB_TILE_COPIES * 32 * 1536 * vocab_shard * 4
 
 
 def test_mesh_axes_resolve_against_the_topology():
