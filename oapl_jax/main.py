@@ -19,7 +19,7 @@ per device beside the plan's, the compiled peak against the device, and a roofli
 import json
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet TensorFlow (pulled in by clu/jetstream)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet TensorFlow where a TFDS source or JetStream loads it
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -72,8 +72,8 @@ def main(argv):
   if _DRY_RUN.value:
     return dry_run(config)
   distributed.initialize(config.distributed)  # multi-host: before anything touches JAX
-  # Imported once the config is valid: `train` pulls in TensorFlow (clu, jetstream), whose
-  # import prints log lines on stderr that would bury a one-line refusal.
+  # Imported once the config is valid: `train` imports JAX, Flax and orbax (seconds), and a
+  # refused setting should not wait for them.
   from oapl_jax import train  # noqa: PLC0415
   summary = train.run_validated(config, _WORKDIR.value)
   if not distributed.is_writer():

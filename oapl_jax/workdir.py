@@ -6,7 +6,7 @@ on SIGTERM / SIGINT (`StopSignals`).
     run.lock          the lock (below), while a run holds the workdir
     checkpoints/      orbax step folders (`checkpoint.Checkpointer`), written by every process
     metrics.jsonl     one JSON line per logged step (`metrics.MetricsLog`), process 0
-    events.out.*      TensorBoard scalars of the same steps (clu, in the workdir itself)
+    events.out.*      TensorBoard scalars of the same steps (metrics.EventsFile, in the workdir itself)
     eval_before.json  the base's evaluation and warm-up record, before the first checkpoint
     summary.json      the finished run (`train.run`): evaluations, counters, config
     offline/          offline mode's round files (`rl.sources.OfflineSource`)
