@@ -43,12 +43,12 @@ from oapl_jax import placement, sharding
 from oapl_jax import plan as plan_lib
 from oapl_jax.errors import ConfigError, UserError
 from oapl_jax.placement import seq_len
-from oapl_jax.topology import CHIPS, GiB, TOPOLOGIES, Topology
+from oapl_jax.topology import CHIPS, LOCAL, GiB, TOPOLOGIES, Topology
 
 # libtpu's names of a TPU generation, its chip config and its chips' grid per slice size.
 _GRID_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4),
             128: (4, 4, 8), 256: (4, 8, 8), 512: (8, 8, 8)}  # v4, v5p: chips in a 3-D torus
-_GRID_2D = {8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}  # v5e, v6e
+_GRID_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}  # v5e, v6e
 _TPU = {"v4": ("v4", "megacore", _GRID_3D), "v5p": ("v5", "megacore", _GRID_3D),
         "v5e": ("v5e", "default", _GRID_2D), "v6e": ("v6e", "default", _GRID_2D)}
 
@@ -67,7 +67,7 @@ def libtpu_name(t: Topology) -> tuple[str, str, tuple[int, ...]]:
     raise ConfigError(f"config.mesh.topology={t.name!r}: not a single TPU slice libtpu describes "
                       f"(slices of {sorted(grids)} chips)")
   grid = grids[t.devices]
-  per_host = (2, 4, 1) if t.devices_per_host == 8 else (2, 2, 1)
+  per_host = {1: (1, 1, 1), 8: (2, 4, 1)}.get(t.devices_per_host, (2, 2, 1))
   return f"{platform}:{'x'.join(map(str, grid))}", chip_config, per_host
 
 
@@ -248,7 +248,7 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False)
     cache = plan_lib.kv_cache_bytes(config) * capacity // t
     lowered = engine._generate_steps.lower(weights, state, stop)  # noqa: SLF001
     out.append(_compile(f"decode @ {capacity}", "engine", lowered, snap_bytes + cache,
-                        items["engine logits"] + cache, keep_hlo))  # the loop's copy of the cache
+                        items["engine logits"] + items["decode loop copy"] * capacity // t, keep_hlo))
   lowered = engine._generate.lower(weights, state)  # noqa: SLF001  (the largest capacity's)
   out.append(_compile("decode step", "engine", lowered, snap_bytes + plan_lib.kv_cache_bytes(config),
                       items["engine logits"], keep_hlo))
@@ -384,7 +384,7 @@ def compile_run(config, keep_hlo: bool = False) -> Report:
   through libtpu) or this machine's devices; nothing is allocated or read."""
   plan = plan_lib.make_plan(config)
   name = config.mesh.topology
-  if name is None:
+  if name in (None, LOCAL):
     devices, chip = jax.devices(), None
   else:
     t = TOPOLOGIES[name]

@@ -21,7 +21,7 @@ from oapl_jax.models.pallas_names import ATTENTION_KERNELS  # names only: no JAX
 from oapl_jax.models.presets import PRESETS  # names and numbers only: no JAX, no Flax
 from oapl_jax.rl.names import ADV_NORMS, IS_LEVELS, IS_MODES, LOSS_NAMES, NORMS
 from oapl_jax.tasks.registry import TASKS  # task names -> builders: no JAX either
-from oapl_jax.topology import MESH_AXES, TOPOLOGIES  # names and numbers: no JAX either
+from oapl_jax.topology import LOCAL, MESH_AXES, TOPOLOGIES  # names and numbers: no JAX either
 
 # Config files import this module and must not import JAX or Flax (a launcher, a notebook cell
 # or a test may read a config without them): every name a setting is checked against comes
@@ -61,7 +61,8 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.mesh.fsdp = -1  # ZeRO-3: weights, gradients and AdamW state split over "embed"; batch rows split.
   c.mesh.tensor = 1  # Megatron tensor parallelism: heads, MLP width and vocabulary split.
   # Named device topology for the memory planner and --dry_run (oapl_jax/topology.py TOPOLOGIES,
-  # e.g. "v5p-64", "v5e-64", "v4-32", "h100x8"); None = the devices this process sees.
+  # e.g. "v5p-64", "v5e-64", "v4-32", "h100x8", "v5e-1", "l4x1"); None or "auto" = the devices
+  # this process finds: their kind, count and memory (memory_stats; none on CPU: not checked).
   c.mesh.topology = placeholder(str)
 
   c.sharding = ml_collections.ConfigDict()  # How weights lie on a device mesh (oapl_jax/sharding.py).
@@ -569,7 +570,7 @@ def _validate_mesh(c) -> None:
   minus = [a for a in ("data", "fsdp", "tensor") if c.mesh[a] == -1]
   _check(len(minus) <= 1, f"mesh.{minus[-1] if minus else 'fsdp'}", -1,
          f"only one mesh axis may be -1 (got {minus})")
-  if c.mesh.topology is not None:
+  if c.mesh.topology not in (None, LOCAL):
     _check(c.mesh.topology in TOPOLOGIES, "mesh.topology", c.mesh.topology,
            f"unknown topology; known: {sorted(TOPOLOGIES)}")
 

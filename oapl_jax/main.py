@@ -26,6 +26,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
 from oapl_jax import distributed, errors, placement  # noqa: E402
+from oapl_jax.topology import LOCAL  # noqa: E402
 from oapl_jax.workdir import Layout  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
@@ -90,7 +91,7 @@ def main(argv):
 def dry_run(config) -> None:
   """Prints the plan; a plan that does not fit raises PlanError (one line, exit 2)."""
   from oapl_jax import plan as plan_lib  # noqa: PLC0415 (no TensorFlow, no weights)
-  if config.mesh.topology is None:  # this machine's devices, as many as the run would ask for
+  if config.mesh.topology in (None, LOCAL):  # this machine's devices, as many as the run would ask for
     placement.request_host_devices(placement.devices_wanted(
         config, distributed.processes_asked(config.distributed)))
   plan = plan_lib.make_plan(config)

@@ -50,7 +50,7 @@ from oapl_jax.errors import ConfigError, UserError
 from oapl_jax.models.transformer import ModelConfig, Transformer
 from oapl_jax.placement import seq_len
 from oapl_jax.sampling.layout import engine_rules  # the engines' own rules (no TensorFlow)
-from oapl_jax.topology import GiB, MESH_AXES, TOPOLOGIES
+from oapl_jax.topology import LOCAL, GiB, MESH_AXES, TOPOLOGIES, TPU_GENERATIONS
 
 
 class PlanError(UserError):
@@ -77,13 +77,13 @@ def topology_of(config) -> Devices:
   """The `Devices` of `config.mesh.topology`, else of this run's devices (`memory_stats()
   ["bytes_limit"]`; None where the backend gives no limit, e.g. CPU)."""
   name = config.mesh.topology
-  if name is not None:
+  if name not in (None, LOCAL):
     if name not in TOPOLOGIES:
       raise ConfigError(f"config.mesh.topology={name!r}: unknown topology; known: {sorted(TOPOLOGIES)}")
     t = TOPOLOGIES[name]
     return Devices(t.name, t.devices, t.processes, t.device_bytes)
   devices = jax.devices()
-  return Devices(f"local {devices[0].platform} x {len(devices)}", len(devices), jax.process_count(),
+  return Devices(f"local {devices[0].device_kind} x {len(devices)}", len(devices), jax.process_count(),
                  device_memory())
 
 
@@ -466,15 +466,22 @@ def make_plan(config) -> Plan:
            f"{m.num_kv_heads} KV heads over tensor {s.tensor}, {cd.name}"),
       Item("engine logits", slots * m.vocab_size * 4, "engine", "step",
            "next-token logits [slots, V] f32, replicated on an engine"),
-      Item("decode loop copy", kv_cache_bytes(config), "engine", "step",
-           "a second KV cache: XLA's decode loop (generate_steps) copies its carry "
-           "(memory_analysis of the compiled loop: --dry_run=compile)"),
+      Item("decode loop copy", kv_cache_bytes(config) if _on_tpu(where) else 0, "engine", "step",
+           "TPU: a second KV cache, XLA's decode loop (generate_steps) copies its carry "
+           "(compiled for v5p: --dry_run=compile); not on CPU; GPU not known"),
       Item("engine prefill", _prefill_bytes(config), "engine", "step",
            f"{s.max_prefill_batch} prompts x {s.max_prompt_len} tokens, one layer at a time"),
   ]
   return Plan(where.name, where.devices, mesh, s.engines, s.tensor, shared,
               placement.overlaps_training(config), tuple(items), where.device_bytes,
               where.processes, slots)
+
+
+def _on_tpu(where: Devices) -> bool:
+  """Whether `where` is a TPU slice (a named one, or this machine's TPU devices)."""
+  if where.name.startswith("local "):
+    return jax.devices()[0].platform == "tpu"
+  return where.name.split("-")[0] in TPU_GENERATIONS
 
 
 def _prefill_bytes(config) -> int:
@@ -500,7 +507,7 @@ def check(config) -> Plan | None:
   """The plan of a validated `config`, checked: a plan that does not fit a known device memory
   is a PlanError whose one-line message names the setting to change. None (nothing checked)
   where the memory is unknown: no `mesh.topology` and a backend without a limit (CPU)."""
-  if config.mesh.topology is None and device_memory() is None:
+  if config.mesh.topology in (None, LOCAL) and device_memory() is None:
     return None
   plan = make_plan(config)
   if not plan.fits:

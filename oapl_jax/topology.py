@@ -20,6 +20,8 @@ MESH_AXES = ("data", "fsdp", "tensor")  # The trainer's mesh axes; the ones a ru
 
 GiB = 1024**3
 
+LOCAL = "auto"  # config.mesh.topology: the devices this process finds (their kind and memory), as None
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
@@ -45,12 +47,16 @@ def _tpu(generation: str, cores: int, cores_per_device: int, hbm_gib: float) -> 
   return Topology(f"{generation}-{cores}", devices, int(hbm_gib * GiB), per_host)
 
 
+TPU_GENERATIONS = ("v4", "v5p", "v5e", "v6e")  # the first part of a TPU slice's name
 TOPOLOGIES: dict[str, Topology] = {}
 for _cores in (8, 16, 32, 64, 128, 256, 512, 1024):
   for _t in (_tpu("v4", _cores, 2, 32), _tpu("v5p", _cores, 2, 95), _tpu("v5e", _cores, 1, 16),
              _tpu("v6e", _cores, 1, 32)):
     TOPOLOGIES[_t.name] = _t
-for _gpu, _gib in (("a100", 80), ("h100", 80), ("h200", 141)):
+for _generation, _hbm in (("v5e", 16), ("v6e", 32)):  # one-host slices of 1 and 4 chips (Colab: v5e-1)
+  for _cores in (1, 4):
+    TOPOLOGIES[f"{_generation}-{_cores}"] = _tpu(_generation, _cores, 1, _hbm)
+for _gpu, _gib in (("a100", 80), ("h100", 80), ("h200", 141), ("a100-40g", 40), ("l4", 24), ("t4", 16)):
   for _n in (1, 2, 4, 8):
     TOPOLOGIES[f"{_gpu}x{_n}"] = Topology(f"{_gpu}x{_n}", _n, int(_gib * 1e9), _n)
 

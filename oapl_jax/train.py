@@ -27,7 +27,7 @@ from oapl_jax.errors import UserError
 from oapl_jax.metrics import MetricsLog, read_json, read_metrics, say, write_json
 from oapl_jax.placement import seq_len
 from oapl_jax.rl.loop import Run
-from oapl_jax.topology import TOPOLOGIES
+from oapl_jax.topology import LOCAL, TOPOLOGIES
 from oapl_jax.workdir import Interrupted, Layout, StopSignals, WorkdirLock, check_usable
 
 __all__ = ["NonFiniteSteps", "Run", "run", "run_validated"]
@@ -61,7 +61,7 @@ def run_validated(config, workdir: str) -> dict:
                     "local or shared disk; give a local --workdir")
   processes = distributed.processes_asked(config.distributed)  # before JAX starts
   placement.request_host_devices(placement.devices_wanted(config, processes))  # on CPU
-  if config.mesh.topology is not None:  # a pod's processes must have found each other
+  if config.mesh.topology not in (None, LOCAL):  # a pod's processes must have found each other
     distributed.check_started(TOPOLOGIES[config.mesh.topology].processes,
                               f"config.mesh.topology={config.mesh.topology}")
   say(f"jax {jax.__version__}, devices {jax.devices()}"  # process 0's console only

@@ -64,6 +64,7 @@ def test_libtpu_names_of_the_slices():
   assert aot.libtpu_name(TOPOLOGIES["v5p-128"]) == ("v5:4x4x4", "megacore", (2, 2, 1))
   assert aot.libtpu_name(TOPOLOGIES["v5e-8"]) == ("v5e:2x4", "default", (2, 4, 1))
   assert aot.libtpu_name(TOPOLOGIES["v6e-256"]) == ("v6e:16x16", "default", (2, 2, 1))
+  assert aot.libtpu_name(TOPOLOGIES["v5e-1"]) == ("v5e:1x1", "default", (1, 1, 1))  # Colab's TPU
   with pytest.raises(ConfigError, match="not a single TPU slice"):
     aot.libtpu_name(TOPOLOGIES["v5e-1024"])  # 1024 v5e chips: more than one slice
   with pytest.raises(ConfigError, match="compiles for TPU slices"):

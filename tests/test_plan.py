@@ -23,7 +23,7 @@ from configs import code, math, tiny
 from oapl_jax import config as config_lib
 from oapl_jax import plan as plan_lib
 from oapl_jax.models.transformer import ModelConfig, Transformer
-from oapl_jax.topology import TOPOLOGIES
+from oapl_jax.topology import TOPOLOGIES, GiB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -379,3 +379,21 @@ def test_activation_model_matches_the_sharded_step_on_8_devices():
       f"compiled {temp} bytes per device vs predicted {pred}: are the blocks' activations split "
       "by rows (with_sharding_constraint over the batch axes)? Without it GSPMD may keep "
       "[B, T, F] MLP activations of the whole micro-batch on every device")
+
+
+def test_auto_topology_is_this_machines_devices_and_small_devices_are_named():
+  """`mesh.topology="auto"` plans for the devices this process finds (as None does; on CPU
+  their memory is unknown, so nothing is checked); the one-chip topologies a Colab or
+  single-GPU user has are named, and a run too big for one is refused naming the setting."""
+  c = tiny.get_config()
+  c.mesh.topology = "auto"
+  config_lib.validate(c, dry_run=True)
+  plan = plan_lib.make_plan(c)
+  assert plan.topology.startswith("local cpu x") and plan.device_bytes is None and plan.fits
+  assert plan_lib.check(c) is None  # CPU: no limit to check against
+  assert TOPOLOGIES["v5e-1"].devices == 1 and TOPOLOGIES["v5e-1"].device_bytes == 16 * GiB
+  assert TOPOLOGIES["l4x1"].device_bytes == int(24e9) and TOPOLOGIES["t4x1"].devices == 1
+  big = math.get_config()
+  big.mesh.topology, big.sampling.engines, big.sampling.tensor = "l4x1", 1, 1
+  with pytest.raises(plan_lib.PlanError, match=r"l4x1 devices have 22\.35 GiB.*change "):
+    plan_lib.check(big)
