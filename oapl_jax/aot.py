@@ -158,9 +158,9 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False)
   """Compiles every program of a run of `config` on `devices` (all processes'), the run's own
   code and shardings, abstract arguments; `plan` gives the planner's figures beside each."""
   from oapl_jax.models import build  # noqa: PLC0415
-  from oapl_jax.rl.buffer import Rows  # noqa: F401, PLC0415 (the batch's fields)
   from oapl_jax.rl.step import Batch, make_optimizer, make_train_step, uses_reference  # noqa: PLC0415
-  from oapl_jax.sampling.layout import engine_mesh, in_device_order, staging_mesh  # noqa: PLC0415
+  from oapl_jax.sampling.layout import (EngineParams, engine_mesh, in_device_order,  # noqa: PLC0415
+                                        staging_mesh)
   from oapl_jax.sampling.processing import SamplingParams  # noqa: PLC0415
   from oapl_jax.sampling.sampler import make_engine  # noqa: PLC0415
 
@@ -224,7 +224,6 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False)
       _sds(snapshot, source_shardings))
   out.append(_compile("refresh", "trainer", lowered, items["trainer snapshot"], None, keep_hlo))
 
-  from oapl_jax.sampling.layout import EngineParams  # noqa: PLC0415
   rest_s, decode_s = layout.shardings(snapshot, engine.mesh)
   weights = EngineParams(_sds(shapes[0], rest_s), jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
                          _sds(shapes[1], decode_s))

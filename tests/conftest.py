@@ -24,11 +24,15 @@ NO_BWRAP = "bubblewrap (bwrap) not installed: apt-get install bubblewrap"
 NO_SANDBOX = f"{NO_BWRAP}; set CI=true or OAPL_REQUIRE_SANDBOX=1 to make this a failure"
 
 
+def in_ci() -> bool:
+  """Whether `CI` is set (not "", "false" or "0"), as CI services and `.ci/run` runs do: what
+  .ci/run installs (bubblewrap, libtpu) is then required, and its absence a failure."""
+  return os.environ.get("CI", "").strip().lower() not in ("", "false", "0")
+
+
 def sandbox_required() -> bool:
-  """Whether a missing bwrap fails the sandbox tests: `CI` set (not "", "false" or "0"), as CI
-  services do, or `OAPL_REQUIRE_SANDBOX=1`."""
-  ci = os.environ.get("CI", "").strip().lower()
-  return ci not in ("", "false", "0") or os.environ.get("OAPL_REQUIRE_SANDBOX") == "1"
+  """Whether a missing bwrap fails the sandbox tests: `in_ci()`, or `OAPL_REQUIRE_SANDBOX=1`."""
+  return in_ci() or os.environ.get("OAPL_REQUIRE_SANDBOX") == "1"
 
 
 @pytest.fixture
