@@ -222,13 +222,24 @@ def _batch(config, *, truncated_rows=(), seed=0) -> dict:
   return {"tokens": tokens, "mask": mask, "sampler_logprobs": sampler, "rewards": rewards}
 
 
-def _step(setup, snapshot, batch):
-  """(loss, grads) of a train step with config.train.grad_accum micro-batches."""
+def _step(setup, snapshot, batch, with_metrics=False):
+  """(loss, grads) of a train step with config.train.grad_accum micro-batches (and its
+  metrics, as floats, if `with_metrics`)."""
   _, _, params, step = setup
   copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731  (the step donates its inputs)
   _, grads, metrics = step(copy(params), _gradient_out().init(params), snapshot,
                            Batch(**{k: jnp.asarray(v) for k, v in batch.items()}))
-  return float(metrics["loss"]), grads
+  out = float(metrics["loss"]), grads
+  return (*out, {k: float(v) for k, v in metrics.items()}) if with_metrics else out
+
+
+def _assert_same_metrics(metrics, ref, accum):
+  """Every metric of the accumulated step equals the one-micro-batch step's (the full batch's)."""
+  assert metrics.keys() == ref.keys()
+  for name, want in ref.items():
+    if name != "grad_norm":  # the gradient is compared leaf by leaf
+      np.testing.assert_allclose(metrics[name], want, rtol=1e-5, atol=1e-7,
+                                 err_msg=f"{name}, grad_accum={accum}")
 
 
 def _assert_same(loss, grads, ref_loss, ref_grads):
@@ -265,9 +276,14 @@ def test_oapl_grad_accum_equals_the_full_batch_formula(truncated_rows):
     return jnp.sum(jnp.where(counted, residual ** 2, 0.0)) / counted.sum()
 
   ref_loss, ref_grads = jax.value_and_grad(reference)(params, batch)
+  ref_metrics = None
   for accum in (1, 2, 4):
-    loss, grads = _step(_setup("oapl", accum), params, batch)
+    loss, grads, metrics = _step(_setup("oapl", accum), params, batch, with_metrics=True)
     _assert_same(loss, grads, float(ref_loss), ref_grads)
+    # the metrics (means over counted answers / tokens) are the full batch's too, though the
+    # micro-batches hold different numbers of them (the truncated rows are in the first two)
+    ref_metrics = ref_metrics or metrics
+    _assert_same_metrics(metrics, ref_metrics, accum)
 
 
 @pytest.mark.parametrize("norm", [n if n == "token_mean" else pytest.param(n, marks=SLOW)
@@ -279,8 +295,9 @@ def test_grpo_grad_accum_equals_the_full_batch(norm):
   snapshot = jax.tree.map(  # pi_prox != pi_theta: PPO ratios off 1
       lambda x: x + 0.05 * jax.random.normal(noise, x.shape, x.dtype), params)
   batch = _batch(config, truncated_rows=(3, 6), seed=1)
-  ref_loss, ref_grads = _step(_setup("grpo", 1, norm), snapshot, batch)
+  ref_loss, ref_grads, ref_metrics = _step(_setup("grpo", 1, norm), snapshot, batch, True)
   assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(ref_grads))
   for accum in (2, 4):
-    loss, grads = _step(_setup("grpo", accum, norm), snapshot, batch)
+    loss, grads, metrics = _step(_setup("grpo", accum, norm), snapshot, batch, True)
     _assert_same(loss, grads, ref_loss, ref_grads)
+    _assert_same_metrics(metrics, ref_metrics, accum)

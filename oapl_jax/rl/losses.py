@@ -393,6 +393,22 @@ def _grpo_metrics(m, valid, *, unclipped, clipped, raw_w, kept, ratio, adv) -> d
   }
 
 
+# --- how a metric combines over gradient-accumulation micro-batches ---------------------------
+
+# Each metric above is a mean over one micro-batch's counted answers ("answers"), its counted
+# tokens ("tokens") or its rows ("rows", equal in every micro-batch), or an extreme ("min",
+# "max"). The step weights each micro-batch's mean by that count, so a step's metric is the
+# full batch's whatever `train.grad_accum` is (`rl.step`). A metric missing here is a KeyError
+# when the step is traced.
+METRIC_REDUCTION: dict[str, str] = {
+    "ell_abs_mean": "answers", "residual_abs_mean": "answers", "advantage_mean": "answers",
+    "v_hat_mean": "answers",  # oapl
+    "clip_fraction": "tokens", "is_weight_mean": "tokens", "is_masked_fraction": "tokens",
+    "ratio_mean": "tokens", "kl": "tokens", "advantage_abs_mean": "rows",
+    "is_weight_min": "min", "is_weight_max": "max",  # grpo
+}
+
+
 # --- the registry: each loss, the settings it reads and the log-probs it needs -----------------
 
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]

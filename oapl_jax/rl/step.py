@@ -295,7 +295,9 @@ def _micro_loss_fn(config, graphdef, sampling: SamplingParams, rows: NamedShardi
         mask=mask, rewards=mb.rewards, num_tokens=num_tokens, num_answers=num_answers))
     m.update(loss_metrics, entropy=_token_mean(ent, mask),
              trainer_vs_sampler_abs=_token_mean(jnp.abs(logp - sampler), mask))
-    return loss, m
+    # what each metric is a mean over in this micro-batch (`_step_metrics` weights by it)
+    counts = {"tokens": mask.sum(), "answers": jnp.any(mask > 0, axis=-1).sum().astype(mask.dtype)}
+    return loss, (m, counts)
 
   return micro_loss
 
@@ -313,9 +315,9 @@ def vocab_split(config, mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
 
 
 def _accumulate(grad_fn, accum: int, by_rows, params, snapshot, reference, micro):
-  """`(grads, loss [accum], metrics {name: [accum]})`: the mean gradient over the `accum`
-  micro-batches of `micro` (`[accum, b, ...]`), each micro-batch's loss dividing by its share
-  of the full batch's counted tokens and answers."""
+  """`(grads, loss [accum], (metrics {name: [accum]}, counts {kind: [accum]}))`: the mean
+  gradient over the `accum` micro-batches of `micro` (`[accum, b, ...]`), each micro-batch's
+  loss dividing by its share of the full batch's counted tokens and answers."""
   num_tokens = micro.mask.sum() / accum  # per micro-batch share of the full batch's tokens
   num_answers = (micro.mask.sum(axis=-1) > 0).sum() / accum  # ... and of its counted answers
 
@@ -352,9 +354,26 @@ def _update_if_finite(optimizer, grads, loss, params, opt_state):
   return params, opt_state, grad_norm, finite
 
 
-def _step_metrics(loss, grad_norm, finite, m) -> dict[str, jax.Array]:
+# What the step's own micro-batch metrics are means over (the loss's: `losses.METRIC_REDUCTION`).
+STEP_METRIC_REDUCTION = {"entropy": "tokens", "trainer_vs_sampler_abs": "tokens",
+                         "snapshot_vs_sampler_abs": "tokens"}
+
+
+def _step_metrics(loss, grad_norm, finite, m_counts) -> dict[str, jax.Array]:
   """The step's metrics: mean loss, grad norm, `step_skipped`, and each micro-batch metric
-  reduced over the micro-batches (the mean; min / max for the IS weights' min / max)."""
-  reduce = {"is_weight_min": jnp.min, "is_weight_max": jnp.max}
+  reduced over the micro-batches as the full batch's figure: a mean weighted by the counted
+  tokens or answers it is a mean over (equal weights for "rows"), or the min / max."""
+  m, counts = m_counts  # {name: [accum]}, {"tokens" | "answers": [accum]}
+  kinds = {**losses.METRIC_REDUCTION, **STEP_METRIC_REDUCTION}
+
+  def reduce(name, v):  # [accum] -> []
+    kind = kinds[name]
+    if kind in ("min", "max"):
+      return getattr(jnp, kind)(v)
+    if v.shape[0] == 1 or kind == "rows":  # one micro-batch: its own figure, bit for bit
+      return jnp.mean(v)
+    w = counts[kind]  # [accum]
+    return jnp.sum(v * w) / jnp.maximum(w.sum(), 1.0)
+
   return {"loss": loss.mean(), "grad_norm": grad_norm, "step_skipped": 1.0 - finite,
-          **{k: reduce.get(k, jnp.mean)(v) for k, v in m.items()}}
+          **{k: reduce(k, v) for k, v in m.items()}}
