@@ -36,6 +36,7 @@ orbax is reloaded from disk before every save, so it counts every step there) is
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import hashlib
 import json
 import logging
@@ -67,6 +68,31 @@ class CheckpointError(UserError):
 
 class OtherModelError(UserError, ValueError):
   """The checkpoint is of another model architecture (most likely a wrong --workdir)."""
+
+
+class SaveFailed(UserError):
+  """A checkpoint could not be written because of the storage (a full disk, a quota, a
+  read-only or forbidden folder); the steps saved before it are kept."""
+
+
+# What a storage failure says, in tensorstore's words or the OS's (errno, strerror).
+_STORAGE_ERRORS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                   errno.EROFS: "read-only file system", errno.EACCES: "permission denied"}
+
+
+def storage_failure(e: BaseException) -> str | None:
+  """"no space left on device" (etc., `_STORAGE_ERRORS`) if `e` or an error in its chain is
+  that storage failure (an OSError's errno, or tensorstore's `[os_error_code='28']`); None if not."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    code = e.errno if isinstance(e, OSError) else None
+    found = re.search(r"os_error_code='(\d+)'", str(e))
+    code = code if code in _STORAGE_ERRORS else int(found[1]) if found else None
+    if code in _STORAGE_ERRORS:
+      return _STORAGE_ERRORS[code]
+    e = e.__cause__ or e.__context__
+  return None
 
 
 class DamagedStep(Exception):
@@ -163,6 +189,30 @@ class _DropReadNoise(logging.Filter):
                 and record.getMessage().startswith("Task exception was never retrieved"))
 
 
+class _DropStorageFailure(logging.Filter):
+  """Drops orbax's and asyncio's error records (each with a traceback) of a write the storage
+  refused: `Checkpointer.wait` raises that failure as one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (record.levelno >= logging.ERROR and (
+        storage_failure(exc) if exc is not None else
+        any(f"os_error_code='{c}'" in record.getMessage() for c in _STORAGE_ERRORS)))
+
+
+def _quiet_storage_failure() -> None:
+  """A save the storage refuses makes orbax log the error of each of its writes (with a
+  traceback, from its background threads, while the next steps train) and tensorstore report
+  its late callbacks' "Event loop is closed" to `sys.unraisablehook`: screens of tracebacks
+  before `Checkpointer.wait` raises the failure as one line. From the first Checkpointer on,
+  those are dropped; every other record and error still reaches the log and the hook."""
+  for name in ("absl", "asyncio"):  # orbax's records; asyncio's "exception was never retrieved"
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _DropStorageFailure) for f in logger.filters):
+      logger.addFilter(_DropStorageFailure())
+  _quiet_failed_read_noise()
+
+
 def _quiet_failed_read_noise() -> None:
   """A failed orbax read leaves its other reads' errors to asyncio's log and to
   `sys.unraisablehook`: dozens of tracebacks on stderr, some after the error itself was raised
@@ -198,6 +248,7 @@ class Checkpointer:
     self._mgr = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
     self._keep = keep
+    _quiet_storage_failure()  # a failed save is one line (`wait`), not screens of tracebacks
     self._skipped: list[int] = []  # damaged steps passed over by the last restore_latest
 
   def latest_step(self) -> int | None:
@@ -236,8 +287,20 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Until the save in flight (if any) is written and in place; then removes what saves that
-    never finished left behind."""
-    self._mgr.wait_until_finished()
+    never finished left behind. A save the storage refused (a full disk, ...) raises SaveFailed,
+    one line naming the folder and the newest step that is in place."""
+    try:
+      self._mgr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001  orbax re-raises its background thread's error
+      why = storage_failure(e)
+      if why is None:
+        raise
+      self._mgr.reload()
+      kept = self._mgr.latest_step()
+      raise SaveFailed(
+          f"a checkpoint could not be written to {self.directory}: {why}; the checkpoints "
+          f"written before it are kept (newest: step {kept}); fix the storage and run the same "
+          f"command again to resume from there (--verbose: the storage's own error)") from e
     if distributed.is_writer():
       self._remove_dead_saves()
 

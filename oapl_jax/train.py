@@ -23,6 +23,7 @@ import jax
 from oapl_jax import config as config_lib
 from oapl_jax import distributed, placement, storage, warmup
 from oapl_jax import plan as plan_lib
+from oapl_jax.checkpoint import SaveFailed, storage_failure
 from oapl_jax.errors import UserError
 from oapl_jax.metrics import MetricsLog, read_json, read_metrics, say, write_json
 from oapl_jax.placement import seq_len
@@ -69,8 +70,15 @@ def run_validated(config, workdir: str) -> dict:
   plan_lib.check(config)  # before anything is allocated
   lock = (WorkdirLock(workdir, config.checkpoint.lock_lease_s, config.checkpoint.lock_wait_s)
           if distributed.is_writer() else contextlib.nullcontext())
-  with lock, StopSignals() as stop:  # multi-host: process 0 holds the lock for all
-    return _run(config, workdir, stop)
+  try:
+    with lock, StopSignals() as stop:  # multi-host: process 0 holds the lock for all
+      return _run(config, workdir, stop)
+  except OSError as e:  # a metrics or summary file the storage refused (checkpoints: SaveFailed)
+    why = storage_failure(e)
+    if why is None:
+      raise
+    raise SaveFailed(f"{e.filename or workdir}: {why}; the checkpoints written are kept; fix the "
+                     "storage and run the same command again to resume from the newest") from e
 
 
 def _start(r: Run, config, workdir: str) -> tuple[dict, dict]:
@@ -143,6 +151,15 @@ def _logged_eval(result: dict) -> dict:
   return {k: v for k, v in result.items() if k not in PER_ANSWER}
 
 
+@contextlib.contextmanager
+def _closing(bar):
+  """Closes the progress bar however the block ends (an error's line then starts a line)."""
+  try:
+    yield bar
+  finally:
+    bar.close()
+
+
 def _run(config, workdir: str, stop: StopSignals) -> dict:
   r = Run(config, workdir)
   eval_before, warmup_info = _start(r, config, workdir)
@@ -155,7 +172,7 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
   evals = [{"step": row["step"], **row["eval"]} for row in read_metrics(workdir)
            if "eval" in row] if writer and r.counters.step > 0 else []
   dead = DeadModelWatch(config.log.dead_model_steps, config.model.vocab_size)
-  with stop.deferring():  # a signal here ends the run after the current step, with a checkpoint
+  with stop.deferring(), _closing(bar):  # a signal here ends the run after this step, with a checkpoint
     while r.counters.step < config.train.steps:
       m = r.step()
       s = r.counters.step

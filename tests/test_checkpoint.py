@@ -309,3 +309,21 @@ def test_evaluating_a_mistyped_workdir_is_refused_and_creates_nothing(tmp_path):
   with pytest.raises(UserError, match=f"no checkpoint under {missing}/checkpoints"):
     checkpoint.restore_policy(c, str(missing), "theta")
   assert not (tmp_path / "runs").exists()
+
+
+def test_storage_failures_are_told_from_other_errors():
+  """A full disk (the OS's errno, or tensorstore's `[os_error_code='28']` anywhere in the chain)
+  is a storage failure `Checkpointer.wait` reports in one line; other errors are bugs."""
+  import errno  # noqa: PLC0415
+  assert checkpoint.storage_failure(OSError(errno.ENOSPC, "No space left")) == "no space left on device"
+  ts = ValueError("RESOURCE_EXHAUSTED: Error writing ...: No space left on device [os_error_code='28']")
+  try:
+    try:
+      raise ts
+    except ValueError as inner:
+      raise RuntimeError("save finalize failed") from inner
+  except RuntimeError as outer:
+    assert checkpoint.storage_failure(outer) == "no space left on device"
+  assert checkpoint.storage_failure(OSError(errno.EDQUOT, "quota")) == "disk quota exceeded"
+  assert checkpoint.storage_failure(ValueError("INVALID_ARGUMENT [os_error_code='22']")) is None
+  assert checkpoint.storage_failure(KeyError("params")) is None

@@ -277,3 +277,42 @@ def test_a_run_that_stopped_learning_says_so(smoke_config, tmp_path, capsys):
   smoke_config.log.dead_model_steps, smoke_config.log.progress = 3, False
   train.run(smoke_config, str(tmp_path))
   assert "the weights stopped learning (is train.lr too high?)" in capsys.readouterr().out
+
+
+# --- a full disk during a save ----------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 9 MiB tmpfs (the tiny model's checkpoint is ~6 MiB: the second save does not fit), made
+  bigger by calling the returned function; skipped where mounting is not allowed (not root)."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=9M", "tmpfs", str(disk)],
+                           capture_output=True, text=True)
+  if mounted.returncode:
+    pytest.skip(f"a full disk needs a small tmpfs, and mount refused: {mounted.stderr.strip()}")
+  try:
+    yield disk, lambda: subprocess.run(["mount", "-o", "remount,size=64M", str(disk)], check=True)
+  finally:
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes(small_disk):
+  disk, grow = small_disk
+  workdir = disk / "w"
+  cmd = [sys.executable, "-m", "oapl_jax.main", f"--workdir={workdir}",
+         "--config=configs/tiny.py:smoke", "--config.log.progress=False"]
+  full = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  assert full.returncode == 2, full.stderr[-3000:]
+  lines = full.stderr.strip().splitlines()
+  assert "Traceback" not in full.stderr and len(lines) <= 3, full.stderr[-3000:]  # + 2 info lines
+  assert lines[-1].startswith("error: a checkpoint could not be written to ") and (
+      "no space left on device" in lines[-1] and "newest: step 2" in lines[-1]), lines[-1]
+  assert "2" in os.listdir(workdir / "checkpoints")  # nothing written before is lost
+  grow()
+  resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resumed from step 2" in resumed.stdout + resumed.stderr
+  assert json.loads((workdir / "summary.json").read_text())["trainer_steps"] == 6
+  assert [r["step"] for r in _rows(workdir)] == list(range(1, 7))
