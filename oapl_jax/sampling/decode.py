@@ -69,15 +69,46 @@ def _mlp(mlp, x: jax.Array, gate_up: jax.Array) -> jax.Array:
   return h @ mlp.down_proj[...].astype(dt)
 
 
+# The cache writes keep the cache in its own layout on TPU. XLA:TPU tiles the two minor axes of
+# an array (keys: D x positions, values: positions x D). A scatter or update of one key column
+# (one position in the minor axis), or of a value window [K, D] that spans a major axis (K),
+# makes its layout assignment move the whole buffer to a layout where the window is contiguous:
+# inside the decode loop it then keeps the loop's cache in that layout, copying the whole cache
+# in and out of the loop (a second cache in temp memory) and, each step, every layer back to the
+# layout the attention kernel reads. The writes below are in place in the default layout:
+# values by (row, head) with a window of D; keys as a read-modify-write of the aligned block of
+# `tile` positions holding each row's position, row by row. tests/test_aot.py holds the decode
+# loop's temp bytes below the cache's (compiled for v5p-8).
+
+
+def write_keys(k_cache: jax.Array, k: jax.Array, positions: jax.Array, tile: int = 128) -> jax.Array:
+  """k_cache `[B, K, D, S]` with row b's key k[b] `[K, D]` at position positions[b] (`< S`)."""
+  size = k_cache.shape[-1]
+  tile = min(tile, size)
+
+  def row(b, cache):
+    start = jnp.minimum(positions[b] // tile * tile, size - tile)  # the block holding the position
+    block = jax.lax.dynamic_slice(cache, (b, 0, 0, start), (1, *cache.shape[1:3], tile))
+    block = jnp.where(start + jnp.arange(tile) == positions[b], k[b][None, :, :, None], block)
+    return jax.lax.dynamic_update_slice(cache, block, (b, 0, 0, start))
+
+  return jax.lax.fori_loop(0, k_cache.shape[0], row, k_cache)
+
+
+def write_values(v_cache: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+  """v_cache `[B, K, S, D]` with row b's value v[b] `[K, D]` at position positions[b]."""
+  b, heads = v.shape[:2]
+  return v_cache.at[jnp.arange(b)[:, None], jnp.arange(heads)[None, :], positions[:, None]].set(v)
+
+
 def _block(layer, x, positions, rope_cs, k_cache, v_cache, live_len, chunk: int, fused: dict):
   """One layer, one token per row, over fused weights {"qkv", "gate_up"}. x `[B, 1, E]`,
   positions `[B]`, caches `[B, K, D, S]`, `[B, K, S, D]`. Writes this token's key/value at
   `positions` and attends to cache indices `<= positions`. Returns (x, k_cache, v_cache)."""
   b = x.shape[0]
   q, k, v = _project_qkv(layer.attn, layer.input_norm(x), rope_cs, fused["qkv"])  # [B, 1, N|K, D]
-  rows = jnp.arange(b)
-  k_cache = k_cache.at[rows, :, :, positions].set(k[:, 0].astype(k_cache.dtype))  # [b, :, :, pos_b]
-  v_cache = v_cache.at[rows, :, positions].set(v[:, 0].astype(v_cache.dtype))  # [b, :, pos_b, :]
+  k_cache = write_keys(k_cache, k[:, 0].astype(k_cache.dtype), positions)
+  v_cache = write_values(v_cache, v[:, 0].astype(v_cache.dtype), positions)
   n, d = q.shape[2], q.shape[3]
   kv_heads = k.shape[2]
   q = q[:, 0].reshape(b, kv_heads, n // kv_heads, d) * d**-0.5  # [B, K, G, D]
