@@ -70,7 +70,7 @@ SETUP = textwrap.dedent("""
 # A tensor-2 engine computes what the one-device engine computes: prefill logits and keys,
 # decode logits step by step, the sampled tokens and their log-probs; its KV cache is split
 # over KV heads and its next-token logits are replicated.
-TENSOR = SETUP + textwrap.dedent("""
+TENSOR = SETUP + textwrap.dedent(r"""
     worst = 0.0
     for kw in (dict(qk_norm=True), dict(qk_norm=False, qkv_bias=True, tie_embeddings=False)):
       cfg, graphdef, params = small(**kw)
