@@ -20,6 +20,7 @@ from oapl_jax.models.names import LOGICAL_AXES, ROPE_SCALING_TYPES, dtype_name
 from oapl_jax.models.pallas_names import ATTENTION_KERNELS  # names only: no JAX
 from oapl_jax.models.presets import PRESETS  # names and numbers only: no JAX, no Flax
 from oapl_jax.rl.names import ADV_NORMS, IS_LEVELS, IS_MODES, LOSS_NAMES, NORMS
+from oapl_jax.tasks.hf_tokenizer import folder_problem as tokenizer_folder_problem  # os, json only
 from oapl_jax.tasks.registry import TASKS  # task names -> builders: no JAX either
 from oapl_jax.topology import LOCAL, MESH_AXES, TOPOLOGIES  # names and numbers: no JAX either
 
@@ -395,6 +396,8 @@ def validate(c, *, dry_run: bool = False) -> None:
     _check(os.path.isfile(os.path.join(c.model.path, "config.json")), "model.path", c.model.path,
            "not a Hugging Face checkpoint folder (no config.json); for the :tiny configs make one "
            "with `python launch/make_tiny_hf.py`")
+  if "tokenizer_path" in c.task and not dry_run:
+    _validate_tokenizer(c)
   _validate_model(c)
   _validate_sharding(c)
   _check(c.warmup.steps == 0 or c.task.name in WARMUP_TASKS, "warmup.steps", c.warmup.steps,
@@ -573,6 +576,22 @@ def _validate_mesh(c) -> None:
   if c.mesh.topology not in (None, LOCAL):
     _check(c.mesh.topology in TOPOLOGIES, "mesh.topology", c.mesh.topology,
            f"unknown topology; known: {sorted(TOPOLOGIES)}")
+
+
+def _validate_tokenizer(c) -> None:
+  """The folder a task with a Hugging Face tokenizer reads it (and its chat template) from:
+  task.tokenizer_path, else model.path; with neither (a randomly initialised model) the run
+  would have no tokenizer."""
+  setting, path = "task.tokenizer_path", c.task.tokenizer_path
+  if path is None:
+    _check(c.model.path is not None, setting, path,
+           f"task {c.task.name!r} reads its tokenizer and chat template from task.tokenizer_path, "
+           "else from model.path, and both are None (a randomly initialised model has no "
+           "tokenizer): set task.tokenizer_path to a tokenizer folder (e.g. the checkpoint's)")
+    setting, path = "model.path", c.model.path
+  problem = tokenizer_folder_problem(path)
+  _check(problem is None, setting, path,
+         f"{problem} (the task's tokenizer: task.tokenizer_path, else model.path)")
 
 
 def _validate_task(c) -> None:

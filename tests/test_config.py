@@ -76,10 +76,19 @@ def test_invalid_values_are_refused_by_name(setting, value):
   _refused(tiny.get_config(), setting, value)
 
 
+def _tokenizer_folder(tmp_path) -> str:
+  """A folder validate takes as a tokenizer's (it looks for the files, it does not load them)."""
+  folder = tmp_path / "tokenizer"
+  folder.mkdir()
+  (folder / "tokenizer.json").write_text("{}")
+  return str(folder)
+
+
 @pytest.mark.parametrize("name,setting,value", TASK_BAD)
-def test_invalid_task_values_are_refused_by_name(name, setting, value):
+def test_invalid_task_values_are_refused_by_name(name, setting, value, tmp_path):
   c = config_lib.repo_config(name)
-  c.model.path = None  # no checkpoint needed to validate
+  c.model.path = None  # no checkpoint needed to validate: random init, a tokenizer folder
+  c.task.tokenizer_path = _tokenizer_folder(tmp_path)
   validate(c)
   _refused(c, setting, value)
 
@@ -131,6 +140,51 @@ def test_missing_config_file_fails_in_one_line(tmp_path):
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name", ["math.py:tiny", "code.py:tiny", "reasoning_gym.py:tiny",
+                                  "gsm8k.py:tiny"])
+def test_a_task_without_a_tokenizer_is_refused_by_name(name, tmp_path):
+  """A task with a Hugging Face tokenizer reads it from task.tokenizer_path, else model.path: with
+  neither (a random-init model) the run died in the tokenizer with a TypeError; a folder holding
+  no tokenizer is named too. A memory plan (dry_run) reads no tokenizer."""
+  c = config_lib.repo_config(name)
+  c.model.path = None
+  assert c.task.tokenizer_path is None
+  validate(c, dry_run=True)
+  with pytest.raises(ConfigError, match=r"^config\.task\.tokenizer_path=None: task '\w+' reads its "
+                                        r"tokenizer .* both are None"):
+    validate(c)
+  c.task.tokenizer_path = str(tmp_path / "nope")
+  with pytest.raises(ConfigError, match=r"^config\.task\.tokenizer_path='.*nope': tokenizer "
+                                        r"folder '.*nope' does not exist"):
+    validate(c)
+  c.task.tokenizer_path = str(tmp_path)  # a folder, but no tokenizer files in it
+  with pytest.raises(ConfigError, match=r"task\.tokenizer_path=.*no tokenizer files in"):
+    validate(c)
+  c.task.tokenizer_path = None
+  c.model.path = str(tmp_path)
+  (tmp_path / "config.json").write_text("{}")  # a checkpoint folder without a tokenizer
+  with pytest.raises(ConfigError, match=r"^config\.model\.path=.*no tokenizer files in .* "
+                                        r"\(the task's tokenizer: task\.tokenizer_path, else "
+                                        r"model\.path\)$"):
+    validate(c)
+  c.task.tokenizer_path = _tokenizer_folder(tmp_path)
+  validate(c)
+
+
+def test_a_run_without_a_tokenizer_stops_in_one_line(tmp_path):
+  config = tmp_path / "no_tokenizer.py"
+  config.write_text("from configs import math\n\n\ndef get_config(arg=None):\n"
+                    "  c = math.get_config('tiny')\n  c.model.path = None\n  return c\n")
+  out = subprocess.run([sys.executable, "-m", "oapl_jax.main", f"--config={config}",
+                        f"--workdir={tmp_path / 'w'}"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      "error: config.task.tokenizer_path=None: task 'math' reads its tokenizer"), out.stderr
+  assert not (tmp_path / "w").exists()
 
 
 def test_config_files_import_neither_jax_nor_flax():

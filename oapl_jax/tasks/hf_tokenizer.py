@@ -42,6 +42,16 @@ def _generation_eos_ids(path: str) -> list[int]:
   return list(eos)
 
 
+def folder_problem(path: str) -> str | None:
+  """Why ``path`` is not a folder :class:`HFTokenizer` can read (no such folder, no tokenizer
+  files in it), or None. ``config.validate`` asks this before a run; the constructor raises it."""
+  if not os.path.isdir(path):
+    return f"tokenizer folder {path!r} does not exist"
+  if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+    return f"no tokenizer files in {path!r}: expected one of {', '.join(_TOKENIZER_FILES)}"
+  return None
+
+
 class HFTokenizer:
   """``AutoTokenizer.from_pretrained(path, local_files_only=True)`` with the task interface.
 
@@ -63,11 +73,9 @@ class HFTokenizer:
 
   def __init__(self, path: str) -> None:
     path = os.fspath(path)
-    if not os.path.isdir(path):
-      raise FileNotFoundError(f"tokenizer folder {path!r} does not exist")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-      raise FileNotFoundError(
-          f"no tokenizer files in {path!r}: expected one of {', '.join(_TOKENIZER_FILES)}")
+    problem = folder_problem(path)
+    if problem is not None:
+      raise FileNotFoundError(problem)
     from transformers import AutoTokenizer  # deferred: transformers is slow to import
 
     try:
