@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import glob
 import os
+import re
 import socket
 import time
 
@@ -183,6 +184,40 @@ def check_started(expected: int, setting: str) -> None:
         f"{jax.process_count()}: the distributed system did not start. Run the same command on "
         "every host (launch/tpu_pod.sh does), with config.distributed.* or JAX_COORDINATOR_ADDRESS "
         "/ JAX_NUM_PROCESSES / JAX_PROCESS_ID where JAX cannot find its peers itself")
+
+
+# --- a process that went away ----------------------------------------------------------------
+
+LOST_PROCESS_EXIT = 75  # EX_TEMPFAIL: the run can resume; a scheduler should restart every process
+# What the runtime says when another process of the run is gone: its collectives' transport
+# (Gloo on CPU: the peer's address) or the coordination service (no heartbeat from task N).
+_LOST = (re.compile(r"Connection (?:closed|reset) by peer|Broken pipe"),
+         re.compile(r"Task (\d+) heartbeat timeout"), re.compile(r"tasks are unhealthy"))
+_PEER = re.compile(r"\[([^\]\s]+)\]:(\d+)")  # Gloo's "[host]:port" of the other side
+
+
+def lost_process(e: BaseException) -> str | None:
+  """One line for an error that says another process of this multi-host run went away
+  (killed, preempted, its host lost), naming it where the runtime does; None for other errors
+  and in single-process runs. `oapl_jax.main` prints it and exits at once
+  (`LOST_PROCESS_EXIT`): a normal exit would wait ~60 s in JAX's shutdown barrier for the
+  missing process and then abort with screens of runtime logs."""
+  if process_count() <= 1:
+    return None
+  text = str(e)
+  peer, task, unhealthy = (pattern.search(text) for pattern in _LOST)
+  if peer:
+    where = _PEER.search(text)
+    who = f"the process at {where[1]} (port {where[2]})" if where else "a process"
+  elif task:
+    who = f"process {task[1]}"
+  elif unhealthy:
+    who = "a process"
+  else:
+    return None
+  return (f"process {process_index()} of {process_count()}: {who} of this run went away (killed, "
+          f"preempted or its host lost: see its log); this process stops too. The checkpoints are "
+          f"kept: restart the run on every host to resume from the newest")
 
 
 # --- who does what ---------------------------------------------------------------------------

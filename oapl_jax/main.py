@@ -18,6 +18,7 @@ per device beside the plan's, the compiled peak against the device, and a roofli
 
 import json
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet TensorFlow where a TFDS source or JetStream loads it
 
@@ -76,7 +77,15 @@ def main(argv):
   # Imported once the config is valid: `train` imports JAX, Flax and orbax (seconds), and a
   # refused setting should not wait for them.
   from oapl_jax import train  # noqa: PLC0415
-  summary = train.run_validated(config, _WORKDIR.value)
+  try:
+    summary = train.run_validated(config, _WORKDIR.value)
+  except Exception as e:  # another process of a multi-host run went away: one line, out now
+    lost = distributed.lost_process(e)
+    if lost is None:
+      raise
+    print(f"error: {lost}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(distributed.LOST_PROCESS_EXIT)  # not JAX's shutdown barrier, which would wait for it
   if not distributed.is_writer():
     return
   keys = [k for k in summary["eval_after"] if k.startswith("pass@")]

@@ -26,7 +26,10 @@ process (a restarted container that got the same pid back).
 `StopSignals` turns SIGTERM (what a TPU VM or a scheduler sends before preemption) and SIGINT
 into a request the training loop reads between steps (`requested`), so the run finishes its
 step, saves a checkpoint and exits with one line. Outside `deferring()` (warm-up, evaluation:
-nothing new to save) and on a second signal, the stop is immediate: `Interrupted` is raised.
+nothing new to save) the stop is immediate: `Interrupted` is raised. A second signal inside it
+(the user or a scheduler in a hurry; the step or its save is still running) exits the process
+at once with one line and 128 + the signal number, as a kill would: the save in flight is
+abandoned (its tmp folder is removed when the run resumes), the checkpoints before it are kept.
 Multi-host runs stop every process at the same step: `oapl_jax.train` asks, after each step,
 whether any process has `requested` set (`distributed.any_process`); process 0 alone holds the
 lock.
@@ -273,12 +276,18 @@ class StopSignals:
 
   def _handle(self, signum, frame) -> None:
     del frame
+    name = signal.Signals(signum).name
     if self._deferring and self.requested is None:
       self.requested = signum
-      print(f"{signal.Signals(signum).name}: stopping after this step (a checkpoint is saved); "
+      print(f"{name}: stopping after this step (a checkpoint is saved); "
             "send it again to stop at once", file=sys.stderr, flush=True)
       return
-    raise Interrupted(signum, f"stopped by {signal.Signals(signum).name}")
+    if self._deferring:  # a second signal: out now, mid-step or mid-save, without tracebacks
+      print(f"error: stopped at once by a second {name}, without a checkpoint of this step; the "
+            "checkpoints before it are kept: run the same command again to resume",
+            file=sys.stderr, flush=True)
+      os._exit(128 + signum)  # as a kill would: a half-written save is removed on resume
+    raise Interrupted(signum, f"stopped by {name}")
 
   @contextlib.contextmanager
   def deferring(self):

@@ -186,6 +186,39 @@ def test_async_mode_over_two_processes_is_refused_in_one_line(tmp_path):
                       "rl.mode='sync' only, for now"], err[-3000:]
 
 
+@pytest.mark.parametrize("lost", [1, pytest.param(0, marks=pytest.mark.slow)],  # CI: one of them
+                         ids=["process_1_lost", "process_0_lost"])
+def test_a_lost_process_stops_the_other_at_once_in_one_line(tmp_path, lost):
+  """kill -9 of one process mid-RL (a host lost without a launcher to stop the rest): the
+  other stops within seconds, with one line naming the process that went away and exit code
+  75, not a runtime traceback and an abort after JAX's ~60 s shutdown barrier."""
+  port = _free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "oapl_jax.main", "--config=configs/tiny.py:smoke", f"--workdir={tmp_path}",
+       "--config.train.steps=40", "--config.log.progress=False", "--config.sampling.engines=2",
+       f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+       "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
+      cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(1))
+      for i in range(2)]
+  metrics, t0 = tmp_path / "metrics.jsonl", time.time()
+  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # mid-RL
+    assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+    assert time.time() - t0 < 600, "timed out"
+    time.sleep(0.1)
+  procs[lost].kill()
+  t0 = time.time()
+  survivor = procs[1 - lost]
+  _, err = survivor.communicate(timeout=300)
+  took = time.time() - t0
+  procs[lost].communicate()
+  assert survivor.returncode == distributed.LOST_PROCESS_EXIT, err[-3000:]
+  assert "Traceback" not in err and err.strip().splitlines() == [err.strip().splitlines()[-1]], err[-3000:]
+  line = err.strip()
+  assert line.startswith(f"error: process {1 - lost} of 2: the process at 127.0.0.1 (port "), line
+  assert "went away" in line and "restart the run on every host" in line, line
+  assert took < 45, took  # bounded: not JAX's shutdown barrier (~60 s) and its abort
+
+
 # --- prompts drawn globally, sampled locally -------------------------------------------------
 
 ROLLOUT = textwrap.dedent("""

@@ -197,8 +197,9 @@ _TIMING = ("step_seconds", "train_seconds", "sample_wait_seconds", "sample_token
 
 
 def _main(workdir, **kw):
+  kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kw}
   return subprocess.Popen([sys.executable, "-m", "oapl_jax.main", f"--workdir={workdir}", *_CONFIG],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                          text=True, **kw)
 
 
 def _finish(proc, timeout=600):
@@ -232,8 +233,26 @@ def test_kill_sigterm_sigint_mid_rl_resume_to_the_straight_run(tmp_path):
   during = json.loads((straight / "summary.json").read_text())["evals_during"]
   assert [e["step"] for e in during] == [3, 6, 9, 12]
 
-  for sig, code in ((signal.SIGKILL, -9), (signal.SIGTERM, 143), (signal.SIGINT, 130)):
-    workdir = tmp_path / sig.name
+  for sig, code in ((signal.SIGKILL, -9), (signal.SIGTERM, 143), (signal.SIGINT, 130), ("twice", 143)):
+    workdir = tmp_path / getattr(sig, "name", sig)
+    if sig == "twice":  # SIGTERM, then again while the step or its save runs: out at once
+      with open(tmp_path / "twice.err", "w") as err_file:
+        proc = _main(workdir, stderr=err_file)
+      _wait_for(lambda: len(_read(workdir / "metrics.jsonl").splitlines()) >= 5, proc)
+      proc.send_signal(signal.SIGTERM)
+      _wait_for(lambda: "stopping after this step" in _read(tmp_path / "twice.err"), proc)
+      proc.send_signal(signal.SIGTERM)
+      assert proc.wait(timeout=120) == code
+      err = _read(tmp_path / "twice.err")
+      assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+          "error: stopped at once by a second SIGTERM"), err[-3000:]
+      assert not (workdir / "summary.json").exists()
+      rc, out, err = _finish(_main(workdir))  # the same command resumes
+      assert rc == 0, err[-3000:]
+      assert _rows(workdir) == want and not [  # and the abandoned save's folder is gone
+          p for p in os.listdir(workdir / "checkpoints") if "tmp" in p]
+      assert json.loads((workdir / "summary.json").read_text())["eval_after"] == final
+      continue
     proc = _main(workdir)
     if sig == signal.SIGKILL:  # a second run on the same workdir, while the first holds it
       _wait_for(lambda: (workdir / "run.lock").exists(), proc)
