@@ -1,29 +1,36 @@
 #!/usr/bin/env bash
-# The reasoning study of docs/reasoning_study.md: OAPL and GRPO+IS (token TIS) at
-# L = 1, 10, 50, 100, seeds 0-4, on configs/reason.py, each method's lr picked first by a sweep
-# on seed 100; then the report. About 3 hours of a 2-core CPU machine.
+# The reasoning study of docs/reasoning_study.md (issue 30): first the joint settings search on
+# seed 100 (OAPL over beta1 x beta2 x lr, GRPO+IS over its PPO clip x lr, 18 settings each, at
+# L = 100 and 50: 72 runs of 1000 steps), then OAPL and GRPO+IS with the chosen settings at
+# L = 1, 10, 50, 100, seeds 0-4, 1000 steps each (10 refreshes at L = 100; 128,000 answers per
+# run); then the finished runs' small results are copied into docs/reasoning_study/results
+# (committed: a later checkout counts them as finished) and the report is written.
+# Estimated (from 300-step runs at ~10 min a free core): the search ~25-30 core-hours in one
+# process, then the study ~20-25 core-hours over two; in resumable pieces.
 #
 # Two processes, one core each (a second core buys little inside one XLA process on CPU):
-# the first runs the sweep and seeds 0 1 2, the second starts once the sweep has chosen the
-# learning rates and runs seeds 3 4. Resumable: finished runs are skipped, and Ctrl-C / SIGTERM
-# stops both with a checkpoint of the runs in progress; run the same command again to go on.
+# the first runs the search and seeds 0 1 2, the second starts once the search has chosen the
+# settings (<out>/sweep/chosen.json) and runs seeds 3 4. Resumable: finished runs (under OUT_DIR
+# or committed) are skipped, and Ctrl-C / SIGTERM stops both with a checkpoint of the runs in
+# progress; run the same command again to go on.
 #
 # Usage: bash launch/reasoning_study.sh [--dry-run] [OUT_DIR] [EXTRA LAG_STUDY FLAGS...]
 #   --dry-run  prints the commands instead of running them
-#   e.g. bash launch/reasoning_study.sh /tmp/oapl_reason_study
+#   e.g. bash launch/reasoning_study.sh /tmp/oapl_reason_study --budget-minutes=120
 set -euo pipefail
 dry=""
 if [[ "${1:-}" == "--dry-run" ]]; then dry=1; shift; fi
 out=${1:-/tmp/oapl_reason_study}
 shift || true
-study=(python -m oapl_jax.studies.lag_study --study=reason --out="$out" \
-  --methods oapl grpo_tis --lags 1 10 50 100 --sweep-lrs 1e-4 3e-4 1e-3)
+results=docs/reasoning_study/results  # committed small results (from the repository root)
+study=(python -m oapl_jax.studies.lag_study --study=reason --out="$out" --results="$results" \
+  --methods oapl grpo_tis --lags 1 10 50 100 --search)
 # pin each half to a core where there are two or more
 pin_a=() pin_b=()
 if command -v taskset > /dev/null && [[ "$(nproc)" -ge 2 ]]; then
   pin_a=(taskset -c 0) pin_b=(taskset -c 1)
 fi
-# each half writes a report of its own runs in OUT; the last step writes the study's
+# each half writes a report of its own runs in OUT; the last steps copy the results and write the study's
 a=("${pin_a[@]}" "${study[@]}" --report="$out/half_a.md" --seeds 0 1 2 "$@")
 b=("${pin_b[@]}" "${study[@]}" --report="$out/half_b.md" --seeds 3 4 "$@")
 full=("${study[@]}" --report=docs/reasoning_study.md --seeds 0 1 2 3 4 "$@")
@@ -31,6 +38,7 @@ if [[ -n "$dry" ]]; then
   echo "${a[*]} &"
   echo "# once $out/sweep/chosen.json exists:"
   echo "${b[*]}"
+  echo "${full[*]} --save-results"
   echo "${full[*]} --report-only"
   exit 0
 fi
@@ -38,9 +46,10 @@ pids=()
 trap 'kill -TERM "${pids[@]}" 2> /dev/null || true; wait; exit 143' TERM INT
 "${a[@]}" & pids+=($!)
 while [[ ! -f "$out/sweep/chosen.json" ]] && kill -0 "${pids[0]}" 2> /dev/null; do sleep 10; done
-"${b[@]}" & pids+=($!)
+if [[ -f "$out/sweep/chosen.json" ]]; then "${b[@]}" & pids+=($!); fi
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=$?; done
+"${full[@]}" --save-results  # whatever finished, also after a stop
 if [[ $status -ne 0 ]]; then
   echo "a half of the study exited with $status; run the same command again to go on" >&2
   exit $status

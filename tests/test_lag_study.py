@@ -7,7 +7,7 @@ import numpy as np
 
 import pytest
 
-from oapl_jax.studies import definitions, lag_study, layout, results, runner, stats
+from oapl_jax.studies import definitions, lag_study, layout, results, runner, search, stats
 from oapl_jax.studies.report import NOTES_BEGIN, NOTES_END, kept_notes, report_markdown
 
 
@@ -41,9 +41,11 @@ def test_report_has_table_plots_findings_and_keeps_notes(study):
   lag_study.write_report(study, report, command="python -m oapl_jax.studies.lag_study --reduced")
   text = open(report).read()
   assert "python -m oapl_jax.studies.lag_study --reduced" in text
-  for label, _ in definitions.METHODS.values():
-    assert text.count(f"| {label} |") == 2  # one table row per lag
-  for png in ("pass1_vs_samples.png", "entropy_vs_step.png", "passk_before_after.png"):
+  for method in definitions.METHODS:
+    config = next(r.summary["config"] for r in results.load_runs(study) if r.method == method)
+    assert text.count(f"| {definitions.method_label(method, config)} |") == 2  # one table row per lag
+  assert "| GRPO+IS (token TIS, C=2, clip 0.2/0.28) |" in text  # the label says the run's settings
+  for png in ("pass1_vs_samples.png", "pass1_vs_refreshes.png", "entropy_vs_step.png", "passk_before_after.png"):
     path = os.path.join(study, "report", png)
     with open(path, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -75,8 +77,8 @@ def _fake_run(method, lag, seed):
   summary = {"config": {"train": {"steps": 4, "lr": 1e-3}, "rl": {"groups_per_step": 2, "group_size": 4},
                         "task": {"num_eval": 4}, "eval": {"samples_per_problem": 4}},
              "eval_before": ev([0, 1, 2, 1]), "eval_after": ev([seed, 2, 3, lag % 5]),
-             "evals_during": [{"step": 2, "pass@1": 0.3 + 0.1 * seed}], "samples_generated": 32,
-             "train_seconds": 5.0}
+             "evals_during": [{"step": 2, "pass@1": 0.3 + 0.1 * seed, "samples_generated": 16}],
+             "samples_generated": 32, "trainer_steps": 4, "train_seconds": 5.0}
   metrics = [{"step": t, "samples_generated": 8 * t, "entropy": 1.0 - 0.1 * t - 0.01 * seed} for t in range(1, 5)]
   return results.RunResult(method, lag, seed, summary, metrics, wall_seconds=60.0)
 
@@ -95,7 +97,7 @@ def test_report_markdown_is_a_pure_function_of_its_arguments(monkeypatch):
   assert text == report_markdown(runs, study="tiny", command="cmd", figures=figures, notes="Mine.")
   assert runs == kept  # the results are not touched
   assert "    cmd\n" in text and "![pass@1 vs generated answers](r/a.png)" in text
-  assert "Learning-rate sweep" not in text and "* pass@1 after, L=3:" in text
+  assert "Settings search" not in text and "* pass@1 after, L=3:" in text
   assert f"{NOTES_BEGIN}\nMine.\n{NOTES_END}\n" in text and kept_notes(text) == "Mine."
 
 
@@ -137,7 +139,10 @@ def test_reason_study_runs_the_chain_task_and_measures_votes_and_diversity(reaso
       n = e["samples_per_problem"]
       assert {f"pass@{n}", f"maj@{n}", "distinct_answers", "distinct_correct_chains",
               "entropy_per_token"} <= set(e)
-      assert np.array(e["answer_ids"]).shape == (e["num_problems"], n)
+      # the run's summary.json keeps the per-answer list; the results read back leave it out
+      raw = json.load(open(os.path.join(layout.run_dir(reason_study, r.method, 2, 0), "summary.json")))
+      assert np.array(raw[f"eval_{when}"]["answer_ids"]).shape == (e["num_problems"], n)
+      assert "answer_ids" not in e and e["correct_per_problem"] == raw[f"eval_{when}"]["correct_per_problem"]
       assert e["entropy_per_token"] > 0 and e["mean_answer_tokens"] > 4
     # evaluations during the run are logged without their per-answer lists (metrics.jsonl too)
     assert r.summary["evals_during"] and all("answer_ids" not in e and "maj@1" in e
@@ -150,23 +155,38 @@ def test_reason_study_runs_the_chain_task_and_measures_votes_and_diversity(reaso
   assert "maj@8" in text and "distinct_correct_chains" in text and "* sample efficiency, L=2" in text
 
 
-def test_sweep_picks_each_methods_best_lr_and_the_study_uses_it(reason_study, capsys):
-  # finished sweep runs are read, not rerun: fake three lrs per method with known pass@1
+def _fake_committed(template: dict, results_dir: str, kind: str, name: str, pass1: float) -> None:
+  """A committed result `name` made from a real run's compact result, its final pass@1 set."""
+  import copy
+  r = copy.deepcopy(template)
+  r["summary"]["eval_after"]["pass@1"] = pass1
+  path = layout.result_path(results_dir, kind, name)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  json.dump(r, open(path, "w"))
+
+
+def test_sweep_picks_each_methods_best_lr_and_the_study_uses_it(reason_study, tmp_path, capsys):
+  # committed search results count as finished and are read, not rerun: three lrs per method
+  # with known pass@1
+  template = next(iter(results.load_compact(reason_study).values()))
+  committed = str(tmp_path / "results")
   scores = {"oapl": {1e-4: 0.2, 3e-4: 0.5, 1e-3: 0.5}, "grpo_tis": {1e-4: 0.4, 3e-4: 0.1, 1e-3: 0.3}}
   for method, table in scores.items():
     for lr, p1 in table.items():
-      d = layout.run_dir(reason_study, method, 2, 7, lr)
-      os.makedirs(d)
-      json.dump({"eval_after": {"pass@1": p1}}, open(os.path.join(d, "summary.json"), "w"))
+      _fake_committed(template, committed, "sweep", layout.run_name(method, 2, 7, f"lr{lr:g}"), p1)
   chosen = runner.sweep(reason_study, methods=("oapl", "grpo_tis"), lrs=(1e-4, 3e-4, 1e-3),
-                           lag=2, seed=7)
-  assert chosen == {"oapl": 3e-4, "grpo_tis": 1e-4}  # ties: the smaller lr
-  assert json.load(open(os.path.join(reason_study, "sweep", "chosen.json")))["lr"] == chosen
+                        lag=2, seed=7, results=committed)
+  assert capsys.readouterr().out.count("done already") == 6
+  assert chosen == {"oapl": 3e-4, "grpo_tis": 1e-4}  # ties: the lr listed first
+  assert json.load(open(os.path.join(reason_study, "sweep", "chosen.json")))["chosen"] == {
+      m: {"train.lr": lr} for m, lr in chosen.items()}
   c = definitions.study_config("oapl", 2, 0, study="reason", overrides={"train.lr": chosen["oapl"]})
   assert c.train.lr == 3e-4 and c.task.name == "chain_addition"
-  lag_study.write_report(reason_study, os.path.join(reason_study, "r2.md"), command="c", study="reason")
+  lag_study.write_report(reason_study, os.path.join(reason_study, "r2.md"), command="c", study="reason",
+                         results=committed)
   text = open(os.path.join(reason_study, "r2.md")).read()
-  assert "## Learning-rate sweep" in text and "| 0.0003 |" in text
+  assert "## Settings search" in text and "| L=2, lr 0.0001 | L=2, lr 0.0003 | L=2, lr 0.001 |" in text
+  assert "| lr only | 0.200 | **0.500** | 0.500 |" in text and "OAPL 3 of 3, GRPO+IS 3 of 3" in text
 
 
 def test_sweep_seed_must_differ_from_the_study_seeds():
@@ -193,3 +213,149 @@ def test_report_only_without_finished_runs_is_one_line(tmp_path, capsys):
   assert lag_study.main(["--out", str(tmp_path), "--report-only"]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "no finished runs under" in err
+
+
+# --- issue 30: the joint search, committed results, refreshes ------------------------------------
+
+
+def test_the_joint_search_gives_both_methods_the_same_runs_current_settings_first():
+  grid = search.study_grid(["oapl", "grpo_tis"])
+  assert {m: len(search.points(axes)) for m, axes in grid.items()} == {"oapl": 18, "grpo_tis": 18}
+  oapl = [search.overrides(grid["oapl"], idx) for idx in search.points(grid["oapl"])]
+  assert {(o["rl.beta1"], o["rl.beta2"]) for o in oapl} == {(b1, b2) for b1 in (1.0, 5.0) for b2 in (0.1, 1e-2, 1e-3)}
+  assert {o["train.lr"] for o in oapl} == {1e-4, 3e-4, 1e-3}
+  grpo = [search.overrides(grid["grpo_tis"], idx) for idx in search.points(grid["grpo_tis"])]
+  assert len({(o["rl.grpo.eps_low"], o["rl.grpo.eps_high"], o["train.lr"]) for o in grpo}) == 18
+  order = search.run_order(grid, search.SEARCH_LAGS)
+  assert len(order) == 72 and len(set(order)) == 72
+  # first: OAPL's beta2 sweep at L = 100 at the current beta1 and lr, GRPO+IS's current setting between
+  first = [(lag, m, search.overrides(grid[m], idx)) for lag, m, idx in order[:6]]
+  assert [f[0] for f in first] == [100] * 6 and [f[1] for f in first[::2]] == ["oapl"] * 3
+  assert [f[2]["rl.beta2"] for f in first[::2]] == [0.1, 1e-2, 1e-3]
+  assert all(f[2]["rl.beta1"] == 1.0 and f[2]["train.lr"] == 3e-4 for f in first[::2])
+  assert first[1][2] == {"rl.grpo.eps_low": 0.2, "rl.grpo.eps_high": 0.28, "train.lr": 1e-3}
+  assert {lag for lag, _, _ in order[36:]} == {50}
+  # a point's run name is unique and parses back
+  names = {layout.run_name(m, lag, 100, search.label(grid[m], idx)) for lag, m, idx in order}
+  assert len(names) == 72
+  assert layout.parse_run_name("grpo_tis_lag100_seed100_clip-0.2_lr-0.001") == ("grpo_tis", 100, 100, "clip-0.2_lr-0.001")
+  with pytest.raises(ValueError, match="no search grid"):
+    search.study_grid(["oapl_paper_betas"])
+
+
+def test_choose_waits_for_every_run_and_averages_over_the_lags():
+  axes = (search.Axis("b2", ("rl.beta2",), ((0.1,), (0.01,))), search.lr_axis((3e-4, 1e-3)))
+  grid, pts = {"oapl": axes}, search.points(axes)
+  scores = {("oapl", lag, p): 0.5 for p in pts for lag in (100, 50)}
+  assert search.choose(grid, (100, 50), scores) == {"oapl": pts[0]}  # ties: the first point
+  scores[("oapl", 100, pts[3])] = 0.9  # best at L = 100 only ...
+  scores[("oapl", 50, pts[3])] = 0.2  # ... so its mean (0.55) beats 0.5
+  scores[("oapl", 100, pts[2])], scores[("oapl", 50, pts[2])] = 0.6, 0.6  # mean 0.6: the best
+  assert search.choose(grid, (100, 50), scores) == {"oapl": pts[2]}
+  del scores[("oapl", 50, pts[1])]
+  assert search.choose(grid, (100, 50), scores) is None  # a run missing: nothing chosen yet
+  plan = search.plan_json(grid, (100, 50), 100)
+  assert search.grid_from_plan(json.loads(json.dumps(plan))) == grid
+
+
+def test_study_and_search_runs_have_the_issues_lengths():
+  c = definitions.study_config("oapl", 100, 0, study="reason")
+  assert c.train.steps == 1000 and c.train.steps // c.rl.lag == 10  # 10 refreshes at L = 100
+  assert definitions.study_config("grpo_tis", 1, 0, study="reason").train.steps == 1000  # same answers
+  s = definitions.study_config("oapl", 100, 100, study="reason", search=True,
+                               overrides={"rl.beta2": 1e-3})
+  assert s.train.steps == 1000 and s.eval.samples_per_problem == 64 and s.rl.beta2 == 1e-3
+  assert c.eval.samples_per_problem == 256
+
+
+def test_committed_results_are_small_count_as_finished_and_report_the_same(reason_study, tmp_path, capsys):
+  committed = str(tmp_path / "results")
+  written = results.save_results(reason_study, committed)
+  assert any("/runs/" in p for p in written)
+  for p in written:
+    assert os.path.getsize(p) < 20_000
+    if "/runs/" in p:
+      assert "answer_ids" not in open(p).read()
+  # a fresh folder with the committed results: nothing reruns, the runs read back the same
+  fresh = str(tmp_path / "fresh")
+  runner.run_study(fresh, methods=("oapl", "grpo_tis"), lags=(2,), seeds=(0,), reduced=True,
+                   study="reason", results=committed)
+  assert capsys.readouterr().out.count("done already") == 2 and not os.path.isdir(os.path.join(fresh, "runs"))
+  from_out = results.load_runs(reason_study)
+  from_committed = results.load_runs(fresh, results=committed)
+  assert [(r.method, r.lag, r.seed) for r in from_out] == [(r.method, r.lag, r.seed) for r in from_committed]
+  assert [r.summary for r in from_out] == [r.summary for r in from_committed]
+  assert [r.metrics for r in from_out] == [r.metrics for r in from_committed]
+  a, b = os.path.join(reason_study, "a.md"), os.path.join(fresh, "b.md")
+  lag_study.write_report(reason_study, a, command="c", study="reason")
+  lag_study.write_report(fresh, b, command="c", study="reason", results=committed)
+  assert open(a).read().replace("(a/", "(b/") == open(b).read()
+
+
+def test_pass1_against_refreshes_counts_the_engine_refreshes():
+  r = _fake_run("oapl", 2, 1)
+  x, _ = r.eval_curve("pass@1", "refreshes")
+  assert list(x) == [0, 1, 2]  # before, step 2 (one refresh at L = 2), after step 4
+  x, _ = r.eval_curve("pass@1", "samples")
+  assert list(x) == [0, 16, 32]
+
+
+def test_search_flags_are_checked(capsys):
+  for argv, why in ((["--search", "--sweep-lrs", "1e-3"], "give one"),
+                    (["--search", "--methods", "oapl_paper_betas"], "no search grid"),
+                    (["--save-results"], "needs --results"),
+                    (["--search", "--seeds", "100"], "separate seed")):
+    with pytest.raises(SystemExit) as e:
+      lag_study.main(["--out", "/tmp/x"] + argv)
+    assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_a_report_of_the_search_alone_shows_its_whole_grid(tmp_path):
+  grid = search.study_grid(["oapl", "grpo_tis"])
+  plan = search.plan_json(grid, search.SEARCH_LAGS, 100)
+  first = search.points(grid["oapl"])[0]
+  text = report_markdown([], study="reason", command="cmd", figures={},
+                         search={"plan": plan, "scores": {("oapl", 100, first): 0.42}},
+                         reference=json.load(open("docs/reasoning_study/results/reference.json")))
+  assert "No study run has finished yet." in text and "OAPL 1 of 36, GRPO+IS 0 of 36" in text
+  assert "**Partial: the settings search has finished 1 of its 72 runs" in text
+  assert "| beta2=0.1, beta1=1 | 0.420 | — | — |" in text  # L=100 lr 3e-4 first, then the others
+  assert text.count("| beta2=") == 6 and text.count("| eps_low=") == 6  # every setting has a row
+  assert "not yet (35 of its 36 runs left)" in text and "| OAPL | short runs, lr-only search | 0.956 ± 0.048 |" in text
+  assert "## Plots" not in text and "paper's findings" not in text
+
+
+def test_the_search_command_uses_its_chosen_settings_for_the_study_runs(reason_study, tmp_path, monkeypatch, capsys):
+  """The whole --search path with every search run committed (one setting of each method made
+  the best): the study's runs get the chosen settings."""
+  import oapl_jax.train
+  template = next(iter(results.load_compact(reason_study).values()))
+  committed = str(tmp_path / "results")
+  grid = search.study_grid(["oapl", "grpo_tis"])
+  best = {"oapl": {"rl.beta1": 5.0, "rl.beta2": 1e-2, "train.lr": 1e-4},
+          "grpo_tis": {"rl.grpo.eps_low": 0.4, "rl.grpo.eps_high": 0.56, "train.lr": 3e-4}}
+  for lag, m, idx in search.run_order(grid, (2,)):
+    p1 = 0.9 if search.overrides(grid[m], idx) == best[m] else 0.3
+    _fake_committed(template, committed, "sweep", layout.run_name(m, lag, 100, search.label(grid[m], idx)), p1)
+  seen = []
+
+  def fake_run(config, workdir):  # records the config; writes the summary a run would
+    seen.append(config)
+    os.makedirs(workdir, exist_ok=True)
+    json.dump(template["summary"], open(os.path.join(workdir, "summary.json"), "w"))
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+      for step in range(1, template["summary"]["trainer_steps"] + 1):
+        f.write(json.dumps({"step": step, "samples_generated": 16 * step, "entropy": 1.0}) + "\n")
+    return template["summary"]
+  monkeypatch.setattr(oapl_jax.train, "run", fake_run)
+  out = str(tmp_path / "out")
+  assert lag_study.main(["--study", "reason", "--out", out, "--reduced", "--search", "--sweep-lags", "2",
+                         "--methods", "oapl", "grpo_tis", "--lags", "2", "--seeds", "0",
+                         "--results", committed]) == 0
+  assert capsys.readouterr().out.count("done already") == 36
+  by = {c.rl.loss: c for c in seen}
+  assert len(seen) == 2 and (by["oapl"].rl.beta1, by["oapl"].rl.beta2, by["oapl"].train.lr) == (5.0, 1e-2, 1e-4)
+  assert (by["grpo"].rl.grpo.eps_low, by["grpo"].rl.grpo.eps_high, by["grpo"].train.lr) == (0.4, 0.56, 3e-4)
+  text = open(os.path.join(out, "lag_study.md")).read()
+  assert "* chosen, OAPL: beta2=0.01, beta1=5, lr=0.0001." in text and "OAPL 18 of 18" in text
+  assert "Partial" not in text

@@ -182,16 +182,19 @@ def test_every_command_in_launch_and_readme_parses_against_its_config():
     assert counts[script] >= 1, f"{script}: no python -m oapl_jax command found"
 
 
-def test_the_reasoning_study_launcher_splits_the_seeds_over_two_halves():
+def test_the_reasoning_study_launcher_searches_splits_the_seeds_and_saves_the_results():
   p = subprocess.run(["bash", "launch/reasoning_study.sh", "--dry-run", "/tmp/rs", "--budget-minutes=30"],
                      cwd=REPO, capture_output=True, text=True, timeout=60)
   assert p.returncode == 0, p.stderr
   n, problems = check_text(p.stdout, "reasoning_study.sh --dry-run")
-  assert n == 3 and not problems, (p.stdout, problems)
+  assert n == 4 and not problems, (p.stdout, problems)
   lines = [l for l in p.stdout.splitlines() if "oapl_jax" in l]
   assert "--seeds 0 1 2 --budget-minutes=30 &" in lines[0] and "--seeds 3 4 --budget-minutes=30" in lines[1]
-  assert lines[2].endswith("--seeds 0 1 2 3 4 --budget-minutes=30 --report-only")
-  assert all("--out=/tmp/rs" in l for l in lines) and "--report=docs/reasoning_study.md" in lines[2]
+  assert lines[2].endswith("--seeds 0 1 2 3 4 --budget-minutes=30 --save-results")
+  assert lines[3].endswith("--seeds 0 1 2 3 4 --budget-minutes=30 --report-only")
+  assert all("--out=/tmp/rs" in l and " --search " in l and "--results=docs/reasoning_study/results" in l
+             and "--lags 1 10 50 100" in l for l in lines)
+  assert "--report=docs/reasoning_study.md" in lines[3]
   assert "--report=/tmp/rs/half_a.md" in lines[0] and "--report=/tmp/rs/half_b.md" in lines[1]
 
 

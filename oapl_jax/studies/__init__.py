@@ -1,9 +1,10 @@
 """Experiments built from the public API (runs, reports, plots): the lag study, a file a concern.
 
     definitions.py  what is run: methods, lags, seeds, the two tasks, each run's config
-    layout.py       where a study's files lie under its folder
-    runner.py       the budgeted, resumable runs (the lr sweep, then the study)
-    results.py      finished runs read back (RunResult, load_runs, the sweep's choice)
+    search.py       the settings search, pure: each method's grid, the runs' order, the choice
+    layout.py       where a study's files lie under its folder and under a results folder
+    runner.py       the budgeted, resumable runs (the search, then the study)
+    results.py      finished runs read back, from their folders or committed small results
     stats.py        pure statistics: pass@k, mean ± sd per (method, lag), paired t-intervals
     plots.py        the matplotlib figures
     report.py       the markdown report, a pure function of the results, and its findings

@@ -33,9 +33,16 @@ REDUCED = {"warmup.steps": 30, "warmup.noisy_steps": 10, "task.num_eval": 8, "tr
 # The reasoning study (configs/reason.py): 256 samples per held-out problem (pass@k, maj@k to
 # k = 256) on 64 problems; one eval.samples_per_problem serves every evaluation, so those during
 # training (the pass@1 curve, sample efficiency) are every 100 steps.
+# 1000 trainer steps at every lag: 10 engine refreshes at L = 100 (20 at L = 50), and every
+# method and lag sees the same 128,000 generated answers (issue 30; the first study ran 300).
 REASON_FULL = {"rl.groups_per_step": 16, "rl.groups_per_rollout": 16, "task.num_eval": 64,
                "eval.samples_per_problem": 256, "eval.every": 100, "checkpoint.every": 25,
-               "log.progress": False}
+               "train.steps": 1000, "log.progress": False}
+# A search run (search.py) on top of REASON_FULL: as long as a study run, but its evaluations
+# (the choice reads only the final pass@1) have 64 samples per problem, every 200 steps: an
+# eighth of a study run's evaluation answers (5 x 64 against 10 x 256 per problem), the final
+# pass@1 still from 4,096 answers.
+REASON_SEARCH = {"eval.samples_per_problem": 64, "eval.every": 200}
 # CI-sized: configs/reason.py:smoke (2-3-digit chains, 4 steps) with an evaluation mid-run.
 REASON_REDUCED = {"eval.every": 2, "checkpoint.every": 1000, "log.progress": False}
 
@@ -51,6 +58,7 @@ class Study:
   about: str
   launcher: str  # the script in launch/ that runs the full study and writes its report
   reduced_config: str | None = None  # None: `config`
+  search: dict = dataclasses.field(default_factory=dict)  # a search run's settings on top of `full`
 
 
 STUDIES = {
@@ -62,8 +70,21 @@ STUDIES = {
                     "`configs/reason.py` (5-digit addition answered by a chain of column steps, "
                     "52-53 tokens; a 2-layer width-128 model whose base, shared by all runs of a "
                     "seed, is made by a supervised warm-up ending on demonstrations with dropped "
-                    "carries)", "launch/reasoning_study.sh", reduced_config="reason.py:smoke"),
+                    "carries)", "launch/reasoning_study.sh", reduced_config="reason.py:smoke",
+                    search=REASON_SEARCH),
 }
+
+
+def method_label(method: str, config: dict) -> str:
+  """A method's name in reports, with the settings its runs had (`config`: a summary's config);
+  METHODS' label where the config lacks them."""
+  rl = config.get("rl", {})
+  if method == "oapl" and {"beta1", "beta2"} <= set(rl):
+    return f"OAPL (beta1={rl['beta1']:g}, beta2={rl['beta2']:g})"
+  g = rl.get("grpo", {})
+  if method == "grpo_tis" and {"is_cap", "eps_low", "eps_high"} <= set(g):
+    return f"GRPO+IS (token TIS, C={g['is_cap']:g}, clip {g['eps_low']:g}/{g['eps_high']:g})"
+  return METHODS[method][0]
 
 
 def set_dotted(config, dotted: str, value) -> None:
@@ -76,16 +97,18 @@ def set_dotted(config, dotted: str, value) -> None:
 
 
 def study_config(method: str, lag: int, seed: int, *, reduced: bool = False,
-                 cache_dir: str | None = None, overrides: dict | None = None, study: str = "tiny"):
-  """The study's config file with its settings, the method's, `rl.lag=lag` and `seed`."""
+                 cache_dir: str | None = None, overrides: dict | None = None, study: str = "tiny",
+                 search: bool = False):
+  """The study's config file with its settings (a search run's on top when `search`, unless
+  `reduced`), the method's, `overrides`, `rl.lag=lag` and `seed`."""
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; known: {sorted(METHODS)}")
   if study not in STUDIES:
     raise ValueError(f"unknown study {study!r}; known: {sorted(STUDIES)}")
   spec = STUDIES[study]
   c = config_lib.repo_config(spec.reduced_config or spec.config if reduced else spec.config)
-  for k, v in {**(spec.reduced if reduced else spec.full), **METHODS[method][1],
-               **(overrides or {})}.items():
+  settings = spec.reduced if reduced else {**spec.full, **(spec.search if search else {})}
+  for k, v in {**settings, **METHODS[method][1], **(overrides or {})}.items():
     set_dotted(c, k, v)
   c.rl.lag, c.seed = lag, seed
   c.warmup.cache_dir = cache_dir

@@ -8,34 +8,42 @@ of generated answers per run, and writes a report with plots. `--study` picks th
 
     python -m oapl_jax.studies.lag_study --out=/tmp/lag_study                 # the full study
     python -m oapl_jax.studies.lag_study --out=/tmp/ls --reduced --lags 1 2 --seeds 0   # seconds
-    python -m oapl_jax.studies.lag_study --study=reason --out=/tmp/rs --sweep-lrs 1e-4 3e-4 1e-3 \
-        --lags 1 10 50 100 --seeds 0 1 2 3 4 --budget-minutes=45             # one piece
+    python -m oapl_jax.studies.lag_study --study=reason --out=/tmp/rs --search \
+        --results=docs/reasoning_study/results --methods oapl grpo_tis \
+        --lags 1 10 50 100 --seeds 0 1 2 3 4 --budget-minutes=45          # one piece
 
-Learning-rate sweep (`--sweep-lrs`): before the study's runs, each method is run at every lr
-at lag `--sweep-lag` on seed `--sweep-seed` (not one of the study's seeds), under
-`<out>/sweep/`; the lr with the best final pass@1 is each method's lr for the study
-(`<out>/sweep/chosen.json`, reported). Runs already finished under `--out` (a `summary.json`)
-are skipped and an unfinished one resumes from its checkpoints, so a study runs in pieces:
-`--budget-minutes` starts no run after that many minutes (then exit code 3 says more is left:
-run the same command again; SIGTERM / SIGINT stop the run in progress with a checkpoint and
-exit 128 + the signal number, one line on stderr). From Python: `run_study(...)`, then `write_report(...)`.
+Settings search, first: `--search` runs each method over its grid (search.py: OAPL's beta1 x
+beta2 x lr, GRPO+IS's PPO clip x lr, 18 settings each) at the lags `--sweep-lags` (100 50) on
+seed `--sweep-seed` (100, not a study seed); `--sweep-lrs` searches the lr only (at L = 10).
+The setting with the best final pass@1, averaged over those lags, is each method's for the
+study (`<out>/sweep/chosen.json`; the report shows the whole grid). Runs already finished are
+skipped (a `summary.json` under `--out`, or a small result committed under `--results`) and an
+unfinished one resumes from its checkpoints, so a study runs in pieces: `--budget-minutes`
+starts no run after that many minutes (then exit code 3 says more is left: run the same command
+again; SIGTERM / SIGINT stop the run in progress with a checkpoint and exit 128 + the signal
+number, one line on stderr). `--save-results` copies the finished runs' small results
+(results.compact: kilobytes each) from `--out` into `--results`, to be committed.
+From Python: `run_study(...)`, then `write_report(...)`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
 import time
 
 from oapl_jax.errors import UserError, one_line
-from oapl_jax.studies import layout
+from oapl_jax.studies import layout, search as search_lib
 from oapl_jax.studies.definitions import DEFAULT_LAGS, DEFAULT_SEEDS, METHODS, STUDIES
 from oapl_jax.studies.plots import plot
 from oapl_jax.studies.report import kept_notes, report_markdown
-from oapl_jax.studies.results import load_runs, read_chosen
-from oapl_jax.studies.runner import BudgetSpent, run_study, sweep
+from oapl_jax.studies.results import load_compact, load_runs, read_search_plan, save_results
+from oapl_jax.studies.runner import BudgetSpent, run_study, search
+
+REFERENCE = "reference.json"  # in a results folder: an earlier study's final pass@1 (report.py)
 
 
 def _read(path: str) -> str:
@@ -43,21 +51,34 @@ def _read(path: str) -> str:
     return f.read()
 
 
-def write_report(out: str, report: str, *, command: str, study: str = "tiny") -> str:
-  """Writes `report` (markdown) and its PNGs (in `<report without .md>/`) from the runs in `out`.
+def _search_for_report(out: str, results: str | None) -> dict | None:
+  """The search's plan and scores for the report (None if no search ran)."""
+  plan = read_search_plan(out, results)
+  if plan is None:
+    return None
+  return {"plan": plan, "scores": search_lib.search_scores(plan, load_compact(out, layout.SWEEP, results))}
+
+
+def write_report(out: str, report: str, *, command: str, study: str = "tiny",
+                 results: str | None = None) -> str:
+  """Writes `report` (markdown) and its PNGs (in `<report without .md>/`) from the runs in `out`
+  and those committed in the results folder `results`.
 
   Text between the notes markers of an existing report is kept, so a hand-written reading of
   the results survives regeneration.
   """
-  results = load_runs(out)
-  if not results:
-    raise FileNotFoundError(f"no finished runs under {out}/runs")
-  paths = plot(results, os.path.splitext(report)[0])
+  runs = load_runs(out, results=results)
+  found = _search_for_report(out, results)
+  if not runs and not found:  # a search's plan alone shows its grid, every run to come
+    raise FileNotFoundError(f"no finished runs under {out}" + (f" or {results}" if results else ""))
+  paths = plot(runs, os.path.splitext(report)[0]) if runs else {}
   report_dir = os.path.dirname(os.path.abspath(report))
   old = _read(report) if os.path.isfile(report) else None
-  text = report_markdown(results, study=study, command=command,
+  reference_path = os.path.join(results, REFERENCE) if results else None
+  reference = json.loads(_read(reference_path)) if reference_path and os.path.isfile(reference_path) else None
+  text = report_markdown(runs, study=study, command=command,
                          figures={name: os.path.relpath(p, report_dir) for name, p in paths.items()},
-                         notes=kept_notes(old), chosen=read_chosen(out))
+                         notes=kept_notes(old), search=found, reference=reference)
   os.makedirs(report_dir, exist_ok=True)
   with open(report, "w") as f:
     f.write(text)
@@ -73,10 +94,18 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
   p.add_argument("--lags", nargs="+", type=int, default=list(DEFAULT_LAGS))
   p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
+  p.add_argument("--search", action="store_true",
+                 help="pick each method's settings first by the joint search (search.study_grid)")
   p.add_argument("--sweep-lrs", nargs="+", type=float, default=None,
                  help="pick each method's train.lr among these first (on --sweep-seed)")
-  p.add_argument("--sweep-lag", type=int, default=10, help="the lag of the sweep's runs")
-  p.add_argument("--sweep-seed", type=int, default=100, help="the sweep's seed (not a study seed)")
+  p.add_argument("--sweep-lags", "--sweep-lag", nargs="+", type=int, default=None,
+                 help="the lags of the search's runs (default: 100 50 with --search, 10 with --sweep-lrs)")
+  p.add_argument("--sweep-seed", type=int, default=search_lib.SEARCH_SEED,
+                 help="the search's seed (not a study seed)")
+  p.add_argument("--results", default=None,
+                 help="a results folder (committed): its runs count as finished and are reported")
+  p.add_argument("--save-results", action="store_true",
+                 help="copy the finished runs' small results from --out into --results, then stop")
   p.add_argument("--budget-minutes", type=float, default=None,
                  help="start no run after this many minutes (exit 3: run again to go on)")
   p.add_argument("--reduced", action="store_true", help="CI-sized runs (a few steps each)")
@@ -88,24 +117,38 @@ def _parse(argv) -> argparse.Namespace:
   """The flags, checked (a bad one exits 2 with argparse's usage line)."""
   p = _parser()
   args = p.parse_args(argv)
-  if any(l < 1 for l in args.lags + [args.sweep_lag]):
-    p.error("--lags and --sweep-lag must be >= 1")
-  if args.sweep_lrs and args.sweep_seed in args.seeds:
-    p.error(f"--sweep-seed={args.sweep_seed} is one of --seeds: the sweep needs a separate seed")
+  if args.search and args.sweep_lrs:
+    p.error("--search and --sweep-lrs: give one (--search already searches the lr)")
+  searching = args.search or args.sweep_lrs
+  if args.sweep_lags is None:
+    args.sweep_lags = list(search_lib.SEARCH_LAGS) if args.search else [10]
+  if any(l < 1 for l in args.lags + args.sweep_lags):
+    p.error("--lags and --sweep-lags must be >= 1")
+  if searching and args.sweep_seed in args.seeds:
+    p.error(f"--sweep-seed={args.sweep_seed} is one of --seeds: the search needs a separate seed")
   if args.sweep_lrs and any(lr <= 0 for lr in args.sweep_lrs):
     p.error("--sweep-lrs must be > 0")
+  if args.save_results and not args.results:
+    p.error("--save-results needs --results (the folder to copy into)")
+  if args.search:
+    try:
+      args.grid = search_lib.study_grid(args.methods)
+    except ValueError as e:
+      p.error(f"--search: {e}")
+  else:
+    args.grid = search_lib.lr_grid(args.methods, args.sweep_lrs) if args.sweep_lrs else None
   return args
 
 
 def _run_pieces(args) -> int | None:
-  """The sweep (if asked) and the study's runs, within the budget; an exit code if they stopped
+  """The search (if asked) and the study's runs, within the budget; an exit code if they stopped
   (3: budget spent, more to run; a `UserError`'s code, with one line on stderr), else None."""
   deadline = (time.perf_counter() + 60 * args.budget_minutes) if args.budget_minutes is not None else None
-  common = {"methods": args.methods, "reduced": args.reduced, "study": args.study, "deadline": deadline}
+  common = {"reduced": args.reduced, "study": args.study, "deadline": deadline, "results": args.results}
   try:
-    lrs = (sweep(args.out, lrs=args.sweep_lrs, lag=args.sweep_lag, seed=args.sweep_seed, **common)
-           if args.sweep_lrs else None)
-    run_study(args.out, lags=args.lags, seeds=args.seeds, lrs=lrs, **common)
+    settings = (search(args.out, grid=args.grid, lags=args.sweep_lags, seed=args.sweep_seed, **common)
+                if args.grid else None)
+    run_study(args.out, methods=args.methods, lags=args.lags, seeds=args.seeds, settings=settings, **common)
   except BudgetSpent as e:
     print(e)
     return 3
@@ -117,6 +160,10 @@ def _run_pieces(args) -> int | None:
 
 def main(argv=None) -> int:
   args = _parse(argv)
+  if args.save_results:
+    written = save_results(args.out, args.results)
+    print(f"{len(written)} results written into {args.results}")
+    return 0
   command = "python -m oapl_jax.studies.lag_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
   command_file = layout.command_path(args.out)
   if args.report_only and os.path.isfile(command_file):  # the command that ran the study
@@ -130,7 +177,7 @@ def main(argv=None) -> int:
       return stopped
   report = args.report or os.path.join(args.out, "lag_study.md")
   try:
-    print(f"report: {write_report(args.out, report, command=command, study=args.study)}")
+    print(f"report: {write_report(args.out, report, command=command, study=args.study, results=args.results)}")
   except FileNotFoundError as e:  # --report-only before any run finished
     print(f"error: {e}", file=sys.stderr)
     return 2

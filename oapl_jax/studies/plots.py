@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from oapl_jax.studies.definitions import METHODS
+from oapl_jax.studies.definitions import METHODS, method_label
 from oapl_jax.studies.stats import group_runs
 
 
@@ -24,9 +24,10 @@ def _smooth(y: np.ndarray, window: int) -> np.ndarray:
   return np.convolve(y, np.ones(window) / window, mode="valid")
 
 
-def _eval_curves(runs, key: str = "pass@1"):
-  """(generated answers `[n]`, held-out `key` `[seeds, n]`) over the runs' evaluations."""
-  curves = [r.eval_curve(key) for r in runs]
+def _eval_curves(runs, key: str = "pass@1", x: str = "samples"):
+  """(x `[n]`, held-out `key` `[seeds, n]`) over the runs' evaluations; x: "samples" (generated
+  answers) or "refreshes" (`RunResult.eval_curve`)."""
+  curves = [r.eval_curve(key, x) for r in runs]
   n = min(len(c[0]) for c in curves)
   return np.mean([c[0][:n] for c in curves], axis=0), np.array([c[1][:n] for c in curves])
 
@@ -56,8 +57,10 @@ def _save(fig, name: str, title: str, *, fig_dir: str) -> str:
   return path
 
 
-def _per_method(groups, methods, lags, colors, curves, xlabel: str, ylabel: str, marker: str = "-"):
-  """One panel per method, a line per lag: `curves(runs)` -> (x `[n]`, y `[seeds, n]`)."""
+def _per_method(groups, methods, lags, colors, curves, xlabel: str, ylabel: str, marker: str = "-",
+                xscale: str = "linear"):
+  """One panel per method, a line per lag: `curves(runs)` -> (x `[n]`, y `[seeds, n]`); xscale
+  "symlog": logarithmic from 1, linear below (so 0 shows)."""
   fig, axes = _subplots(len(methods), 5)
   for ax, method in zip(axes[0], methods):
     for lag in lags:
@@ -66,7 +69,10 @@ def _per_method(groups, methods, lags, colors, curves, xlabel: str, ylabel: str,
         x, y = curves(runs)
         ax.plot(x, y.mean(0), marker, ms=3, color=colors[lag], label=f"L={lag} ({len(runs)} seeds)")
         ax.fill_between(x, y.min(0), y.max(0), color=colors[lag], alpha=0.15)
-    ax.set(title=METHODS[method][0], xlabel=xlabel)
+    runs = [r for lag in lags for r in groups.get((method, lag), [])]
+    ax.set(title=method_label(method, runs[0].summary["config"]) if runs else METHODS[method][0], xlabel=xlabel)
+    if xscale == "symlog":
+      ax.set_xscale("symlog", linthresh=1)
     ax.grid(alpha=0.3)
   axes[0][0].set_ylabel(ylabel)
   axes[0][0].legend(fontsize=8)
@@ -86,7 +92,7 @@ def _passk_panel(ax, runs_by_method: dict, n_max: int) -> None:
   for method, runs in runs_by_method.items():
     if runs:
       a = np.array([r.passk("after", ks) for r in runs])
-      ax.plot(ks, a.mean(0), color=method_colors[method], label=METHODS[method][0])
+      ax.plot(ks, a.mean(0), color=method_colors[method], label=method_label(method, runs[0].summary["config"]))
       ax.fill_between(ks, a.min(0), a.max(0), color=method_colors[method], alpha=0.15)
   ax.set(xlabel="k", xscale="log")
   ticks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= n_max]
@@ -107,7 +113,7 @@ def _passk_figure(groups, methods, lags, n_max: int):
 
 
 def plot(results, fig_dir: str) -> dict[str, str]:
-  """Writes the figures as PNG (three; five with held-out diversity and entropy); returns {name: path}."""
+  """Writes the figures as PNG (four; six with held-out diversity and entropy); returns {name: path}."""
   import matplotlib
   os.makedirs(fig_dir, exist_ok=True)
   groups = group_runs(results)
@@ -120,6 +126,10 @@ def plot(results, fig_dir: str) -> dict[str, str]:
   paths["pass1"] = save(per_method(_eval_curves, "generated answers", "held-out pass@1", "o-"),
                         "pass1_vs_samples.png",
                         "pass@1 vs generated answers (mean over seeds; band: min-max)")
+  paths["pass1_refreshes"] = save(
+      per_method(lambda runs: _eval_curves(runs, "pass@1", "refreshes"), "engine refreshes (trainer steps // L)",
+                 "held-out pass@1", "o-", xscale="symlog"),
+      "pass1_vs_refreshes.png", "pass@1 vs engine refreshes (mean over seeds; band: min-max; log scale from 1)")
   evals = [e for r in results for e in [r.summary["eval_before"], r.summary["eval_after"], *r.summary["evals_during"]]]
   if all("distinct_answers" in e for e in evals):  # tasks with final answers (chain_addition)
     paths["diversity"] = save(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from oapl_jax.studies import search as search_lib
 from oapl_jax.studies.definitions import METHODS, STUDIES
 from oapl_jax.studies.stats import first_reaching, paired_interval, summarise
 
@@ -60,13 +61,13 @@ def _comparison_findings(rows) -> list[str]:
       # paired by seed: both runs of a seed start from the same base and see the same prompts
       seeds = sorted(set(a["pass1_after_by_seed"]) & set(g["pass1_after_by_seed"]))
       paired = [a["pass1_after_by_seed"][s] - g["pass1_after_by_seed"][s] for s in seeds]
-      out.append(f"* pass@1 after, L={lag}: {METHODS[oapl_name][0]} {ma:.3f} vs GRPO+IS {mg:.3f} -> "
+      out.append(f"* pass@1 after, L={lag}: {a['label']} {ma:.3f} vs GRPO+IS {mg:.3f} -> "
                  f"{verdict} by {abs(diff):.3f}; per seed (OAPL - GRPO+IS, same base): "
                  + _paired_text(paired) + ".")
       n = a["passk_n"]
       if n > 1 and g["passk_n"] == n:
         paired = [a["passn_after_by_seed"][s] - g["passn_after_by_seed"][s] for s in seeds]
-        out.append(f"* pass@{n} after, L={lag}: {METHODS[oapl_name][0]} {a[f'pass{n}_after'][0]:.3f} vs "
+        out.append(f"* pass@{n} after, L={lag}: {a['label']} {a[f'pass{n}_after'][0]:.3f} vs "
                    f"GRPO+IS {g[f'pass{n}_after'][0]:.3f}; per seed: " + _paired_text(paired) + ".")
   return out
 
@@ -77,7 +78,7 @@ def _entropy_findings(rows) -> list[str]:
   for r in rows:
     (e0, _), (e1, _) = r["entropy_start"], r["entropy_end"]
     change = (e1 - e0) / e0 if e0 else float("nan")
-    out.append(f"* entropy, {METHODS[r['method']][0]}, L={r['lag']}: {e0:.3f} -> {e1:.3f} nats/token "
+    out.append(f"* entropy, {r['label']}, L={r['lag']}: {e0:.3f} -> {e1:.3f} nats/token "
                f"({change:+.0%}, first vs last 20 steps).")
   return out
 
@@ -87,7 +88,7 @@ def _passk_findings(rows) -> list[str]:
   out = []
   for r in rows:
     bad = r["passk_not_up"]
-    out.append(f"* pass@k after >= before for every k = 1..{r['passk_n']}, {METHODS[r['method']][0]}, "
+    out.append(f"* pass@k after >= before for every k = 1..{r['passk_n']}, {r['label']}, "
                f"L={r['lag']}: " + ("yes." if not bad else f"no, lower at k = {_ranges(bad)}."))
   return out
 
@@ -143,12 +144,26 @@ def efficiency_findings(results) -> list[str]:
   return out
 
 
-def _header(results, *, study: str, command: str) -> list[str]:
-  """Title, the command that made the report, and what the runs were."""
-  spec = STUDIES[study]
+def _runs_line(results, spec) -> str:
+  """What the study's runs were: methods, lags, seeds, steps, answers, lr, evaluation."""
   first = results[0].summary["config"]
   walls = [r.wall_seconds for r in results if r.wall_seconds]
   wall_seconds = sum(walls) if len(walls) == len(results) else None
+  return (f"{len(results)} runs: methods {', '.join(sorted({r.method for r in results}))}; "
+          f"L = {', '.join(map(str, sorted({r.lag for r in results})))}; "
+          f"seeds {', '.join(map(str, sorted({r.seed for r in results})))}. "
+          f"Each run: {spec.about}, "
+          f"{first['train']['steps']} trainer steps of {first['rl']['groups_per_step']} groups x "
+          f"G={first['rl']['group_size']} fresh answers, lr "
+          f"{', '.join(sorted({format(r.summary['config']['train']['lr'], 'g') for r in results}))}, "
+          f"pass@k on {first['task']['num_eval']} held-out problems with "
+          f"{first['eval']['samples_per_problem']} samples each (unbiased estimator)."
+          + (f" Wall time of all runs: {wall_seconds / 60:.0f} min (2-core CPU)." if wall_seconds else ""))
+
+
+def _header(results, *, study: str, command: str) -> list[str]:
+  """Title, the command that made the report, and what the runs were."""
+  spec = STUDIES[study]
   return [
       f"# {spec.title}",
       "",
@@ -157,16 +172,7 @@ def _header(results, *, study: str, command: str) -> list[str]:
       "",
       f"    {command}",
       "",
-      f"{len(results)} runs: methods {', '.join(sorted({r.method for r in results}))}; "
-      f"L = {', '.join(map(str, sorted({r.lag for r in results})))}; "
-      f"seeds {', '.join(map(str, sorted({r.seed for r in results})))}. "
-      f"Each run: {spec.about}, "
-      f"{first['train']['steps']} trainer steps of {first['rl']['groups_per_step']} groups x "
-      f"G={first['rl']['group_size']} fresh answers, lr "
-      f"{', '.join(sorted({format(r.summary['config']['train']['lr'], 'g') for r in results}))}, "
-      f"pass@k on {first['task']['num_eval']} held-out problems with "
-      f"{first['eval']['samples_per_problem']} samples each (unbiased estimator)."
-      + (f" Wall time of all runs: {wall_seconds / 60:.0f} min (2-core CPU)." if wall_seconds else ""),
+      _runs_line(results, spec) if results else "No study run has finished yet.",
       "",
   ]
 
@@ -182,25 +188,103 @@ def _final_table(rows) -> list[str]:
   ]
   for r in rows:
     lines.append(
-        f"| {METHODS[r['method']][0]} | {r['lag']} | {_fmt(r['pass1_before'])} | {_fmt(r['pass1_after'])} | "
+        f"| {r['label']} | {r['lag']} | {_fmt(r['pass1_before'])} | {_fmt(r['pass1_after'])} | "
         f"{_fmt(r[f'pass{n}_before'])} | {_fmt(r[f'pass{n}_after'])} | {_fmt(r['entropy_start'])} | "
         f"{_fmt(r['entropy_end'])} | {r['samples'][0]:.0f} | {r['train_seconds'][0]:.0f} |")
   return lines + [""]
 
 
-def _sweep_table(chosen: dict | None) -> list[str]:
-  """The lr sweep's final pass@1 per method and lr, and the chosen lr ([] if no sweep ran)."""
-  if chosen is None:
+def _search_cell(scores, method, lag, idx, chosen) -> str:
+  v = scores.get((method, lag, idx))
+  text = "—" if v is None else f"{v:.3f}"
+  return f"**{text}**" if chosen == idx else text
+
+
+def _search_method_table(method, axes, lags, scores, chosen) -> list[str]:
+  """One method's grid: a row per setting of its non-lr axes, a column per (lag, lr)."""
+  lr_at = next((i for i, a in enumerate(axes) if a.tag == "lr"), None)
+  lr_values = range(len(axes[lr_at].values)) if lr_at is not None else [None]
+  rows = []
+  for idx in search_lib.points(axes):
+    key = tuple(i for j, i in enumerate(idx) if j != lr_at)
+    if key not in rows:
+      rows.append(key)
+
+  def full(key, li):
+    key = list(key)
+    if li is not None:
+      key.insert(lr_at, li)
+    return tuple(key)
+  cols = [(lag, li) for lag in lags for li in lr_values]
+  head = " | ".join(f"L={lag}" + (f", lr {axes[lr_at].values[li][0]:g}" if li is not None else "")
+                    for lag, li in cols)
+  lines = [f"| {METHODS[method][0].split(' (')[0]} setting | {head} |", "|---|" + "---|" * len(cols)]
+  for key in rows:
+    name = search_lib.describe(axes, full(key, 0 if lr_at is not None else None), skip=("lr",)) or "lr only"
+    lines.append(f"| {name} | " + " | ".join(_search_cell(scores, method, lag, full(key, li), chosen)
+                                           for lag, li in cols) + " |")
+  return lines + [""]
+
+
+def _search_section(search: dict | None) -> list[str]:
+  """The settings search: every point's final pass@1 at each lag (— : not run yet), the runs per
+  method, and each method's choice ([] if no search ran).
+
+  search: {"plan": search.json's plan, "scores": search.search_scores}."""
+  if not search:
     return []
-  lrs = next(iter(chosen["pass1_after"].values()))
-  lines = ["## Learning-rate sweep", "",
-           (f"Each method at each lr, L={chosen['lag']}, seed {chosen['seed']} (not a study "
-            "seed); the best final pass@1 picks the method's lr for every run above."), "",
-           "| method | " + " | ".join(f"lr {lr}" for lr in lrs) + " | chosen |",
-           "|---|" + "---|" * (len(lrs) + 1)]
-  for method, table in chosen["pass1_after"].items():
-    lines.append(f"| {METHODS[method][0]} | " + " | ".join(f"{v:.3f}" for v in table.values())
-                 + f" | {chosen['lr'][method]:g} |")
+  plan, scores = search["plan"], search["scores"]
+  grid, lags = search_lib.grid_from_plan(plan), plan["lags"]
+  picked = search_lib.choose(grid, lags, scores) or {}
+  total = {m: len(search_lib.points(axes)) * len(lags) for m, axes in grid.items()}
+  done = {m: sum(1 for k in scores if k[0] == m) for m in grid}
+  lines = ["## Settings search", "",
+           (f"Final held-out pass@1 of each setting at L = {', '.join(map(str, lags))}, seed {plan['seed']} "
+            "(not a study seed). Each method's setting with the best pass@1 averaged over these lags "
+            "(ties: the one nearer the configs' current setting) is used by every study run; it is in bold "
+            "once the method's grid is complete. — : not run yet."), "",
+           "Runs per method (the same budget for each): " + ", ".join(
+               f"{METHODS[m][0].split(' (')[0]} {done[m]} of {total[m]}" for m in grid) + ".", ""]
+  for method, axes in grid.items():
+    lines += _search_method_table(method, axes, lags, scores, picked.get(method))
+  for method, axes in grid.items():
+    lines.append(f"* chosen, {METHODS[method][0].split(' (')[0]}: "
+                 + (search_lib.describe(axes, picked[method]) if method in picked else
+                    f"not yet ({total[method] - done[method]} of its {total[method]} runs left)") + ".")
+  return lines + [""]
+
+
+def _search_status(search: dict | None) -> list[str]:
+  """A line at the top while the search is incomplete ([] once it is complete, or without one)."""
+  if not search:
+    return []
+  grid, lags = search_lib.grid_from_plan(search["plan"]), search["plan"]["lags"]
+  total = sum(len(search_lib.points(axes)) * len(lags) for axes in grid.values())
+  done = len(search["scores"])
+  if done >= total:
+    return []
+  return [f"**Partial: the settings search has finished {done} of its {total} runs, so no setting "
+          "is chosen yet and the study's runs, which use the chosen settings, have not started.** "
+          'What is done and what is not: "Reading" below.', ""]
+
+
+def _reference_section(reference: dict | None, rows) -> list[str]:
+  """Final pass@1 per method and lag: the earlier study's row (`reference`) beside this study's
+  ([] without a reference)."""
+  if not reference:
+    return []
+  lags = sorted({int(l) for table in reference["pass1_after"].values() for l in table})
+  by = {(r["method"], r["lag"]): r for r in rows}
+  lines = ["## Against the short runs", "",
+           reference["about"], "",
+           "| method | runs | " + " | ".join(f"L={l}" for l in lags) + " |", "|---|---|" + "---|" * len(lags)]
+  for method, table in reference["pass1_after"].items():
+    name = METHODS[method][0].split(" (")[0]
+    lines.append(f"| {name} | {reference['label']} | "
+                 + " | ".join(_fmt(table[str(l)]) if str(l) in table else "—" for l in lags) + " |")
+    lines.append(f"| {name} | this study | " + " | ".join(
+        f"{_fmt(by[(method, l)]['pass1_after'])} ({len(by[(method, l)]['seeds'])} seeds)" if (method, l) in by
+        else "—" for l in lags) + " |")
   return lines + [""]
 
 
@@ -214,14 +298,15 @@ def _votes_table(rows) -> list[str]:
   lines = ["## Held-out votes, diversity and entropy (mean ± sd over seeds; before -> after)", "",
            "| method | L | lr | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
   for r in rows:
-    lines.append(f"| {METHODS[r['method']][0]} | {r['lag']} | {', '.join(f'{x:g}' for x in r['lr'])} | "
+    lines.append(f"| {r['label']} | {r['lag']} | {', '.join(f'{x:g}' for x in r['lr'])} | "
                  + " | ".join(f"{_fmt(r[f'{k}_before'], 2)} -> {_fmt(r[f'{k}_after'], 2)}" for k in keys) + " |")
   return lines + ["", ("maj@k: majority vote over k answers' final answers; distinct_answers / "
                        "distinct_correct_chains: per problem among its samples; entropy_per_token: "
                        "mean -log pi_theta of its own sampled tokens."), ""]
 
 
-_PLOTS = (("pass1", "pass@1 vs generated answers"), ("entropy", "entropy vs trainer step"),
+_PLOTS = (("pass1", "pass@1 vs generated answers"), ("pass1_refreshes", "pass@1 vs engine refreshes"),
+          ("entropy", "entropy vs trainer step"),
           ("passk", "pass@k before and after"))
 _OPTIONAL_PLOTS = (("diversity", "held-out diversity vs generated answers"),
                    ("eval_entropy", "held-out entropy vs generated answers"))
@@ -229,38 +314,40 @@ _OPTIONAL_PLOTS = (("diversity", "held-out diversity vs generated answers"),
 
 def _plots_section(figures: dict[str, str]) -> list[str]:
   """The figures (name -> path relative to the report; the optional ones where present)."""
+  if not figures:
+    return []
   lines = ["## Plots", ""]
-  for name, alt in _PLOTS + tuple(p for p in _OPTIONAL_PLOTS if p[0] in figures):
+  for name, alt in tuple(p for p in _PLOTS + _OPTIONAL_PLOTS if p[0] in figures):
     lines += [f"![{alt}]({figures[name]})", ""]
   return lines
 
 
 def report_markdown(results, *, study: str, command: str, figures: dict[str, str],
-                    notes: str = NO_NOTES, chosen: dict | None = None) -> str:
-  """The report on finished runs `results` (`results.RunResult`, at least one) of study `study`.
+                    notes: str = NO_NOTES, search: dict | None = None,
+                    reference: dict | None = None) -> str:
+  """The report on finished runs `results` (`results.RunResult`; may be empty while only the
+  search has runs) of study `study`.
 
   command: the command that made it (quoted); figures: `plots.plot`'s {name: path}, the paths
-  relative to the report's folder; notes: the hand-written reading (`kept_notes`); chosen: the
-  lr sweep's `chosen.json` (None: no sweep).
+  relative to the report's folder; notes: the hand-written reading (`kept_notes`); search: the
+  settings search's plan and scores (`_search_section`; None: no search); reference: an earlier
+  study's final pass@1 per method and lag (`_reference_section`; None: none).
   """
   rows = summarise(results)
-  lines = [
-      *_header(results, study=study, command=command),
-      *_final_table(rows),
-      *_sweep_table(chosen),
-      *_votes_table(rows),
-      *_plots_section(figures),
-      "## The paper's findings, checked (computed from the runs)",
-      "",
-      *findings(rows),
-      *paper_setting_findings(results),
-      *efficiency_findings(results),
-      "",
-      "## Reading",
-      "",
-      NOTES_BEGIN,
-      notes,
-      NOTES_END,
-      "",
-  ]
+  lines = [*_header(results, study=study, command=command), *_search_status(search)]
+  if rows:
+    lines += _final_table(rows)
+  lines += [*_reference_section(reference, rows), *_search_section(search)]
+  if rows:
+    lines += [
+        *_votes_table(rows),
+        *_plots_section(figures),
+        "## The paper's findings, checked (computed from the runs)",
+        "",
+        *findings(rows),
+        *paper_setting_findings(results),
+        *efficiency_findings(results),
+        "",
+    ]
+  lines += ["## Reading", "", NOTES_BEGIN, notes, NOTES_END, ""]
   return "\n".join(lines)

@@ -1,21 +1,42 @@
-"""The study's runs, budgeted and resumable: the learning-rate sweep, then every (seed, lag,
-method). A run already finished (its `summary.json`) is skipped; one left unfinished resumes from
-its checkpoints; past the deadline no run starts (`BudgetSpent`), so a study runs in pieces.
+"""The study's runs, budgeted and resumable: the settings search (search.py), then every (seed,
+lag, method) with the chosen settings. A run already finished (its `summary.json` under `out`, or
+its result committed under `results`) is skipped; one left unfinished resumes from its
+checkpoints; past the deadline no run starts (`BudgetSpent`), so a study runs in pieces.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 
-from oapl_jax.studies import layout
+from oapl_jax.studies import layout, search as search_lib
 from oapl_jax.studies.definitions import DEFAULT_LAGS, DEFAULT_SEEDS, METHODS, study_config
-from oapl_jax.workdir import Layout
+from oapl_jax.studies.results import finished, load_compact
+from oapl_jax.studies.search import plan_json, search_scores
 
 
 class BudgetSpent(Exception):
   """`--budget-minutes` ran out with runs left (the study resumes where it stopped)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One run to make: a study run (point None) or a search run (point: its search.label)."""
+  seed: int
+  lag: int
+  method: str
+  overrides: dict
+  point: str | None = None
+
+  @property
+  def kind(self) -> str:
+    return layout.SWEEP if self.point else layout.RUNS
+
+  @property
+  def name(self) -> str:
+    return layout.run_name(self.method, self.lag, self.seed, self.point)
 
 
 def _add_wall_seconds(d: str, seconds: float) -> None:
@@ -29,64 +50,74 @@ def _add_wall_seconds(d: str, seconds: float) -> None:
     json.dump(total, f)
 
 
-def _run_all(out: str, todo: list, *, reduced: bool, overrides: dict | None, study: str,
-             deadline: float | None, echo, in_sweep: bool = False) -> list[str]:
-  """Runs each (seed, lag, method, lr) of `todo` not finished yet; a run left unfinished by an
-  earlier piece resumes from its checkpoints. Raises `BudgetSpent` past `deadline`."""
+def _run_all(out: str, todo: list[Run], *, reduced: bool, study: str, deadline: float | None,
+             echo, results: str | None = None) -> list[str]:
+  """Makes each run of `todo` not finished yet (under `out` or committed under `results`); a
+  run left unfinished by an earlier piece resumes from its checkpoints. Raises `BudgetSpent`
+  past `deadline`."""
   from oapl_jax import train  # heavy import, only when running
   dirs = []
-  for i, (seed, lag, method, lr) in enumerate(todo, 1):
-    d = layout.run_dir(out, method, lag, seed, lr if in_sweep else None)
+  for i, run in enumerate(todo, 1):
+    d = layout.run_dir(out, run.method, run.lag, run.seed, run.point)
     dirs.append(d)
-    if os.path.isfile(Layout(d).summary):
-      echo(f"[{i}/{len(todo)}] {os.path.basename(d)}: done already")
+    if finished(out, run.kind, run.name, results):
+      echo(f"[{i}/{len(todo)}] {run.name}: done already")
       continue
     if deadline is not None and time.perf_counter() > deadline:
       raise BudgetSpent(f"budget spent: {len(todo) - i + 1} of {len(todo)} runs left "
-                        f"(next: {os.path.basename(d)}); run the same command again to go on")
+                        f"(next: {run.name}); run the same command again to go on")
     t0 = time.perf_counter()
-    config = study_config(method, lag, seed, reduced=reduced, study=study,
-                          overrides={**(overrides or {}), **({"train.lr": lr} if lr else {})},
-                          cache_dir=layout.base_models_dir(out))
+    config = study_config(run.method, run.lag, run.seed, reduced=reduced, study=study,
+                          overrides=run.overrides, cache_dir=layout.base_models_dir(out),
+                          search=run.point is not None)
     s = train.run(config, d)
     _add_wall_seconds(d, time.perf_counter() - t0)
-    echo(f"[{i}/{len(todo)}] {os.path.basename(d)}: pass@1 {s['eval_before']['pass@1']:.3f} -> "
+    echo(f"[{i}/{len(todo)}] {run.name}: pass@1 {s['eval_before']['pass@1']:.3f} -> "
          f"{s['eval_after']['pass@1']:.3f} ({time.perf_counter() - t0:.0f}s)")
   return dirs
 
 
-def sweep(out: str, *, methods, lrs, lag: int, seed: int, reduced: bool = False,
-          overrides: dict | None = None, study: str = "tiny", deadline: float | None = None,
-          echo=print) -> dict[str, float]:
-  """Each method at each lr (lag `lag`, seed `seed`); returns and writes `<out>/sweep/chosen.json`:
-  per method the lr of the best final pass@1 (ties: the smaller lr)."""
-  todo = [(seed, lag, m, float(lr)) for m in methods for lr in lrs]
-  _run_all(out, todo, reduced=reduced, overrides=overrides, study=study, deadline=deadline,
-           echo=echo, in_sweep=True)
-  chosen, table = {}, {}
-  for method in methods:
-    scores = []
-    for lr in sorted(float(x) for x in lrs):
-      with open(Layout(layout.run_dir(out, method, lag, seed, lr)).summary) as f:
-        scores.append((json.load(f)["eval_after"]["pass@1"], -lr, lr))
-    table[method] = {f"{lr:g}": p for p, _, lr in scores}
-    chosen[method] = max(scores)[2]
+def search(out: str, *, grid: dict, lags, seed: int, reduced: bool = False, study: str = "tiny",
+           deadline: float | None = None, echo=print, results: str | None = None) -> dict[str, dict]:
+  """Every point of each method's grid at each lag on seed `seed`, in `search.run_order`; returns
+  each method's chosen overrides (`search.choose`) and writes them with the scores to
+  `<out>/sweep/chosen.json`. The plan is written first (`<out>/sweep/search.json`)."""
+  plan = plan_json(grid, lags, seed)
+  os.makedirs(layout.runs_root(out, layout.SWEEP), exist_ok=True)
+  with open(layout.search_plan_path(out), "w") as f:
+    json.dump(plan, f, indent=1)
+  todo = [Run(seed, lag, m, search_lib.overrides(grid[m], idx), search_lib.label(grid[m], idx))
+          for lag, m, idx in search_lib.run_order(grid, lags)]
+  _run_all(out, todo, reduced=reduced, study=study, deadline=deadline, echo=echo, results=results)
+  scores = search_scores(plan, load_compact(out, layout.SWEEP, results))
+  picked = search_lib.choose(grid, lags, scores)
+  if picked is None:  # not reached: every run above finished
+    raise RuntimeError("search runs missing after the search")
+  chosen = {m: search_lib.overrides(grid[m], idx) for m, idx in picked.items()}
   with open(layout.chosen_path(out), "w") as f:
-    json.dump({"lag": lag, "seed": seed, "pass1_after": table, "lr": chosen}, f, indent=1)
-  echo("sweep: " + ", ".join(f"{m} lr={lr:g}" for m, lr in chosen.items()))
+    json.dump({"lags": list(lags), "seed": seed, "chosen": chosen,
+               "points": {m: search_lib.label(grid[m], idx) for m, idx in picked.items()}}, f, indent=1)
+  echo("search: " + "; ".join(f"{m} {search_lib.describe(grid[m], idx)}" for m, idx in picked.items()))
   return chosen
+
+
+def sweep(out: str, *, methods, lrs, lag: int, seed: int, **kwargs) -> dict[str, float]:
+  """The learning-rate sweep: `search` over lr only at one lag; returns each method's lr."""
+  chosen = search(out, grid=search_lib.lr_grid(methods, lrs), lags=(lag,), seed=seed, **kwargs)
+  return {m: o["train.lr"] for m, o in chosen.items()}
 
 
 def run_study(out: str, *, methods=tuple(METHODS), lags=DEFAULT_LAGS, seeds=DEFAULT_SEEDS,
               reduced: bool = False, overrides: dict | None = None, echo=print,
-              study: str = "tiny", lrs: dict[str, float] | None = None,
-              deadline: float | None = None) -> list[str]:
+              study: str = "tiny", settings: dict[str, dict] | None = None,
+              deadline: float | None = None, results: str | None = None) -> list[str]:
   """Runs every (seed, lag, method) not finished yet; returns the run folders.
 
   Seeds outermost, so a study stopped early has every method and lag for its first seeds.
-  All runs of a seed share one warmed-up base model (`<out>/base_models`). lrs: a method's
-  train.lr (from `sweep`); others keep the config's.
+  All runs of a seed share one warmed-up base model (`<out>/base_models`). settings: a method's
+  overrides chosen by `search` (others keep the config's); overrides: every run's.
   """
-  todo = [(s, l, m, (lrs or {}).get(m)) for s in seeds for l in lags for m in methods]
-  return _run_all(out, todo, reduced=reduced, overrides=overrides, study=study,
-                  deadline=deadline, echo=echo)
+  todo = [Run(s, l, m, {**(overrides or {}), **(settings or {}).get(m, {})})
+          for s in seeds for l in lags for m in methods]
+  return _run_all(out, todo, reduced=reduced, study=study, deadline=deadline, echo=echo,
+                  results=results)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from oapl_jax.eval.passk import pass_at_k
-from oapl_jax.studies.definitions import METHODS
+from oapl_jax.studies.definitions import METHODS, method_label
 
 
 def mean_pass_at_k(n: int, correct_per_problem, ks) -> np.ndarray:
@@ -67,6 +67,7 @@ def _summary_row(method: str, lag: int, runs) -> dict:
   """The row of one (method, lag): see `summarise`."""
   n = min(r.summary["eval_after"]["samples_per_problem"] for r in runs)
   row = {"method": method, "lag": lag, "seeds": sorted(r.seed for r in runs),
+         "label": method_label(method, runs[0].summary["config"]),
          "pass1_after_by_seed": {r.seed: r.summary["eval_after"]["pass@1"] for r in runs},
          "passn_after_by_seed": {r.seed: r.summary["eval_after"][f"pass@{n}"] for r in runs}}
   for name, values in {

@@ -1,0 +1,146 @@
+"""The settings search before a study, as pure functions: each method's grid of points (a point
+is a dict of config overrides), the name of a point's run, the order the runs go in, and the
+choice of each method's setting from the finished runs' final pass@1.
+
+A grid is an ordered tuple of axes; an axis moves one or more settings together ("clip" moves
+rl.grpo.eps_low and eps_high) through its values, the first value being the configs' current
+one. Values are listed in the order they are tried, so the current setting runs first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from oapl_jax.studies import layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+  """One axis of a grid: `tag` names it in run folders and the report, `settings` are the dotted
+  config settings it moves, `values` one tuple per point (as many entries as `settings`)."""
+  tag: str
+  settings: tuple[str, ...]
+  values: tuple[tuple[float, ...], ...]
+
+
+def lr_axis(lrs) -> Axis:
+  """train.lr over `lrs` (in the order given: the first runs first)."""
+  return Axis("lr", ("train.lr",), tuple((float(lr),) for lr in lrs))
+
+
+# OAPL: the paper searched beta1 in {1, 5} and beta2 in {1e-2, 1e-3}; 0.1 is the configs' beta2
+# (docs/design.md "Tiny-task betas"). beta2 is the main axis (how far one refresh can move the
+# policy), so it is first: its values at the current beta1 and lr run before the others.
+OAPL_BETA2 = Axis("b2", ("rl.beta2",), ((0.1,), (1e-2,), (1e-3,)))
+OAPL_BETA1 = Axis("b1", ("rl.beta1",), ((1.0,), (5.0,)))
+# GRPO+IS: the truncation cap C is inert in this loop (the engine samples with the snapshot
+# itself, so the IS weights pi_prox / pi_sampler stay within ~3e-6 of 1: any C >= 1.5 gives the
+# same run; docs/algorithm.md). What bounds GRPO+IS's step against a lagged pi_prox is its PPO
+# clip, so its search moves the clip range [1 - eps_low, 1 + eps_high] instead, eps_high kept at
+# 1.4 x eps_low as the configs' clip-higher 0.2 / 0.28. Six values, so GRPO+IS gets as many runs
+# as OAPL's 2 x 3 betas.
+GRPO_CLIP = Axis("clip", ("rl.grpo.eps_low", "rl.grpo.eps_high"),
+                 ((0.2, 0.28), (0.1, 0.14), (0.4, 0.56), (0.05, 0.07), (0.6, 0.84), (0.8, 1.12)))
+SEARCH_LRS = (1e-4, 3e-4, 1e-3)  # every method's lr axis
+CURRENT_LR = {"oapl": 3e-4, "grpo_tis": 1e-3}  # the lrs the 300-step study chose (tried first)
+SEARCH_LAGS = (100, 50)  # the search's lags, in the order they run
+SEARCH_SEED = 100  # not a study seed
+
+
+def _current_first(values, current) -> tuple:
+  """`values` with `current` moved to the front (the others keep their order)."""
+  return tuple(sorted(values, key=lambda v: v != current))
+
+
+def study_grid(methods) -> dict[str, tuple[Axis, ...]]:
+  """The joint search of issue 30 for `methods` (those with a grid: oapl, grpo_tis): OAPL over
+  beta2 x beta1 x lr (18 points), GRPO+IS over its clip x lr (18 points)."""
+  grids = {"oapl": (OAPL_BETA2, OAPL_BETA1), "grpo_tis": (GRPO_CLIP,)}
+  unknown = [m for m in methods if m not in grids]
+  if unknown:
+    raise ValueError(f"no search grid for {unknown}; the search has one for {sorted(grids)}")
+  return {m: grids[m] + (lr_axis(_current_first(SEARCH_LRS, CURRENT_LR[m])),) for m in methods}
+
+
+def lr_grid(methods, lrs) -> dict[str, tuple[Axis, ...]]:
+  """A learning-rate sweep: every method over `lrs` only."""
+  return {m: (lr_axis(lrs),) for m in methods}
+
+
+def points(axes) -> list[tuple[int, ...]]:
+  """Every point of a grid as its value indices, one per axis, in the order they run: the later
+  axes' current values first (so the first axis is swept at the current setting of the others)."""
+  grid = itertools.product(*(range(len(a.values)) for a in axes))
+  return sorted(grid, key=lambda idx: tuple(reversed(idx)))
+
+
+def overrides(axes, idx) -> dict[str, float]:
+  """The config overrides of point `idx` (value indices) of grid `axes`."""
+  return {s: v for a, i in zip(axes, idx) for s, v in zip(a.settings, a.values[i])}
+
+
+def label(axes, idx) -> str:
+  """A point's name in its run folder: "b2-0.1_b1-1_lr-0.0003" (a lone lr axis: "lr0.0003", as
+  the lr sweep has always named its runs)."""
+  if [a.tag for a in axes] == ["lr"]:
+    return f"lr{axes[0].values[idx[0]][0]:g}"
+  return "_".join(f"{a.tag}-{a.values[i][0]:g}" for a, i in zip(axes, idx))
+
+
+def describe(axes, idx, skip=()) -> str:
+  """A point for people: "beta2=0.1, beta1=1, lr=0.0003" (axes tagged in `skip` left out)."""
+  return ", ".join(f"{s.rsplit('.', 1)[-1]}={v:g}" for a, i in zip(axes, idx) if a.tag not in skip
+                   for s, v in zip(a.settings, a.values[i]))
+
+
+def run_order(grid: dict, lags) -> list[tuple[int, str, tuple[int, ...]]]:
+  """(lag, method, point) of every search run, most informative first: lag by lag in `lags`
+  order, the methods alternating point by point (each method's points in `points` order)."""
+  order = []
+  for lag in lags:
+    per_method = [[(lag, m, idx) for idx in points(axes)] for m, axes in grid.items()]
+    for row in itertools.zip_longest(*per_method):
+      order += [x for x in row if x is not None]
+  return order
+
+
+def choose(grid: dict, lags, scores: dict) -> dict[str, tuple[int, ...]] | None:
+  """Each method's point with the best final pass@1 averaged over `lags` (ties: the point that
+  runs first, i.e. nearer the current setting); None until every run has a score.
+
+  scores: {(method, lag, point): final pass@1}.
+  """
+  chosen = {}
+  for method, axes in grid.items():
+    pts = points(axes)
+    if any((method, lag, p) not in scores for p in pts for lag in lags):
+      return None
+    means = [sum(scores[(method, lag, p)] for lag in lags) / len(lags) for p in pts]
+    chosen[method] = pts[max(range(len(pts)), key=lambda i: (means[i], -i))]
+  return chosen
+
+
+def plan_json(grid: dict, lags, seed: int) -> dict:
+  """The search's plan as written to `search.json`: its lags (in run order), seed and grids."""
+  return {"lags": list(lags), "seed": seed,
+          "grid": {m: [dataclasses.asdict(a) for a in axes] for m, axes in grid.items()}}
+
+
+def grid_from_plan(plan: dict) -> dict[str, tuple[Axis, ...]]:
+  """The grids of a `plan_json`."""
+  return {m: tuple(Axis(a["tag"], tuple(a["settings"]), tuple(map(tuple, a["values"])))
+                   for a in axes) for m, axes in plan["grid"].items()}
+
+
+def search_scores(plan: dict, compact_results: dict) -> dict:
+  """{(method, lag, point indices): final pass@1} of the finished search runs among
+  `compact_results` ({run name: compact result}) for `plan`."""
+  grid, scores = grid_from_plan(plan), {}
+  for lag in plan["lags"]:
+    for method, axes in grid.items():
+      for idx in points(axes):
+        name = layout.run_name(method, lag, plan["seed"], label(axes, idx))
+        if name in compact_results:
+          scores[(method, lag, idx)] = compact_results[name]["summary"]["eval_after"]["pass@1"]
+  return scores
