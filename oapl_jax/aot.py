@@ -154,9 +154,13 @@ def capacities(config) -> list[int]:
     c *= 2
 
 
-def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False) -> list[Program]:
+def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False,
+             only: tuple[str, ...] | None = None) -> list[Program]:
   """Compiles every program of a run of `config` on `devices` (all processes'), the run's own
-  code and shardings, abstract arguments; `plan` gives the planner's figures beside each."""
+  code and shardings, abstract arguments; `plan` gives the planner's figures beside each.
+  only: the programs whose names start with one of these (None: all); the others are neither
+  lowered nor compiled (tests/test_aot.py compiles the decode loop of a second model so)."""
+  wanted = lambda name: only is None or name.startswith(tuple(only))  # noqa: E731
   from oapl_jax.models import build  # noqa: PLC0415
   from oapl_jax.rl.step import Batch, make_optimizer, make_train_step, uses_reference  # noqa: PLC0415
   from oapl_jax.sampling.layout import (EngineParams, engine_mesh, in_device_order,  # noqa: PLC0415
@@ -190,14 +194,15 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False)
   opt_state = jax.eval_shape(optimizer.init, params)
   state_names = ("master weights", "optimizer state", "trainer snapshot", "reference policy",
                  "train batch")
-  with jax.set_mesh(mesh):
-    lowered = step.jitted.lower(params, opt_state, snapshot, batch, reference)
-  out.append(_compile("train step", "trainer", lowered,
-                      sum(items.get(n, 0) for n in state_names),
-                      sum(items[n] for n in ("gradients", "activations", "log-prob kernel")),
-                      keep_hlo))
+  if wanted("train step"):
+    with jax.set_mesh(mesh):
+      lowered = step.jitted.lower(params, opt_state, snapshot, batch, reference)
+    out.append(_compile("train step", "trainer", lowered,
+                        sum(items.get(n, 0) for n in state_names),
+                        sum(items[n] for n in ("gradients", "activations", "log-prob kernel")),
+                        keep_hlo))
 
-  if config.rl.mode == "offline":
+  if config.rl.mode == "offline" and wanted("offline log-probs"):
     from oapl_jax.rl.offline import logprob_kernel  # noqa: PLC0415
     kernel = logprob_kernel(config, graphdef)
     with jax.set_mesh(mesh):
@@ -220,24 +225,26 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False)
   order = list(stage.devices.flat)  # where it differs, pi_old is first moved to this order (on device)
   source_shardings = (step.param_shardings if order == source
                       else in_device_order(step.param_shardings, order))
-  lowered = jax.jit(layout.relayout, out_shardings=layout.shardings(snapshot, stage)).lower(
-      _sds(snapshot, source_shardings))
-  out.append(_compile("refresh", "trainer", lowered, items["trainer snapshot"], None, keep_hlo))
+  if wanted("refresh"):
+    lowered = jax.jit(layout.relayout, out_shardings=layout.shardings(snapshot, stage)).lower(
+        _sds(snapshot, source_shardings))
+    out.append(_compile("refresh", "trainer", lowered, items["trainer snapshot"], None, keep_hlo))
 
   rest_s, decode_s = layout.shardings(snapshot, engine.mesh)
   weights = EngineParams(_sds(shapes[0], rest_s), jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
                          _sds(shapes[1], decode_s))
   snap_bytes = items["engine snapshot"]
   embed = None
-  if model_cfg.tie_embeddings:
+  if model_cfg.tie_embeddings and wanted("prefill"):
     head = weights.decode["head"]
     embed_compiled = engine._embedding.lower(head).compile()  # noqa: SLF001
     embed = jax.ShapeDtypeStruct(head.shape[::-1], head.dtype, sharding=embed_compiled.output_shardings)
   p = s.max_prefill_batch
-  lowered = engine._prefill.lower(  # noqa: SLF001
-      weights, embed, jax.ShapeDtypeStruct((p, s.max_prompt_len), jnp.int32, sharding=rep),
-      jax.ShapeDtypeStruct((p,), jnp.int32, sharding=rep))
-  out.append(_compile("prefill", "engine", lowered, snap_bytes, items["engine prefill"], keep_hlo))
+  if wanted("prefill"):
+    lowered = engine._prefill.lower(  # noqa: SLF001
+        weights, embed, jax.ShapeDtypeStruct((p, s.max_prompt_len), jnp.int32, sharding=rep),
+        jax.ShapeDtypeStruct((p,), jnp.int32, sharding=rep))
+    out.append(_compile("prefill", "engine", lowered, snap_bytes, items["engine prefill"], keep_hlo))
 
   caps = capacities(config)
   stop = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
@@ -245,12 +252,15 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False)
     state = jax.eval_shape(lambda c=capacity: engine.init_decode_state(capacity=c))
     state = _sds(state, engine._state_sharding)  # noqa: SLF001
     cache = plan_lib.kv_cache_bytes(config) * capacity // t
-    lowered = engine._generate_steps.lower(weights, state, stop)  # noqa: SLF001
-    out.append(_compile(f"decode @ {capacity}", "engine", lowered, snap_bytes + cache,
-                        items["engine logits"] + items["decode loop copy"] * capacity // t, keep_hlo))
-  lowered = engine._generate.lower(weights, state)  # noqa: SLF001  (the largest capacity's)
-  out.append(_compile("decode step", "engine", lowered, snap_bytes + plan_lib.kv_cache_bytes(config),
-                      items["engine logits"], keep_hlo))
+    if wanted(f"decode @ {capacity}"):
+      lowered = engine._generate_steps.lower(weights, state, stop)  # noqa: SLF001
+      out.append(_compile(f"decode @ {capacity}", "engine", lowered, snap_bytes + cache,
+                          items["engine logits"] + items["decode loop copy"] * capacity // t,
+                          keep_hlo))
+  if wanted("decode step"):
+    lowered = engine._generate.lower(weights, state)  # noqa: SLF001  (the largest capacity's)
+    out.append(_compile("decode step", "engine", lowered,
+                        snap_bytes + plan_lib.kv_cache_bytes(config), items["engine logits"], keep_hlo))
   return out
 
 
@@ -378,9 +388,10 @@ class Report:
     return "\n".join(lines + self.roofline())
 
 
-def compile_run(config, keep_hlo: bool = False) -> Report:
+def compile_run(config, keep_hlo: bool = False, only: tuple[str, ...] | None = None) -> Report:
   """Compiles every program of a validated `config` for `config.mesh.topology` (a TPU slice,
-  through libtpu) or this machine's devices; nothing is allocated or read."""
+  through libtpu) or this machine's devices; nothing is allocated or read. only: some programs
+  (`programs`; the report's peak and format need the train step and the refresh)."""
   plan = plan_lib.make_plan(config)
   name = config.mesh.topology
   if name in (None, LOCAL):
@@ -391,7 +402,7 @@ def compile_run(config, keep_hlo: bool = False) -> Report:
     chip = CHIPS.get(name.split("-")[0])
   # The default device is one compiled for: Pallas' TPU lowering reads the chip from it.
   with jax.default_device(devices[0]):
-    progs = programs(_for_platform(config, devices[0].platform), devices, plan, keep_hlo)
+    progs = programs(_for_platform(config, devices[0].platform), devices, plan, keep_hlo, only)
   return Report(plan.topology, len(devices), plan, progs, chip, model_flops(config), config)
 
 

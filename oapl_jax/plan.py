@@ -466,15 +466,28 @@ def make_plan(config) -> Plan:
            f"{m.num_kv_heads} KV heads over tensor {s.tensor}, {cd.name}"),
       Item("engine logits", slots * m.vocab_size * 4, "engine", "step",
            "next-token logits [slots, V] f32, replicated on an engine"),
-      Item("decode loop copy", kv_cache_bytes(config) if _on_tpu(where) else 0, "engine", "step",
-           "TPU: a second KV cache, XLA's decode loop (generate_steps) copies its carry "
-           "(compiled for v5p: --dry_run=compile); not on CPU; GPU not known"),
+      Item("decode loop copy", kv_cache_bytes(config) if _loop_copies_cache(config, where) else 0,
+           "engine", "step",
+           "TPU, a head_dim or a row length (the largest cache) not a multiple of 128: a second "
+           "KV cache (XLA:TPU lays the cache out apart from what the decode loop reads and "
+           "copies it; compiled for v5p: --dry_run=compile); none with both multiples of 128, "
+           "none on CPU; GPU not known"),
       Item("engine prefill", _prefill_bytes(config), "engine", "step",
            f"{s.max_prefill_batch} prompts x {s.max_prompt_len} tokens, one layer at a time"),
   ]
   return Plan(where.name, where.devices, mesh, s.engines, s.tensor, shared,
               placement.overlaps_training(config), tuple(items), where.device_bytes,
               where.processes, slots)
+
+
+def _loop_copies_cache(config, where: Devices) -> bool:
+  """Whether the engine's decode loop holds a second KV cache (its largest, seq_len positions),
+  as compiled for v5p: on a TPU slice when model.head_dim or the row length is not a multiple
+  of 128 lanes (head_dim 64, or 300 positions: temp about the cache's bytes; the cache writes
+  stay in the cache's layout only in whole tiles, `sampling.decode.write_keys`). A smaller
+  capacity of the same kind (cache_bucket 64) copies its smaller cache; the plan counts the
+  largest."""
+  return _on_tpu(where) and (config.model.head_dim % 128 != 0 or seq_len(config) % 128 != 0)
 
 
 def _on_tpu(where: Devices) -> bool:

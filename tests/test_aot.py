@@ -81,11 +81,14 @@ def test_without_libtpu_the_command_says_how_to_get_it():
 
 # Run in a child process with libtpu on its path: a small model (V = 1024 so the vocab-split
 # table is worth sharding) compiled for v5p-8; prints each program's figures and the
-# collectives whose result is a whole [V, E] / [E, V] table.
+# collectives whose result is a whole [V, E] / [E, V] table. Then the decode loops of the same
+# model with head_dim 128 (as the real presets have) and answers of 120 tokens, so that its KV
+# cache (128 slots x 128 positions, 67 MB) outweighs the engine's other buffers, and the cache's
+# bytes per device.
 _TPU_SCRIPT = r"""
 import json, re, sys
 from configs import tiny
-from oapl_jax import aot
+from oapl_jax import aot, plan
 c = tiny.get_config()
 c.model.vocab_size, c.model.hidden_size, c.model.mlp_dim = 1024, 128, 256
 c.mesh.topology = "v5p-8"
@@ -98,7 +101,10 @@ for p in report.programs:
          if ("all-gather" in line or "all-reduce" in line) and full.search(line)]
   out[p.name] = {"argument": p.argument, "temp": p.temp, "output": p.output,
                  "flops": p.flops, "full_table_collectives": bad}
+c.model.head_dim, c.sampling.max_new_tokens = 128, 120
+loops = {p.name: p.temp for p in aot.compile_run(c, only=("decode @",)).programs}
 print("REPORT " + json.dumps({"programs": out, "peak": report.peak, "fits": report.fits,
+                              "loops": loops, "kv_cache": plan.kv_cache_bytes(c),
                               "text": report.format()}))
 """
 
@@ -126,3 +132,10 @@ def test_compiles_for_a_tpu_slice_with_the_tpu_compiler():
   assert report["fits"]
   for name in ("train step", "prefill", "decode step"):
     assert programs[name]["full_table_collectives"] == [], (name, programs[name])
+  # The decode loop updates the KV cache in place: no second cache in its temp (before the
+  # cache writes of sampling/decode.py kept the cache's layout, XLA:TPU copied the loop's cache
+  # in and out of its while loop: temp about the cache's bytes). At 64 positions, fewer than a
+  # TPU tile's 128 lanes, the copy is still there (plan.py counts it: `_loop_copies_cache`).
+  loops, cache = report["loops"], report["kv_cache"]
+  assert list(loops) == ["decode @ 64", "decode @ 128"] and cache >= 32 * 2**20, (loops, cache)
+  assert loops["decode @ 128"] < cache / 4, (loops, cache)

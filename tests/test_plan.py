@@ -397,3 +397,15 @@ def test_auto_topology_is_this_machines_devices_and_small_devices_are_named():
   big.mesh.topology, big.sampling.engines, big.sampling.tensor = "l4x1", 1, 1
   with pytest.raises(plan_lib.PlanError, match=r"l4x1 devices have 22\.35 GiB.*change "):
     plan_lib.check(big)
+
+
+@pytest.mark.parametrize("topology, overrides, copy", [
+    ("v5p-64", {}, False),  # head_dim 128, 17,408 positions: the cache writes stay in place
+    ("v5p-64", dict(sampling__max_new_tokens=16100), True),  # 17,124 positions: not whole tiles
+    ("v5p-64", dict(model__head_dim=64), True),  # D = 64: XLA:TPU's layout is not the kernel's
+    ("h200x8", dict(sampling__engines=2, model__head_dim=64), False),  # compiled for TPU only
+])
+def test_the_decode_loop_copies_its_cache_where_tpu_compiles_showed_it(topology, overrides, copy):
+  """docs/memory.md 'Compiled for the pod': the decode loop's second KV cache on TPU."""
+  plan = plan_lib.make_plan(_config(math, topology, **overrides))
+  assert _item(plan, "decode loop copy") == (_item(plan, "KV cache") if copy else 0)
