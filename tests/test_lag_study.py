@@ -270,7 +270,9 @@ def test_study_and_search_runs_have_the_issues_lengths():
 
 def test_committed_results_are_small_count_as_finished_and_report_the_same(reason_study, tmp_path, capsys):
   committed = str(tmp_path / "results")
-  written = results.save_results(reason_study, committed)
+  assert lag_study.main(["--out", reason_study, "--results", committed, "--save-results"]) == 0
+  written = results.save_results(reason_study, committed)  # again: the same files, rewritten
+  assert f"{len(written)} results written into {committed}" in capsys.readouterr().out
   assert any("/runs/" in p for p in written)
   for p in written:
     assert os.path.getsize(p) < 20_000
