@@ -176,6 +176,26 @@ REFRESH = SETUP + textwrap.dedent("""
     print("OK")
 """)
 
+# The refresh from fsdp 8 (pi_theta's embedding dimension split 8 ways) to 4 replicas x tensor
+# 2, in float32 (no cast: straight from the trainer's split to the engine's, XLA:SPMD gathered
+# o_proj and down_proj whole onto every device, warning of an "involuntary full
+# rematerialization"); through `EngineLayout.staging_steps` it does not, and the weights are
+# those loaded from one device.
+FSDP8_REFRESH = SETUP + textwrap.dedent("""
+    cfg, graphdef, params = small()
+    trainer = Mesh(np.array(devices).reshape(8, 1), ("fsdp", "tensor"))
+    with jax.set_mesh(trainer):
+      sharded = jax.device_put(params, sharding.param_shardings(params, trainer, RULES))
+    assert sharded["layers"][0]["attn"]["o_proj"].get_value().sharding.spec[-1] == "fsdp"
+    replicas = Replicas(lambda mesh: engine(cfg, graphdef, mesh), 4, devices, tensor=2)
+    reference = replicas.load_params(params, version=1)
+    weights = replicas.load_params(sharded, version=1)
+    for r in range(4):
+      assert leaves_equal(weights[r], reference[r])
+    print("OK")
+""")
+
+
 # The run's placement: max_slots a total over the engines; sync engines on the first devices,
 # async ones on the last (the trainer keeps the rest); the devices a run asks for. Then the
 # loop with tensor-2 engines.
@@ -242,6 +262,14 @@ def test_tensor_two_engine_equals_one_device():
 
 def test_refresh_from_trainer_sharding_on_device():
   _child(REFRESH)
+
+
+def test_refresh_from_fsdp8_makes_no_full_rematerialization():
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  out = subprocess.run([sys.executable, "-c", FSDP8_REFRESH], env=env, capture_output=True,
+                       text=True, timeout=900, cwd=REPO)
+  assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+  assert "Involuntary full rematerialization" not in out.stderr, out.stderr[-3000:]
 
 
 def test_placement_and_slots_over_engines():
