@@ -2,6 +2,15 @@
 
 from setuptools import find_packages, setup
 
+# The test tools every test venv gets (the "test" extra adds torch, "test-no-torch" does not).
+TEST_TOOLS = [
+    "pytest>=8,<10",
+    "chex>=0.1.88,<0.2",
+    "nbclient>=0.10,<0.12",  # tests/test_notebooks.py executes notebooks/*.ipynb
+    "nbformat>=5.10,<6",
+    "ipykernel>=6.29,<8",  # the notebooks' python3 kernel
+]
+
 setup(
     name="oapl_jax",
     version="0.1.0",
@@ -36,13 +45,12 @@ setup(
         "tpu": ["jax[tpu]>=0.10,<0.13"],
         "cuda12": ["jax[cuda12]>=0.10,<0.13"],
         "cuda13": ["jax[cuda13]>=0.10,<0.13"],
-        "test": [
-            "pytest>=8,<10",
-            "chex>=0.1.88,<0.2",
+        "test": TEST_TOOLS + [
             "torch==2.13.0",  # the CPU build on these machines; any other spec pulls a CUDA build
-            "nbclient>=0.10,<0.12",  # tests/test_notebooks.py executes notebooks/*.ipynb
-            "nbformat>=5.10,<6",
-            "ipykernel>=6.29,<8",  # the notebooks' python3 kernel
         ],
+        # The same without torch: .ci/run's Python 3.12 venv (the newest JAX), where torch has no
+        # CPU wheel on these machines and any other torch is a multi-GB CUDA build; the tests that
+        # need torch skip there (OAPL_NO_TORCH=1, tests/conftest.py), and fail wherever else it is missing.
+        "test-no-torch": TEST_TOOLS,
     },
 )

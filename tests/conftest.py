@@ -1,5 +1,6 @@
-"""Shared fixtures: a tiny random model, the smoke config, and `requires_sandbox`."""
+"""Shared fixtures: a tiny random model, the smoke config, `requires_sandbox` and `requires_torch`."""
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -46,6 +47,31 @@ def requires_sandbox():
     pytest.fail(f"{NO_BWRAP} (a failure, not a skip: CI or OAPL_REQUIRE_SANDBOX=1 is set)",
                 pytrace=False)
   pytest.skip(NO_SANDBOX)
+
+
+# torch: the reference the HF tests compare against (transformers' PyTorch models). .ci/run's
+# Python 3.12 venv (the newest JAX) has none on purpose: torch has no CPU wheel for 3.12 on these
+# machines, and any other build is a multi-GB CUDA one. There OAPL_NO_TORCH=1 turns the tests
+# that need torch into skips; anywhere else a missing torch fails them.
+NO_TORCH = ("torch not installed, on purpose: OAPL_NO_TORCH=1 (.ci/run's Python 3.12 venv, the "
+            "newest JAX, has no CPU torch wheel); the main venv runs this test")
+
+
+def torch_may_be_missing() -> bool:
+  """Whether OAPL_NO_TORCH=1: this venv lacks torch on purpose, and the tests needing it skip."""
+  return os.environ.get("OAPL_NO_TORCH") == "1"
+
+
+@pytest.fixture
+def requires_torch():
+  """For tests whose subprocess or notebook needs torch: without it they skip with NO_TORCH as
+  the reason where OAPL_NO_TORCH=1, and fail anywhere else."""
+  if importlib.util.find_spec("torch") is not None:
+    return
+  if torch_may_be_missing():
+    pytest.skip(NO_TORCH)
+  pytest.fail("torch is not installed (pip install -e '.[test]'); a failure, not a skip: only "
+              "OAPL_NO_TORCH=1 makes it a skip, for a venv without torch on purpose", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ def _positive_numbers(d: dict, keys: set) -> None:
     assert isinstance(d[k], (int, float)) and math.isfinite(d[k]) and d[k] > 0, (k, d[k])
 
 
-def test_dry_run_prints_the_keys_with_finite_positive_figures():
+def test_dry_run_prints_the_keys_with_finite_positive_figures(requires_torch):
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   start = time.perf_counter()
   out = subprocess.run([sys.executable, "-c", _WRAPPER], capture_output=True, text=True,

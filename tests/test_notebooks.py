@@ -86,7 +86,7 @@ def test_lag_study_notebook(tmp_path, monkeypatch):
   assert (out / "lag_study.md").is_file()
 
 
-def test_real_model_notebook(tmp_path, monkeypatch):
+def test_real_model_notebook(tmp_path, monkeypatch, requires_torch):
   """Quick mode: no Hub access (one line says why), the tiny Qwen3 through configs/gsm8k.py:tiny;
   the run, curves, pass@k, answers, and the HF export reloaded by transformers at parity."""
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
