@@ -5,13 +5,15 @@
 # L = 1, 10, 50, 100, seeds 0-4, 1000 steps each (10 refreshes at L = 100; 128,000 answers per
 # run); then the finished runs' small results are copied into docs/reasoning_study/results
 # (committed: a later checkout counts them as finished) and the report is written.
-# Estimated (from 300-step runs at ~10 min a free core): the search ~25-30 core-hours in one
-# process, then the study ~20-25 core-hours over two; in resumable pieces.
+# Estimated (from 300-step runs at ~10 min a free core): the search ~25-30 core-hours, the
+# study ~20-25, over two cores; in resumable pieces.
 #
-# Two processes, one core each (a second core buys little inside one XLA process on CPU):
-# the first runs the search and seeds 0 1 2, the second starts once the search has chosen the
-# settings (<out>/sweep/chosen.json) and runs seeds 3 4. Resumable: finished runs (under OUT_DIR
-# or committed) are skipped, and Ctrl-C / SIGTERM stops both with a checkpoint of the runs in
+# Two processes, one core each (a second core buys little inside one XLA process on CPU), both
+# running the search: each skips the runs the other is making, so they share it. A process that
+# reaches the end of the search while the other still makes its last runs exits with code 4 and
+# is started again a minute later, until the search is complete. Then the first runs seeds 0 1 2
+# and the second seeds 3 4 with the chosen settings. Resumable: finished runs (under OUT_DIR or
+# committed) are skipped, and Ctrl-C / SIGTERM stops both with a checkpoint of the runs in
 # progress; run the same command again to go on.
 #
 # Usage: bash launch/reasoning_study.sh [--dry-run] [OUT_DIR] [EXTRA LAG_STUDY FLAGS...]
@@ -35,18 +37,30 @@ a=("${pin_a[@]}" "${study[@]}" --report="$out/half_a.md" --seeds 0 1 2 "$@")
 b=("${pin_b[@]}" "${study[@]}" --report="$out/half_b.md" --seeds 3 4 "$@")
 full=("${study[@]}" --report=docs/reasoning_study.md --seeds 0 1 2 3 4 "$@")
 if [[ -n "$dry" ]]; then
+  echo "# each again while it exits with 4 (the other process is making the runs left):"
   echo "${a[*]} &"
-  echo "# once $out/sweep/chosen.json exists:"
-  echo "${b[*]}"
+  echo "${b[*]} &"
   echo "${full[*]} --save-results"
   echo "${full[*]} --report-only"
   exit 0
 fi
+# a half, started again while it exits with 4 (runs left that the other half is making); a
+# SIGTERM / SIGINT is passed on to its python process, which checkpoints and stops
+half() {
+  local rc child=""
+  trap '[[ -n "$child" ]] && kill -TERM "$child" 2> /dev/null; wait; exit 143' TERM INT
+  while true; do
+    "$@" & child=$!
+    wait "$child" && return 0 || rc=$?
+    [[ $rc -eq 4 ]] || return $rc
+    sleep 60 & wait $!
+  done
+}
 pids=()
 trap 'kill -TERM "${pids[@]}" 2> /dev/null || true; wait; exit 143' TERM INT
-"${a[@]}" & pids+=($!)
-while [[ ! -f "$out/sweep/chosen.json" ]] && kill -0 "${pids[0]}" 2> /dev/null; do sleep 10; done
-if [[ -f "$out/sweep/chosen.json" ]]; then "${b[@]}" & pids+=($!); fi
+half "${a[@]}" & pids+=($!)
+sleep 30  # the first half takes the first search run; the second starts on the next
+half "${b[@]}" & pids+=($!)
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=$?; done
 "${full[@]}" --save-results  # whatever finished, also after a stop

@@ -361,3 +361,28 @@ def test_the_search_command_uses_its_chosen_settings_for_the_study_runs(reason_s
   text = open(os.path.join(out, "lag_study.md")).read()
   assert "* chosen, OAPL: beta2=0.01, beta1=5, lr=0.0001." in text and "OAPL 18 of 18" in text
   assert "Partial" not in text
+
+
+def test_two_processes_share_the_runs_a_busy_one_is_skipped_and_exit_code_4_says_so(reason_study, tmp_path, monkeypatch, capsys):
+  """A run whose workdir another process holds (WorkdirBusy) is skipped, the others are made, and
+  the command ends with exit code 4 and says which runs are left to the other process."""
+  import oapl_jax.train
+  from oapl_jax.workdir import WorkdirBusy
+  template = next(iter(results.load_compact(reason_study).values()))
+  made = []
+
+  def fake_run(config, workdir):
+    if config.rl.loss == "oapl":
+      raise WorkdirBusy(f"workdir lock {workdir}/run.lock is held by process 1")
+    made.append(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    json.dump(template["summary"], open(os.path.join(workdir, "summary.json"), "w"))
+    return template["summary"]
+  monkeypatch.setattr(oapl_jax.train, "run", fake_run)
+  out = str(tmp_path / "out")
+  argv = ["--study", "reason", "--out", out, "--reduced", "--methods", "oapl", "grpo_tis",
+          "--lags", "2", "5", "--seeds", "0"]
+  assert lag_study.main(argv) == 4
+  printed = capsys.readouterr().out
+  assert len(made) == 2 and printed.count("running in another process, skipped") == 2
+  assert "2 runs are being made by another process (oapl_lag2_seed0, oapl_lag5_seed0)" in printed

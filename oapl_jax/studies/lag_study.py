@@ -21,7 +21,9 @@ skipped (a `summary.json` under `--out`, or a small result committed under `--re
 unfinished one resumes from its checkpoints, so a study runs in pieces: `--budget-minutes`
 starts no run after that many minutes (then exit code 3 says more is left: run the same command
 again; SIGTERM / SIGINT stop the run in progress with a checkpoint and exit 128 + the signal
-number, one line on stderr). `--save-results` copies the finished runs' small results
+number, one line on stderr). Two processes can share one `--out`: a run whose workdir another
+process holds is skipped, and a process that ends with such runs left exits with code 4 (run
+it again once they finish). `--save-results` copies the finished runs' small results
 (results.compact: kilobytes each) from `--out` into `--results`, to be committed.
 From Python: `run_study(...)`, then `write_report(...)`.
 """
@@ -41,7 +43,7 @@ from oapl_jax.studies.definitions import DEFAULT_LAGS, DEFAULT_SEEDS, METHODS, S
 from oapl_jax.studies.plots import plot
 from oapl_jax.studies.report import kept_notes, report_markdown
 from oapl_jax.studies.results import load_compact, load_runs, read_search_plan, save_results
-from oapl_jax.studies.runner import BudgetSpent, run_study, search
+from oapl_jax.studies.runner import BudgetSpent, RunsElsewhere, run_study, search
 
 REFERENCE = "reference.json"  # in a results folder: an earlier study's final pass@1 (report.py)
 
@@ -142,7 +144,8 @@ def _parse(argv) -> argparse.Namespace:
 
 def _run_pieces(args) -> int | None:
   """The search (if asked) and the study's runs, within the budget; an exit code if they stopped
-  (3: budget spent, more to run; a `UserError`'s code, with one line on stderr), else None."""
+  (3: budget spent, more to run; 4: the runs left are another process's; a `UserError`'s code,
+  with one line on stderr), else None."""
   deadline = (time.perf_counter() + 60 * args.budget_minutes) if args.budget_minutes is not None else None
   common = {"reduced": args.reduced, "study": args.study, "deadline": deadline, "results": args.results}
   try:
@@ -152,6 +155,9 @@ def _run_pieces(args) -> int | None:
   except BudgetSpent as e:
     print(e)
     return 3
+  except RunsElsewhere as e:  # another process is making them: run again once it has
+    print(e)
+    return 4
   except UserError as e:  # a refused setting, or a signal (checkpoint saved): one line
     print(f"error: {one_line(e)}", file=sys.stderr)
     return e.exit_code

@@ -21,6 +21,12 @@ class BudgetSpent(Exception):
   """`--budget-minutes` ran out with runs left (the study resumes where it stopped)."""
 
 
+class RunsElsewhere(Exception):
+  """Runs skipped because another process holds their workdir (two processes share a search or
+  a study: each makes the runs the other has not taken); the same command, run again once they
+  have finished, goes on."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
   """One run to make: a study run (point None) or a search run (point: its search.label)."""
@@ -54,9 +60,10 @@ def _run_all(out: str, todo: list[Run], *, reduced: bool, study: str, deadline: 
              echo, results: str | None = None) -> list[str]:
   """Makes each run of `todo` not finished yet (under `out` or committed under `results`); a
   run left unfinished by an earlier piece resumes from its checkpoints. Raises `BudgetSpent`
-  past `deadline`."""
+  past `deadline`, and `RunsElsewhere` at the end if another process held some runs' workdirs."""
   from oapl_jax import train  # heavy import, only when running
-  dirs = []
+  from oapl_jax.workdir import WorkdirBusy
+  dirs, elsewhere = [], []
   for i, run in enumerate(todo, 1):
     d = layout.run_dir(out, run.method, run.lag, run.seed, run.point)
     dirs.append(d)
@@ -70,10 +77,18 @@ def _run_all(out: str, todo: list[Run], *, reduced: bool, study: str, deadline: 
     config = study_config(run.method, run.lag, run.seed, reduced=reduced, study=study,
                           overrides=run.overrides, cache_dir=layout.base_models_dir(out),
                           search=run.point is not None)
-    s = train.run(config, d)
+    try:
+      s = train.run(config, d)
+    except WorkdirBusy:  # another process is making this run: go on with the next
+      echo(f"[{i}/{len(todo)}] {run.name}: running in another process, skipped")
+      elsewhere.append(run.name)
+      continue
     _add_wall_seconds(d, time.perf_counter() - t0)
     echo(f"[{i}/{len(todo)}] {run.name}: pass@1 {s['eval_before']['pass@1']:.3f} -> "
          f"{s['eval_after']['pass@1']:.3f} ({time.perf_counter() - t0:.0f}s)")
+  if elsewhere:
+    raise RunsElsewhere(f"{len(elsewhere)} runs are being made by another process "
+                        f"({', '.join(elsewhere)}); run the same command again once they finish")
   return dirs
 
 
