@@ -162,6 +162,8 @@ class Engine:
     cache = {"k": [NamedSharding(self._mesh, k_spec)] * layers,
              "v": [NamedSharding(self._mesh, v_spec)] * layers}
     state = self._state_sharding = {"cache": cache, **dict.fromkeys(_STATE_KEYS, rep)}
+    self._logit_sharding = NamedSharding(  # [S, V], as the head [E, V] is split
+        self._mesh, PartitionSpec(None, self.layout._spec("vocab_embed", "vocab")[1]))  # noqa: SLF001
     kv = NamedSharding(self._mesh, PartitionSpec(None, None, k_spec[1], None))  # [B, T, K, D]
     prefix = {"kvs": [(kv, kv)] * layers, "logits": rep, "lengths": rep, "version": rep}
     self._zero_cache = jax.jit(lambda capacity: init_cache(model_cfg, max_slots, capacity),
@@ -431,6 +433,10 @@ class Engine:
     logits, cache = decode_lib.decode(self._model(weights), weights.decode, tokens, positions,
                                       state["cache"], live_len=live_len, chunk=self.attn_chunk,
                                       **consts)
+    # The logits split by vocabulary as the head is: left to itself, XLA:TPU all-gathers the
+    # whole head `[E, V]` every step (0.73 GiB per device for Qwen3-4B at tensor 4) rather than
+    # the `[S, V]` logits that the state then replicates.
+    logits = jax.lax.with_sharding_constraint(logits, self._logit_sharding)
     lengths = state["lengths"] + live
     shifted = jnp.concatenate([state["recent"][:, 1:], tokens[:, None]], axis=1)  # [S, W]
     recent = jnp.where(live[:, None], shifted, state["recent"])
