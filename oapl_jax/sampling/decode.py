@@ -101,14 +101,21 @@ def write_values(v_cache: jax.Array, v: jax.Array, positions: jax.Array) -> jax.
   return v_cache.at[jnp.arange(b)[:, None], jnp.arange(heads)[None, :], positions[:, None]].set(v)
 
 
-def _block(layer, x, positions, rope_cs, k_cache, v_cache, live_len, chunk: int, fused: dict):
+def _block(layer, x, positions, rope_cs, k_cache, v_cache, live_len, chunk: int, fused: dict,
+           tpu: bool):
   """One layer, one token per row, over fused weights {"qkv", "gate_up"}. x `[B, 1, E]`,
   positions `[B]`, caches `[B, K, D, S]`, `[B, K, S, D]`. Writes this token's key/value at
-  `positions` and attends to cache indices `<= positions`. Returns (x, k_cache, v_cache)."""
+  `positions` (tpu: `write_keys` / `write_values`, else one scatter each, 20% faster on CPU)
+  and attends to cache indices `<= positions`. Returns (x, k_cache, v_cache)."""
   b = x.shape[0]
   q, k, v = _project_qkv(layer.attn, layer.input_norm(x), rope_cs, fused["qkv"])  # [B, 1, N|K, D]
-  k_cache = write_keys(k_cache, k[:, 0].astype(k_cache.dtype), positions)
-  v_cache = write_values(v_cache, v[:, 0].astype(v_cache.dtype), positions)
+  if tpu:
+    k_cache = write_keys(k_cache, k[:, 0].astype(k_cache.dtype), positions)
+    v_cache = write_values(v_cache, v[:, 0].astype(v_cache.dtype), positions)
+  else:
+    rows = jnp.arange(b)
+    k_cache = k_cache.at[rows, :, :, positions].set(k[:, 0].astype(k_cache.dtype))  # [b, :, :, pos_b]
+    v_cache = v_cache.at[rows, :, positions].set(v[:, 0].astype(v_cache.dtype))  # [b, :, pos_b, :]
   n, d = q.shape[2], q.shape[3]
   kv_heads = k.shape[2]
   q = q[:, 0].reshape(b, kv_heads, n // kv_heads, d) * d**-0.5  # [B, K, G, D]
@@ -120,7 +127,8 @@ def _block(layer, x, positions, rope_cs, k_cache, v_cache, live_len, chunk: int,
 
 
 def decode(model: Transformer, weights: dict, tokens: jax.Array, positions: jax.Array,
-           cache: dict, *, live_len: jax.Array, chunk: int, rope_table) -> tuple[jax.Array, dict]:
+           cache: dict, *, live_len: jax.Array, chunk: int, rope_table,
+           tpu: bool = False) -> tuple[jax.Array, dict]:
   """One decode step of every row against a KV cache (layout: `init_cache`).
 
   model: the engine's model (`EngineParams.params` merged: the fused weights' Params are None;
@@ -130,14 +138,16 @@ def decode(model: Transformer, weights: dict, tokens: jax.Array, positions: jax.
   this step writes its keys at `positions[b]` and attends to indices `<= positions[b]`,
   reading the cache (`{"k": L x [B, K, D, S], "v": L x [B, K, S, D]}`) in chunks of `chunk`
   positions up to `live_len` (int `[]`, `> max(positions)`); rope_table: `model.rope_table(S)`,
-  computed once outside a decode loop.
+  computed once outside a decode loop; tpu: the program is compiled for TPU (the cache writes
+  that keep XLA:TPU from copying the cache, `write_keys`; the engine passes its devices').
   Returns (logits `[B, V]` float32, updated cache).
   """
   rope_cs = tuple(t[positions][:, None, None, :] for t in rope_table)  # [B, 1, 1, D/2]
   x = _embed(model, weights["head"], tokens)  # [B, 1, E]
   new_k, new_v = [], []
   for layer, k_cache, v_cache, w in zip(model.layers, cache["k"], cache["v"], weights["layers"]):
-    x, k_cache, v_cache = _block(layer, x, positions, rope_cs, k_cache, v_cache, live_len, chunk, w)
+    x, k_cache, v_cache = _block(layer, x, positions, rope_cs, k_cache, v_cache, live_len, chunk, w,
+                                 tpu)
     new_k.append(k_cache)
     new_v.append(v_cache)
   return model._logits(x, weights["head"])[:, 0], {"k": new_k, "v": new_v}

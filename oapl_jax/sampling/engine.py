@@ -432,7 +432,7 @@ class Engine:
     live_len = jnp.max(jnp.where(live, positions + 1, 1))
     logits, cache = decode_lib.decode(self._model(weights), weights.decode, tokens, positions,
                                       state["cache"], live_len=live_len, chunk=self.attn_chunk,
-                                      **consts)
+                                      tpu=self._mesh.devices.flat[0].platform == "tpu", **consts)
     # The logits split by vocabulary as the head is: left to itself, XLA:TPU all-gathers the
     # whole head `[E, V]` every step (0.73 GiB per device for Qwen3-4B at tensor 4) rather than
     # the `[S, V]` logits that the state then replicates.
