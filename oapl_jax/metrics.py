@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import socket
 import sys
 import time
@@ -157,3 +158,21 @@ def _warn(msg: str) -> None:
   """A warning both in the log and as a line on stderr."""
   log.warning("%s", msg)
   print(f"WARNING: {msg}", file=sys.stderr, flush=True)
+
+
+class DeadModelWatch:
+  """Counts trainer steps in a row whose gradient norm is 0 or whose policy is uniform (entropy
+  ln V): a model that stopped learning, which no error would stop. `update` returns a warning
+  line once the count reaches `steps` (again only after a step that breaks the run of them)."""
+
+  def __init__(self, steps: int, vocab_size: int):
+    self.steps, self.uniform, self.count = steps, math.log(vocab_size), 0
+
+  def update(self, step: int, m: dict) -> str | None:
+    dead = float(m["grad_norm"]) == 0.0 or abs(float(m["entropy"]) - self.uniform) < 1e-3
+    self.count = self.count + 1 if dead else 0
+    if self.steps and self.count == self.steps:
+      return (f"WARNING: at step {step}, the gradient norm has been 0 or the policy uniform (entropy "
+              f"{float(m['entropy']):.3f}, ln V = {self.uniform:.3f}) for {self.steps} steps in a row: "
+              f"the weights stopped learning (is train.lr too high?)")
+    return None

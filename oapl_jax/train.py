@@ -13,7 +13,6 @@ bar; every process checkpoints (orbax) and all stop at the same step on a signal
 from __future__ import annotations
 
 import contextlib
-import math
 import signal
 
 from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
@@ -25,7 +24,7 @@ from oapl_jax import distributed, placement, storage, warmup
 from oapl_jax import plan as plan_lib
 from oapl_jax.checkpoint import SaveFailed, storage_failure
 from oapl_jax.errors import UserError
-from oapl_jax.metrics import MetricsLog, read_json, read_metrics, say, write_json
+from oapl_jax.metrics import DeadModelWatch, MetricsLog, read_json, read_metrics, say, write_json
 from oapl_jax.placement import seq_len
 from oapl_jax.rl.loop import Run
 from oapl_jax.topology import LOCAL, TOPOLOGIES
@@ -124,24 +123,6 @@ def _stop(r: Run, stop: StopSignals, saved: bool) -> None:
                     f"saved in {r.ckpt.directory}; run the same command again to resume")
 
 
-class DeadModelWatch:
-  """Counts trainer steps in a row whose gradient norm is 0 or whose policy is uniform (entropy
-  ln V): a model that stopped learning, which no error would stop. `update` returns a warning
-  line once the count reaches `steps` (again only after a step that breaks the run of them)."""
-
-  def __init__(self, steps: int, vocab_size: int):
-    self.steps, self.uniform, self.count = steps, math.log(vocab_size), 0
-
-  def update(self, step: int, m: dict) -> str | None:
-    dead = float(m["grad_norm"]) == 0.0 or abs(float(m["entropy"]) - self.uniform) < 1e-3
-    self.count = self.count + 1 if dead else 0
-    if self.steps and self.count == self.steps:
-      return (f"WARNING: at step {step}, the gradient norm has been 0 or the policy uniform (entropy "
-              f"{float(m['entropy']):.3f}, ln V = {self.uniform:.3f}) for {self.steps} steps in a row: "
-              f"the weights stopped learning (is train.lr too high?)")
-    return None
-
-
 PER_ANSWER = ("answer_ids",)  # evaluation entries with one value per answer (problems x n)
 
 
@@ -149,15 +130,6 @@ def _logged_eval(result: dict) -> dict:
   """An evaluation during the run as logged (metrics.jsonl, summary's evals_during): without
   its per-answer lists, which only the evaluations before and after keep."""
   return {k: v for k, v in result.items() if k not in PER_ANSWER}
-
-
-@contextlib.contextmanager
-def _closing(bar):
-  """Closes the progress bar however the block ends (an error's line then starts a line)."""
-  try:
-    yield bar
-  finally:
-    bar.close()
 
 
 def _run(config, workdir: str, stop: StopSignals) -> dict:
@@ -172,7 +144,7 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
   evals = [{"step": row["step"], **row["eval"]} for row in read_metrics(workdir)
            if "eval" in row] if writer and r.counters.step > 0 else []
   dead = DeadModelWatch(config.log.dead_model_steps, config.model.vocab_size)
-  with stop.deferring(), _closing(bar):  # a signal here ends the run after this step, with a checkpoint
+  with stop.deferring(), contextlib.closing(bar):  # a signal: stop after this step, with a checkpoint
     while r.counters.step < config.train.steps:
       m = r.step()
       s = r.counters.step
