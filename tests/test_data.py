@@ -250,6 +250,9 @@ def test_math_task_reads_tfds_and_parquet_and_logs_reports(tfds_dir, tmp_path, t
 
 def test_config_accepts_tfds_sources(tmp_path):
   c = math_config.get_config()
+  (tmp_path / "tok").mkdir()
+  (tmp_path / "tok" / "tokenizer.json").write_text("{}")  # validate looks for the file only
+  c.task.tokenizer_path = str(tmp_path / "tok")
   c.task.eval_path = _jsonl(tmp_path / "e.jsonl", ['{"problem": "q", "answer": "1"}'])
   c.task.train_path = "tfds:deep_scale_r"
   validate(c)
