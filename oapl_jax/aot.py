@@ -226,8 +226,8 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False,
   source_shardings = (step.param_shardings if order == source
                       else in_device_order(step.param_shardings, order))
   if wanted("refresh"):
-    lowered = jax.jit(layout.relayout, out_shardings=layout.shardings(snapshot, stage)).lower(
-        _sds(snapshot, source_shardings))
+    relayout = layout.jitted_relayout(stage, layout.shardings(snapshot, stage), snapshot)  # the run's program
+    lowered = relayout.lower(_sds(snapshot, source_shardings))
     out.append(_compile("refresh", "trainer", lowered, items["trainer snapshot"], None, keep_hlo))
 
   rest_s, decode_s = layout.shardings(snapshot, engine.mesh)

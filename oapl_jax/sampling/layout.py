@@ -224,12 +224,13 @@ class EngineLayout:
         steps[tuple(path)] = NamedSharding(stage, PartitionSpec(*spec))
     return steps
 
-  def jitted_relayout(self, stage: Mesh, out_shardings, via: dict | None = None):
+  def jitted_relayout(self, stage: Mesh, out_shardings, params: nnx.State):
     """`relayout` jitted onto the staging mesh `stage` (one compile per trainer sharding),
-    through the `via` shardings (`staging_steps`)."""
+    through the `staging_steps` of `params` (worked out once, with the compile)."""
     if stage not in self._jitted:
-      self._jitted[stage] = jax.jit(functools.partial(self.relayout, via=via),
-                                    out_shardings=out_shardings)
+      self._jitted[stage] = jax.jit(
+          functools.partial(self.relayout, via=self.staging_steps(params, stage)),
+          out_shardings=out_shardings)
     return self._jitted[stage]
 
   def cache_specs(self) -> tuple[PartitionSpec, PartitionSpec]:
@@ -355,8 +356,7 @@ def load_weights(params: nnx.State, version: int, layout: EngineLayout,
         jax.tree.map(lambda x: x.sharding, params), order))
   rest_s, decode_s = layout.shardings(params, stage)
   replicated = NamedSharding(stage, PartitionSpec())
-  staged_rest, staged_decode = layout.jitted_relayout(
-      stage, (rest_s, decode_s), layout.staging_steps(params, stage))(params)
+  staged_rest, staged_decode = layout.jitted_relayout(stage, (rest_s, decode_s), params)(params)
   staged = EngineParams(staged_rest, _stamp(int(version), replicated), staged_decode)
   out = []
   for mesh in meshes:
