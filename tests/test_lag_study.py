@@ -60,6 +60,16 @@ def test_report_has_table_plots_findings_and_keeps_notes(study):
   assert "My reading." in open(report).read()
 
 
+def test_the_report_says_how_many_of_the_launchers_seeds_are_done():
+  runs = [_fake_run(m, lag, s) for m in ("oapl", "grpo_tis") for lag in (1, 3) for s in (0, 1, 2)]
+  runs += [_fake_run("oapl", 1, 3), _fake_run("grpo_tis", 1, 3)]  # seed 3: 2 of its 4 runs
+  text = report_markdown(runs, study="reason", command="cmd", figures={})
+  assert ("**Seeds done: 3 of the 5 that `launch/reasoning_study.sh` runs** (0, 1, 2: a seed is done "
+          "when it has all 4 (method, L) runs); in progress: seed 3 (2 of 4 runs)") in text
+  text = report_markdown([r for r in runs if r.seed == 0], study="tiny", command="cmd", figures={})  # seed 0
+  assert "**Seeds done: 1 of the 3 that `launch/lag_study.sh` runs** (0: " in text and "in progress" not in text
+
+
 def test_paired_interval_is_students_t_on_the_per_seed_differences():
   mean, lo, hi = stats.paired_interval([0.1, 0.2, 0.3])
   half = 4.302652729749464 * 0.1 / np.sqrt(3)  # t(0.975, 2 dof) x sd / sqrt(n)
@@ -243,6 +253,57 @@ def test_the_joint_search_gives_both_methods_the_same_runs_current_settings_firs
     search.study_grid(["oapl_paper_betas"])
 
 
+def test_the_second_lag_runs_only_the_top_k_at_the_first_chosen_among_them():
+  axes = (search.Axis("b2", ("rl.beta2",), ((0.1,), (0.01,), (1e-3,))), search.lr_axis((3e-4, 1e-3)))
+  grid = {"oapl": axes, "grpo_tis": (search.lr_axis((1e-3, 1e-4, 3e-4)),)}
+  pts, gpts, lags = search.points(axes), search.points(grid["grpo_tis"]), (100, 50)
+  assert search.planned_runs(axes, lags, 2) == 6 + 2 and search.planned_runs(axes, lags, None) == 12
+  assert search.planned_runs(grid["grpo_tis"], lags, 5) == 6  # fewer points than k: all of them
+  # the second lag's runs are not known until every first-lag score is in
+  scores = {("oapl", 100, p): 0.5 for p in pts} | {("grpo_tis", 100, p): 0.5 for p in gpts[:2]}
+  assert search.screened(grid, lags, scores, 2) is None
+  first = search.run_order(grid, lags, scores, 2)
+  assert [x[0] for x in first] == [100] * 9 and first[:2] == [(100, "oapl", pts[0]), (100, "grpo_tis", gpts[0])]
+  assert search.choose(grid, lags, scores, 2) is None
+  scores[("grpo_tis", 100, gpts[2])] = 0.7
+  scores[("oapl", 100, pts[4])], scores[("oapl", 100, pts[5])] = 0.8, 0.9
+  # top 2 by score, best first; ties by run order (gpts[0] before gpts[1] at 0.5)
+  assert search.screened(grid, lags, scores, 2) == {"oapl": [pts[5], pts[4]], "grpo_tis": [gpts[2], gpts[0]]}
+  order = search.run_order(grid, lags, scores, 2)
+  assert order[:9] == first and order[9:] == [(50, "oapl", pts[5]), (50, "grpo_tis", gpts[2]),
+                                              (50, "oapl", pts[4]), (50, "grpo_tis", gpts[0])]
+  assert search.run_order(grid, lags, scores) == search.run_order(grid, lags)  # no k: every point
+  assert len(search.run_order(grid, lags)) == 18
+  # the choice: the best mean over both lags among the screened points only
+  scores[("oapl", 50, pts[5])], scores[("oapl", 50, pts[4])] = 0.1, 0.6  # means 0.5 and 0.7
+  scores[("grpo_tis", 50, gpts[2])] = 0.3
+  assert search.choose(grid, lags, scores, 2) is None  # a screened point's L = 50 run missing
+  scores[("grpo_tis", 50, gpts[0])] = 0.3  # means 0.5 (gpts[2]) and 0.4 (gpts[0])
+  scores[("oapl", 50, pts[0])] = 1.0  # a screened-out point (run anyway): not a candidate
+  assert search.choose(grid, lags, scores, 2) == {"oapl": pts[4], "grpo_tis": gpts[2]}
+  scores[("oapl", 50, pts[5])] = 0.5  # both means 0.7: the point that runs first (pts[4])
+  assert search.choose(grid, lags, scores, 2) == {"oapl": pts[4], "grpo_tis": gpts[2]}
+  plan = search.plan_json(grid, lags, 100, 2)
+  assert search.plan_top_k(json.loads(json.dumps(plan))) == 2
+  assert search.plan_top_k({k: v for k, v in plan.items() if k != "screen_top_k"}) is None
+
+
+def test_the_joint_search_screens_to_48_runs_the_same_for_both_methods():
+  grid = search.study_grid(["oapl", "grpo_tis"])
+  k, lags = search.SCREEN_TOP_K, search.SEARCH_LAGS
+  assert k == 6 and lags == (100, 50)
+  assert {m: search.planned_runs(axes, lags, k) for m, axes in grid.items()} == {"oapl": 24, "grpo_tis": 24}
+  scores = {(m, 100, p): 0.5 for m, axes in grid.items() for p in search.points(axes)}
+  order = search.run_order(grid, lags, scores, k)
+  assert len(order) == 48 and [x[0] for x in order] == [100] * 36 + [50] * 12
+  assert order[36:] == [(50, m, p) for pair in zip(*(search.points(grid[m])[:6] for m in grid))
+                        for m, p in zip(grid, pair)]  # all tied: the first 6 in run order
+  # the committed runs keep their names (they count as finished)
+  names = {layout.run_name(m, lag, 100, search.label(grid[m], idx)) for lag, m, idx in order}
+  committed = os.listdir("docs/reasoning_study/results/sweep")
+  assert all(n[:-len(".json")] in names for n in committed if n != "search.json") and len(committed) >= 6
+
+
 def test_choose_waits_for_every_run_and_averages_over_the_lags():
   axes = (search.Axis("b2", ("rl.beta2",), ((0.1,), (0.01,))), search.lr_axis((3e-4, 1e-3)))
   grid, pts = {"oapl": axes}, search.points(axes)
@@ -314,17 +375,54 @@ def test_search_flags_are_checked(capsys):
 
 def test_a_report_of_the_search_alone_shows_its_whole_grid(tmp_path):
   grid = search.study_grid(["oapl", "grpo_tis"])
-  plan = search.plan_json(grid, search.SEARCH_LAGS, 100)
+  plan = search.plan_json(grid, search.SEARCH_LAGS, 100, search.SCREEN_TOP_K)
   first = search.points(grid["oapl"])[0]
   text = report_markdown([], study="reason", command="cmd", figures={},
                          search={"plan": plan, "scores": {("oapl", 100, first): 0.42}},
                          reference=json.load(open("docs/reasoning_study/results/reference.json")))
-  assert "No study run has finished yet." in text and "OAPL 1 of 36, GRPO+IS 0 of 36" in text
-  assert "**Partial: the settings search has finished 1 of its 72 runs" in text
+  assert "No study run has finished yet." in text and "OAPL 1 of 24, GRPO+IS 0 of 24" in text
+  assert "**Partial: the settings search has finished 1 of its 48 runs" in text
   assert "| beta2=0.1, beta1=1 | 0.420 | — | — |" in text  # L=100 lr 3e-4 first, then the others
   assert text.count("| beta2=") == 6 and text.count("| eps_low=") == 6  # every setting has a row
-  assert "not yet (35 of its 36 runs left)" in text and "| OAPL | short runs, lr-only search | 0.956 ± 0.048 |" in text
+  assert "not yet (23 of its 24 runs left)" in text and "| OAPL | short runs, lr-only search | 0.956 ± 0.048 |" in text
+  assert "at L = 50 only each method's 6 best by their final pass@1 at L = 100 run" in text
+  # L = 100 unfinished: the L = 50 runs are not known yet, so no cell is screened out
+  assert not any("screened out" in line for line in text.splitlines() if line.startswith("| "))
   assert "## Plots" not in text and "paper's findings" not in text
+  # a plan written before the screening existed (no screen_top_k): every point at every lag
+  old = {k: v for k, v in plan.items() if k != "screen_top_k"}
+  text = report_markdown([], study="reason", command="cmd", figures={},
+                         search={"plan": old, "scores": {("oapl", 100, first): 0.42}})
+  assert "finished 1 of its 72 runs" in text and "Screening" not in text
+
+
+def _table(text, setting):
+  """The cells of the search table's row of `setting` ("beta2=0.1, beta1=1")."""
+  row = next(line for line in text.splitlines() if line.startswith(f"| {setting} |"))
+  return [c.strip() for c in row.strip("|").split("|")[1:]]
+
+
+def test_the_report_marks_the_screened_out_cells_and_bolds_the_choice_among_the_screened():
+  grid = search.study_grid(["oapl", "grpo_tis"])
+  plan = search.plan_json(grid, search.SEARCH_LAGS, 100, search.SCREEN_TOP_K)
+  scores = {}
+  for m, axes in grid.items():
+    for i, p in enumerate(search.points(axes)):
+      scores[(m, 100, p)] = round(1 - i / 100, 2)  # the first 6 in run order are the top 6
+  kept = search.screened(grid, search.SEARCH_LAGS, scores, search.SCREEN_TOP_K)
+  text = report_markdown([], study="reason", command="cmd", figures={}, search={"plan": plan, "scores": scores})
+  assert "finished 36 of its 48 runs" in text and "OAPL 18 of 24, GRPO+IS 18 of 24" in text
+  # OAPL's beta1 = 1 row: lr 3e-4, 1e-4, 1e-3 at L = 100, then at L = 50; its lr-3e-4 point is
+  # 1st in run order (kept), its lr-1e-4 point 7th (screened out)
+  assert _table(text, "beta2=0.1, beta1=1") == ["1.000", "0.940", "0.880", "—", "screened out", "screened out"]
+  assert sum(line.count("screened out") for line in text.splitlines() if line.startswith("| ")) == 2 * 12
+  for m in grid:  # the L = 50 runs of the screened points finish: the choice is among them
+    for j, p in enumerate(kept[m]):
+      scores[(m, 50, p)] = 0.9 if j == 3 else 0.1
+  text = report_markdown([], study="reason", command="cmd", figures={}, search={"plan": plan, "scores": scores})
+  assert "Partial" not in text and "OAPL 24 of 24, GRPO+IS 24 of 24" in text
+  assert "**0.970**" in text and "**0.900**" in text  # kept[3] (4th in run order): 0.97 at L=100, 0.9 at L=50
+  assert f"* chosen, OAPL: {search.describe(grid['oapl'], kept['oapl'][3])}." in text
 
 
 def test_the_search_command_uses_its_chosen_settings_for_the_study_runs(reason_study, tmp_path, monkeypatch, capsys):
@@ -386,3 +484,63 @@ def test_two_processes_share_the_runs_a_busy_one_is_skipped_and_exit_code_4_says
   printed = capsys.readouterr().out
   assert len(made) == 2 and printed.count("running in another process, skipped") == 2
   assert "2 runs are being made by another process (oapl_lag2_seed0, oapl_lag5_seed0)" in printed
+
+
+def _screened_search(reason_study, tmp_path, monkeypatch, busy=()):
+  """runner.search over a 6-point OAPL grid at L = 2 then 5 with k = 2, the L = 2 runs committed
+  but those in `busy` (held by another process); returns (the search's return or the exception,
+  the (lag, point label) of each run made)."""
+  import oapl_jax.train
+  from oapl_jax.workdir import WorkdirBusy
+  template = next(iter(results.load_compact(reason_study).values()))
+  committed = str(tmp_path / "results")
+  axes = (search.Axis("b2", ("rl.beta2",), ((0.1,), (0.01,), (1e-3,))), search.lr_axis((3e-4, 1e-3)))
+  grid = {"oapl": axes}
+  p1 = {p: 0.1 * (i + 1) for i, p in enumerate(search.points(axes))}  # the last two points best at L = 2
+  for p in search.points(axes):
+    name = layout.run_name("oapl", 2, 100, search.label(axes, p))
+    if name not in busy:
+      _fake_committed(template, committed, "sweep", name, p1[p])
+  made = []
+
+  def fake_run(config, workdir):
+    name = os.path.basename(workdir)
+    if name in busy:
+      raise WorkdirBusy(f"workdir lock {workdir}/run.lock is held by process 1")
+    made.append(name)
+    os.makedirs(workdir, exist_ok=True)
+    summary = json.loads(json.dumps(template["summary"]))
+    summary["eval_after"]["pass@1"] = 0.5 if config.rl.beta2 == 0.01 else 0.2
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+      f.write(json.dumps({"step": 1, "samples_generated": 16, "entropy": 1.0}) + "\n")
+    return summary
+  monkeypatch.setattr(oapl_jax.train, "run", fake_run)
+  out = str(tmp_path / "out")
+  try:
+    got = runner.search(out, grid=grid, lags=(2, 5), seed=100, top_k=2, reduced=True, study="reason",
+                        results=committed, echo=lambda line: None)
+  except runner.RunsElsewhere as e:
+    got = e
+  return got, made, out, axes
+
+
+def test_the_search_runs_the_second_lag_for_the_screened_points_only(reason_study, tmp_path, monkeypatch):
+  chosen, made, out, axes = _screened_search(reason_study, tmp_path, monkeypatch)
+  top = search.points(axes)[-2:][::-1]  # the 2 best at L = 2, best first
+  assert made == [layout.run_name("oapl", 5, 100, search.label(axes, p)) for p in top]
+  assert chosen == {"oapl": search.overrides(axes, top[1])}  # (0.5 + 0.5) / 2 beats (0.6 + 0.2) / 2
+  with open(layout.chosen_path(out)) as f:
+    written = json.load(f)
+  assert written["screen_top_k"] == 2 and written["screened"] == {"oapl": [search.label(axes, p) for p in top]}
+  with open(layout.search_plan_path(out)) as f:
+    assert json.load(f)["screen_top_k"] == 2
+
+
+def test_a_search_whose_first_lag_is_unfinished_elsewhere_exits_4_before_the_second(reason_study, tmp_path, monkeypatch):
+  """A first-lag run held by another process: its score decides the second lag's runs, so none
+  of them is made and the command ends with RunsElsewhere (exit code 4: run it again)."""
+  busy = layout.run_name("oapl", 2, 100, "b2-0.1_lr-0.0003")
+  got, made, _, _ = _screened_search(reason_study, tmp_path, monkeypatch, busy=(busy,))
+  assert isinstance(got, runner.RunsElsewhere) and busy in str(got) and made == []

@@ -13,18 +13,23 @@ of generated answers per run, and writes a report with plots. `--study` picks th
         --lags 1 10 50 100 --seeds 0 1 2 3 4 --budget-minutes=45          # one piece
 
 Settings search, first: `--search` runs each method over its grid (search.py: OAPL's beta1 x
-beta2 x lr, GRPO+IS's PPO clip x lr, 18 settings each) at the lags `--sweep-lags` (100 50) on
-seed `--sweep-seed` (100, not a study seed); `--sweep-lrs` searches the lr only (at L = 10).
-The setting with the best final pass@1, averaged over those lags, is each method's for the
-study (`<out>/sweep/chosen.json`; the report shows the whole grid). Runs already finished are
-skipped (a `summary.json` under `--out`, or a small result committed under `--results`) and an
-unfinished one resumes from its checkpoints, so a study runs in pieces: `--budget-minutes`
-starts no run after that many minutes (then exit code 3 says more is left: run the same command
-again; SIGTERM / SIGINT stop the run in progress with a checkpoint and exit 128 + the signal
-number, one line on stderr). Two processes can share one `--out`: a run whose workdir another
-process holds is skipped, and a process that ends with such runs left exits with code 4 (run
-it again once they finish). `--save-results` copies the finished runs' small results
-(results.compact: kilobytes each) from `--out` into `--results`, to be committed.
+beta2 x lr, GRPO+IS's PPO clip x lr, 18 settings each) on seed `--sweep-seed` (100, not a study
+seed): every setting at the first of `--sweep-lags` (100 50), then only each method's
+search.SCREEN_TOP_K (6) best by their final pass@1 there at the others (48 runs, not 72);
+`--sweep-lrs` searches the lr only (at L = 10). The screened setting with the best final pass@1,
+averaged over those lags, is each method's for the study (`<out>/sweep/chosen.json`; the report
+shows the whole grid, the screened-out cells marked). Runs already finished are skipped (a
+`summary.json` under `--out`, or a small result committed under `--results`) and an unfinished
+one resumes from its checkpoints, so a study runs in pieces: `--budget-minutes` starts no run
+after that many minutes (then exit code 3 says more is left: run the same command again;
+SIGTERM / SIGINT stop the run in progress with a checkpoint and exit 128 + the signal number,
+one line on stderr). Two processes can share one `--out`: a run whose workdir another process
+holds is skipped, and a process that ends with such runs left exits with code 4 (run it again
+once they finish). So does one that ends the search's first lag while the other still makes
+some of its runs: the later lags' runs follow from its scores. Given the same `--seeds`, two
+processes share the study's runs seed by seed, so the first seeds finish first.
+`--save-results` copies the finished runs' small results (results.compact: kilobytes each)
+from `--out` into `--results`, to be committed.
 From Python: `run_study(...)`, then `write_report(...)`.
 """
 
@@ -149,8 +154,9 @@ def _run_pieces(args) -> int | None:
   deadline = (time.perf_counter() + 60 * args.budget_minutes) if args.budget_minutes is not None else None
   common = {"reduced": args.reduced, "study": args.study, "deadline": deadline, "results": args.results}
   try:
-    settings = (search(args.out, grid=args.grid, lags=args.sweep_lags, seed=args.sweep_seed, **common)
-                if args.grid else None)
+    top_k = search_lib.SCREEN_TOP_K if args.search else None  # the lr sweep runs every lr
+    settings = (search(args.out, grid=args.grid, lags=args.sweep_lags, seed=args.sweep_seed, top_k=top_k,
+                       **common) if args.grid else None)
     run_study(args.out, methods=args.methods, lags=args.lags, seeds=args.seeds, settings=settings, **common)
   except BudgetSpent as e:
     print(e)

@@ -161,6 +161,23 @@ def _runs_line(results, spec) -> str:
           + (f" Wall time of all runs: {wall_seconds / 60:.0f} min (2-core CPU)." if wall_seconds else ""))
 
 
+def _seeds_line(results, spec) -> str:
+  """How many of the launcher's seeds are done: a seed is done once it has a finished run of
+  every (method, lag) that any finished run has; the seeds in progress with their runs."""
+  pairs = {(r.method, r.lag) for r in results}
+  by_seed: dict[int, set] = {}
+  for r in results:
+    by_seed.setdefault(r.seed, set()).add((r.method, r.lag))
+  done = sorted(s for s, p in by_seed.items() if p == pairs)
+  going = sorted(s for s in by_seed if s not in done)
+  return (f"**Seeds done: {len(done)} of the {len(spec.seeds)} that `{spec.launcher}` runs** "
+          f"({', '.join(map(str, done)) or 'none'}: a seed is done when it has all {len(pairs)} "
+          "(method, L) runs)"
+          + ("; in progress: " + ", ".join(f"seed {s} ({len(by_seed[s])} of {len(pairs)} runs)" for s in going)
+             + ", whose finished runs are in the tables too, so rows can have different seeds" if going else "")
+          + ". The launcher starts every method and lag of a seed before any run of the next seed.")
+
+
 def _header(results, *, study: str, command: str) -> list[str]:
   """Title, the command that made the report, and what the runs were."""
   spec = STUDIES[study]
@@ -172,7 +189,8 @@ def _header(results, *, study: str, command: str) -> list[str]:
       "",
       f"    {command}",
       "",
-      _runs_line(results, spec) if results else "No study run has finished yet.",
+      *([_runs_line(results, spec), "", _seeds_line(results, spec)] if results
+        else ["No study run has finished yet."]),
       "",
   ]
 
@@ -194,14 +212,18 @@ def _final_table(rows) -> list[str]:
   return lines + [""]
 
 
-def _search_cell(scores, method, lag, idx, chosen) -> str:
+SCREENED_OUT = "screened out"  # a later-lag cell of a point not among its method's screened ones
+
+
+def _search_cell(scores, method, lag, idx, chosen, screened_out) -> str:
   v = scores.get((method, lag, idx))
-  text = "—" if v is None else f"{v:.3f}"
+  text = (SCREENED_OUT if screened_out else "—") if v is None else f"{v:.3f}"
   return f"**{text}**" if chosen == idx else text
 
 
-def _search_method_table(method, axes, lags, scores, chosen) -> list[str]:
-  """One method's grid: a row per setting of its non-lr axes, a column per (lag, lr)."""
+def _search_method_table(method, axes, lags, scores, chosen, kept) -> list[str]:
+  """One method's grid: a row per setting of its non-lr axes, a column per (lag, lr). kept: the
+  method's points screened in for the later lags (None: not known yet)."""
   lr_at = next((i for i, a in enumerate(axes) if a.tag == "lr"), None)
   lr_values = range(len(axes[lr_at].values)) if lr_at is not None else [None]
   rows = []
@@ -215,38 +237,67 @@ def _search_method_table(method, axes, lags, scores, chosen) -> list[str]:
     if li is not None:
       key.insert(lr_at, li)
     return tuple(key)
+
+  def cell(lag, idx):
+    return _search_cell(scores, method, lag, idx, chosen,
+                        screened_out=lag != lags[0] and kept is not None and idx not in kept)
   cols = [(lag, li) for lag in lags for li in lr_values]
   head = " | ".join(f"L={lag}" + (f", lr {axes[lr_at].values[li][0]:g}" if li is not None else "")
                     for lag, li in cols)
   lines = [f"| {METHODS[method][0].split(' (')[0]} setting | {head} |", "|---|" + "---|" * len(cols)]
   for key in rows:
     name = search_lib.describe(axes, full(key, 0 if lr_at is not None else None), skip=("lr",)) or "lr only"
-    lines.append(f"| {name} | " + " | ".join(_search_cell(scores, method, lag, full(key, li), chosen)
-                                           for lag, li in cols) + " |")
+    lines.append(f"| {name} | " + " | ".join(cell(lag, full(key, li)) for lag, li in cols) + " |")
   return lines + [""]
 
 
+def _search_counts(plan: dict, scores: dict) -> tuple[dict, dict]:
+  """Each method's ({method: runs planned}, {method: those finished}): every point at the first
+  lag, the screened ones at the later lags (a later-lag run of a point screened out, made
+  before the screening existed, is shown in the grid but not counted)."""
+  grid, lags, top_k = search_lib.grid_from_plan(plan), plan["lags"], search_lib.plan_top_k(plan)
+  kept = search_lib.screened(grid, lags, scores, top_k)
+  total = {m: search_lib.planned_runs(axes, lags, top_k) for m, axes in grid.items()}
+  done = {m: sum(1 for (m2, lag, p) in scores if m2 == m and (lag == lags[0] or kept is None or p in kept[m]))
+          for m in grid}
+  return total, done
+
+
+def _screening_text(plan: dict, grid: dict) -> str:
+  """The screening rule, for the search section ("" without one, or where it keeps every point)."""
+  lags, top_k = plan["lags"], search_lib.plan_top_k(plan)
+  if top_k is None or len(lags) < 2 or all(top_k >= len(search_lib.points(a)) for a in grid.values()):
+    return ""
+  later = ", ".join(f"L = {lag}" for lag in lags[1:])
+  return (f" Screening: every setting runs at L = {lags[0]}; at {later} only each method's {top_k} best "
+          f"by their final pass@1 at L = {lags[0]} run (ties: the one that ran first), the same number for "
+          f"both methods, and the choice is among those {top_k}. \"{SCREENED_OUT}\": a setting not among "
+          "them, not run at that lag.")
+
+
 def _search_section(search: dict | None) -> list[str]:
-  """The settings search: every point's final pass@1 at each lag (— : not run yet), the runs per
-  method, and each method's choice ([] if no search ran).
+  """The settings search: every point's final pass@1 at each lag (— : not run yet; screened out:
+  not run at that lag by the screening), the runs per method, and each method's choice ([] if no
+  search ran).
 
   search: {"plan": search.json's plan, "scores": search.search_scores}."""
   if not search:
     return []
   plan, scores = search["plan"], search["scores"]
-  grid, lags = search_lib.grid_from_plan(plan), plan["lags"]
-  picked = search_lib.choose(grid, lags, scores) or {}
-  total = {m: len(search_lib.points(axes)) * len(lags) for m, axes in grid.items()}
-  done = {m: sum(1 for k in scores if k[0] == m) for m in grid}
+  grid, lags, top_k = search_lib.grid_from_plan(plan), plan["lags"], search_lib.plan_top_k(plan)
+  picked = search_lib.choose(grid, lags, scores, top_k) or {}
+  kept = search_lib.screened(grid, lags, scores, top_k)
+  total, done = _search_counts(plan, scores)
   lines = ["## Settings search", "",
            (f"Final held-out pass@1 of each setting at L = {', '.join(map(str, lags))}, seed {plan['seed']} "
             "(not a study seed). Each method's setting with the best pass@1 averaged over these lags "
             "(ties: the one nearer the configs' current setting) is used by every study run; it is in bold "
-            "once the method's grid is complete. — : not run yet."), "",
+            "once the method's grid is complete. — : not run yet." + _screening_text(plan, grid)), "",
            "Runs per method (the same budget for each): " + ", ".join(
                f"{METHODS[m][0].split(' (')[0]} {done[m]} of {total[m]}" for m in grid) + ".", ""]
   for method, axes in grid.items():
-    lines += _search_method_table(method, axes, lags, scores, picked.get(method))
+    lines += _search_method_table(method, axes, lags, scores, picked.get(method),
+                                  None if kept is None else kept[method])
   for method, axes in grid.items():
     lines.append(f"* chosen, {METHODS[method][0].split(' (')[0]}: "
                  + (search_lib.describe(axes, picked[method]) if method in picked else
@@ -258,9 +309,7 @@ def _search_status(search: dict | None) -> list[str]:
   """A line at the top while the search is incomplete ([] once it is complete, or without one)."""
   if not search:
     return []
-  grid, lags = search_lib.grid_from_plan(search["plan"]), search["plan"]["lags"]
-  total = sum(len(search_lib.points(axes)) * len(lags) for axes in grid.values())
-  done = len(search["scores"])
+  total, done = (sum(d.values()) for d in _search_counts(search["plan"], search["scores"]))
   if done >= total:
     return []
   return [f"**Partial: the settings search has finished {done} of its {total} runs, so no setting "

@@ -1,7 +1,8 @@
-"""The study's runs, budgeted and resumable: the settings search (search.py), then every (seed,
-lag, method) with the chosen settings. A run already finished (its `summary.json` under `out`, or
-its result committed under `results`) is skipped; one left unfinished resumes from its
-checkpoints; past the deadline no run starts (`BudgetSpent`), so a study runs in pieces.
+"""The study's runs, budgeted and resumable: the settings search (search.py: every point at the
+first lag, the screened ones at the later lags), then every (seed, lag, method) with the chosen
+settings, seed by seed. A run already finished (its `summary.json` under `out`, or its result
+committed under `results`) is skipped; one left unfinished resumes from its checkpoints; past
+the deadline no run starts (`BudgetSpent`), so a study runs in pieces.
 """
 
 from __future__ import annotations
@@ -92,26 +93,44 @@ def _run_all(out: str, todo: list[Run], *, reduced: bool, study: str, deadline: 
   return dirs
 
 
-def search(out: str, *, grid: dict, lags, seed: int, reduced: bool = False, study: str = "tiny",
-           deadline: float | None = None, echo=print, results: str | None = None) -> dict[str, dict]:
-  """Every point of each method's grid at each lag on seed `seed`, in `search.run_order`; returns
-  each method's chosen overrides (`search.choose`) and writes them with the scores to
-  `<out>/sweep/chosen.json`. The plan is written first (`<out>/sweep/search.json`)."""
-  plan = plan_json(grid, lags, seed)
+def search(out: str, *, grid: dict, lags, seed: int, top_k: int | None = None, reduced: bool = False,
+           study: str = "tiny", deadline: float | None = None, echo=print,
+           results: str | None = None) -> dict[str, dict]:
+  """Every point of each method's grid at the first lag on seed `seed`, then its `top_k` best
+  (`search.screened`; None: all) at each later lag, in `search.run_order`; returns each method's
+  chosen overrides (`search.choose`) and writes them with the scores to `<out>/sweep/chosen.json`.
+  The plan is written first (`<out>/sweep/search.json`).
+
+  The later lags' runs are known only once every first-lag run has finished: a process that
+  ends the first lag while another still makes some of its runs raises `RunsElsewhere` (run it
+  again once they finish), as for any run left to another process."""
+  plan = plan_json(grid, lags, seed, top_k)
   os.makedirs(layout.runs_root(out, layout.SWEEP), exist_ok=True)
   with open(layout.search_plan_path(out), "w") as f:
     json.dump(plan, f, indent=1)
-  todo = [Run(seed, lag, m, search_lib.overrides(grid[m], idx), search_lib.label(grid[m], idx))
-          for lag, m, idx in search_lib.run_order(grid, lags)]
-  _run_all(out, todo, reduced=reduced, study=study, deadline=deadline, echo=echo, results=results)
-  scores = search_scores(plan, load_compact(out, layout.SWEEP, results))
-  picked = search_lib.choose(grid, lags, scores)
+
+  def scores():
+    return search_scores(plan, load_compact(out, layout.SWEEP, results))
+  done: set = set()
+  while True:  # twice at most: the first lag, then (its scores known) the later lags' runs
+    new = [x for x in search_lib.run_order(grid, lags, scores(), top_k) if x not in done]
+    if not new:
+      break
+    _run_all(out, [Run(seed, lag, m, search_lib.overrides(grid[m], idx), search_lib.label(grid[m], idx))
+                   for lag, m, idx in new],
+             reduced=reduced, study=study, deadline=deadline, echo=echo, results=results)
+    done.update(new)
+  final = scores()
+  picked = search_lib.choose(grid, lags, final, top_k)
   if picked is None:  # not reached: every run above finished
     raise RuntimeError("search runs missing after the search")
   chosen = {m: search_lib.overrides(grid[m], idx) for m, idx in picked.items()}
+  kept = search_lib.screened(grid, lags, final, top_k)
   with open(layout.chosen_path(out), "w") as f:
-    json.dump({"lags": list(lags), "seed": seed, "chosen": chosen,
-               "points": {m: search_lib.label(grid[m], idx) for m, idx in picked.items()}}, f, indent=1)
+    json.dump({"lags": list(lags), "seed": seed, "screen_top_k": top_k, "chosen": chosen,
+               "points": {m: search_lib.label(grid[m], idx) for m, idx in picked.items()},
+               "screened": {m: [search_lib.label(grid[m], idx) for idx in kept[m]] for m in grid}},
+              f, indent=1)
   echo("search: " + "; ".join(f"{m} {search_lib.describe(grid[m], idx)}" for m, idx in picked.items()))
   return chosen
 

@@ -1,6 +1,13 @@
 """The settings search before a study, as pure functions: each method's grid of points (a point
-is a dict of config overrides), the name of a point's run, the order the runs go in, and the
-choice of each method's setting from the finished runs' final pass@1.
+is a dict of config overrides), the name of a point's run, the order the runs go in, the
+screening at the later lags, and the choice of each method's setting from the finished runs'
+final pass@1.
+
+Screening (`top_k`; the joint search's is SCREEN_TOP_K): every point runs at the first lag; at
+the later lags only each method's top_k points by their first-lag pass@1 run (`screened`), so
+which runs come after the first lag is known only once the first lag's runs have finished. The
+choice is then the best mean over the lags among those top_k points. top_k None: every point at
+every lag.
 
 A grid is an ordered tuple of axes; an axis moves one or more settings together ("clip" moves
 rl.grpo.eps_low and eps_high) through its values, the first value being the configs' current
@@ -46,6 +53,12 @@ SEARCH_LRS = (1e-4, 3e-4, 1e-3)  # every method's lr axis
 CURRENT_LR = {"oapl": 3e-4, "grpo_tis": 1e-3}  # the lrs the 300-step study chose (tried first)
 SEARCH_LAGS = (100, 50)  # the search's lags, in the order they run
 SEARCH_SEED = 100  # not a study seed
+# The joint search's screening: at the second lag (L = 50) only each method's 6 best points by
+# their L = 100 final pass@1 run (ties: the point that ran first), a third of its 18 and the
+# same number for both methods, so their budgets stay equal: 2 x (18 + 6) = 48 runs instead of
+# 72 (issue 30, "make it cheaper where the code allows"). A point's L = 50 run can only change
+# the choice among points that are already near the top at L = 100.
+SCREEN_TOP_K = 6
 
 
 def _current_first(values, current) -> tuple:
@@ -94,26 +107,65 @@ def describe(axes, idx, skip=()) -> str:
                    for s, v in zip(a.settings, a.values[i]))
 
 
-def run_order(grid: dict, lags) -> list[tuple[int, str, tuple[int, ...]]]:
-  """(lag, method, point) of every search run, most informative first: lag by lag in `lags`
-  order, the methods alternating point by point (each method's points in `points` order)."""
-  order = []
-  for lag in lags:
-    per_method = [[(lag, m, idx) for idx in points(axes)] for m, axes in grid.items()]
-    for row in itertools.zip_longest(*per_method):
-      order += [x for x in row if x is not None]
-  return order
+def _alternate(per_method) -> list:
+  """The methods' lists merged point by point (A1, B1, A2, B2, ...; a shorter list ends first)."""
+  return [x for row in itertools.zip_longest(*per_method) for x in row if x is not None]
 
 
-def choose(grid: dict, lags, scores: dict) -> dict[str, tuple[int, ...]] | None:
-  """Each method's point with the best final pass@1 averaged over `lags` (ties: the point that
-  runs first, i.e. nearer the current setting); None until every run has a score.
+def screened(grid: dict, lags, scores: dict, top_k: int | None) -> dict[str, list[tuple[int, ...]]] | None:
+  """Each method's points that run at the lags after the first: its `top_k` points by their
+  first-lag final pass@1, best first (ties: the point that runs first); every point (in `points`
+  order) when `top_k` is None or there is one lag. None while a first-lag score is missing (the
+  later lags' runs are not known yet).
 
   scores: {(method, lag, point): final pass@1}.
   """
-  chosen = {}
+  if top_k is None or len(lags) < 2:
+    return {m: points(axes) for m, axes in grid.items()}
+  kept = {}
   for method, axes in grid.items():
     pts = points(axes)
+    if any((method, lags[0], p) not in scores for p in pts):
+      return None
+    ranked = sorted(range(len(pts)), key=lambda i: (-scores[(method, lags[0], pts[i])], i))
+    kept[method] = [pts[i] for i in ranked[:top_k]]
+  return kept
+
+
+def planned_runs(axes, lags, top_k: int | None) -> int:
+  """How many search runs a method with grid `axes` has: every point at the first lag, then
+  `top_k` of them (all if None) at each later lag."""
+  n = len(points(axes))
+  return n + (len(lags) - 1) * (n if top_k is None else min(top_k, n))
+
+
+def run_order(grid: dict, lags, scores: dict | None = None,
+              top_k: int | None = None) -> list[tuple[int, str, tuple[int, ...]]]:
+  """(lag, method, point) of every search run known so far, most informative first: lag by lag
+  in `lags` order, the methods alternating point by point; at the first lag each method's
+  points in `points` order, at the later ones its `screened` points (best first). The later
+  lags' runs are left out while `screened` is None (a first-lag score missing from `scores`)."""
+  first = [[(lags[0], m, idx) for idx in points(axes)] for m, axes in grid.items()]
+  kept = screened(grid, lags, scores or {}, top_k)
+  if kept is None:
+    return _alternate(first)
+  return _alternate(first) + [x for lag in lags[1:] for x in _alternate(
+      [[(lag, m, idx) for idx in kept[m]] for m in grid])]
+
+
+def choose(grid: dict, lags, scores: dict, top_k: int | None = None) -> dict[str, tuple[int, ...]] | None:
+  """Each method's point with the best final pass@1 averaged over `lags`, among its `screened`
+  points (every point when `top_k` is None; ties: the point that runs first at the first lag,
+  i.e. nearer the current setting); None until each of those has a score at every lag.
+
+  scores: {(method, lag, point): final pass@1}.
+  """
+  kept = screened(grid, lags, scores, top_k)
+  if kept is None:
+    return None
+  chosen = {}
+  for method, axes in grid.items():
+    pts = [p for p in points(axes) if p in kept[method]]
     if any((method, lag, p) not in scores for p in pts for lag in lags):
       return None
     means = [sum(scores[(method, lag, p)] for lag in lags) / len(lags) for p in pts]
@@ -121,10 +173,18 @@ def choose(grid: dict, lags, scores: dict) -> dict[str, tuple[int, ...]] | None:
   return chosen
 
 
-def plan_json(grid: dict, lags, seed: int) -> dict:
-  """The search's plan as written to `search.json`: its lags (in run order), seed and grids."""
+def plan_json(grid: dict, lags, seed: int, top_k: int | None = None) -> dict:
+  """The search's plan as written to `search.json`: its lags (in run order), seed, grids and
+  screening (`screen_top_k`: None, every point at every lag)."""
   return {"lags": list(lags), "seed": seed,
-          "grid": {m: [dataclasses.asdict(a) for a in axes] for m, axes in grid.items()}}
+          "grid": {m: [dataclasses.asdict(a) for a in axes] for m, axes in grid.items()},
+          "screen_top_k": top_k}
+
+
+def plan_top_k(plan: dict) -> int | None:
+  """A plan's screening (`plan_json`); None for a plan written before screening existed (every
+  point at every lag)."""
+  return plan.get("screen_top_k")
 
 
 def grid_from_plan(plan: dict) -> dict[str, tuple[Axis, ...]]:
