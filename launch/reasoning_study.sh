@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # The reasoning study of docs/reasoning_study.md (issue 30): first the joint settings search on
-# seed 100 (OAPL over beta1 x beta2 x lr, GRPO+IS over its PPO clip x lr, 18 settings each, at
-# L = 100 and 50: 72 runs of 1000 steps), then OAPL and GRPO+IS with the chosen settings at
-# L = 1, 10, 50, 100, seeds 0-4, 1000 steps each (10 refreshes at L = 100; 128,000 answers per
-# run); then the finished runs' small results are copied into docs/reasoning_study/results
-# (committed: a later checkout counts them as finished) and the report is written.
-# Estimated (from 300-step runs at ~10 min a free core): the search ~25-30 core-hours, the
-# study ~20-25, over two cores; in resumable pieces.
+# seed 100 (OAPL over beta1 x beta2 x lr, GRPO+IS over its PPO clip x lr, 18 settings each):
+# every setting at L = 100, then each method's 6 best there (search.SCREEN_TOP_K, the same for
+# both) at L = 50, 48 runs of 1000 steps (not 72: the other 12 settings per method do not run at
+# L = 50); then OAPL and GRPO+IS with the chosen settings at L = 1, 10, 50, 100, seeds 0-4, 1000
+# steps each (10 refreshes at L = 100; 128,000 answers per run), seed by seed: every run of
+# seeds 0, 1, 2 starts before any of seeds 3 and 4 (when the first seed-3 run starts, at most one
+# seed-2 run is still going), so 3 seeds are done first; then the finished runs' small results
+# are copied into docs/reasoning_study/results (committed: a later checkout counts them as
+# finished) and the report is written.
+# Estimated: the search 48 x 12-19 min (measured per search run) = 10-15 core-hours; the study's
+# 40 runs ~17-20 core-hours (not measured yet); over two cores, in resumable pieces.
 #
 # Two processes, one core each (a second core buys little inside one XLA process on CPU), both
-# running the search: each skips the runs the other is making, so they share it. A process that
-# reaches the end of the search while the other still makes its last runs exits with code 4 and
-# is started again a minute later, until the search is complete. Then the first runs seeds 0 1 2
-# and the second seeds 3 4 with the chosen settings. Resumable: finished runs (under OUT_DIR or
-# committed) are skipped, and Ctrl-C / SIGTERM stops both with a checkpoint of the runs in
-# progress; run the same command again to go on.
+# running the same command: each skips the runs the other is making, so they share the search
+# and then the study's runs, in order. A process that runs out of runs while the other still
+# makes its last ones (the last runs at L = 100, whose scores pick the L = 50 runs; the search's
+# last runs; the study's) exits with code 4 and is started again a minute later, until they are
+# done. Resumable: finished runs (under OUT_DIR or committed) are skipped, and Ctrl-C / SIGTERM
+# stops both with a checkpoint of the runs in progress; run the same command again to go on.
 #
 # Usage: bash launch/reasoning_study.sh [--dry-run] [OUT_DIR] [EXTRA LAG_STUDY FLAGS...]
 #   --dry-run  prints the commands instead of running them
@@ -32,9 +36,10 @@ pin_a=() pin_b=()
 if command -v taskset > /dev/null && [[ "$(nproc)" -ge 2 ]]; then
   pin_a=(taskset -c 0) pin_b=(taskset -c 1)
 fi
-# each half writes a report of its own runs in OUT; the last steps copy the results and write the study's
-a=("${pin_a[@]}" "${study[@]}" --report="$out/half_a.md" --seeds 0 1 2 "$@")
-b=("${pin_b[@]}" "${study[@]}" --report="$out/half_b.md" --seeds 3 4 "$@")
+# both halves take every seed, in order (the runs of a seed before the next seed's); each writes a
+# report in OUT; the last steps copy the results and write the study's
+a=("${pin_a[@]}" "${study[@]}" --report="$out/half_a.md" --seeds 0 1 2 3 4 "$@")
+b=("${pin_b[@]}" "${study[@]}" --report="$out/half_b.md" --seeds 0 1 2 3 4 "$@")
 full=("${study[@]}" --report=docs/reasoning_study.md --seeds 0 1 2 3 4 "$@")
 if [[ -n "$dry" ]]; then
   echo "# each again while it exits with 4 (the other process is making the runs left):"

@@ -21,6 +21,7 @@ import subprocess
 import pytest
 
 from oapl_jax import config as config_lib
+from oapl_jax.studies.definitions import STUDIES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ABSL_FLAGS = {"help", "helpfull", "helpshort", "helpxml", "flagfile", "undefok", "verbosity", "v",
@@ -189,8 +190,10 @@ def test_the_reasoning_study_launcher_searches_splits_the_seeds_and_saves_the_re
   n, problems = check_text(p.stdout, "reasoning_study.sh --dry-run")
   assert n == 4 and not problems, (p.stdout, problems)
   lines = [l for l in p.stdout.splitlines() if "oapl_jax" in l]
-  # both halves at once: they share the search, then take their seeds
-  assert lines[0].endswith("--seeds 0 1 2 --budget-minutes=30 &") and lines[1].endswith("--seeds 3 4 --budget-minutes=30 &")
+  # both halves at once: they share the search, then every seed in order (3 seeds done first)
+  seeds = " ".join(map(str, STUDIES["reason"].seeds))  # the seeds the report counts as planned
+  assert seeds == "0 1 2 3 4"
+  assert lines[0].endswith(f"--seeds {seeds} --budget-minutes=30 &") and lines[1].endswith(f"--seeds {seeds} --budget-minutes=30 &")
   assert lines[2].endswith("--seeds 0 1 2 3 4 --budget-minutes=30 --save-results")
   assert lines[3].endswith("--seeds 0 1 2 3 4 --budget-minutes=30 --report-only")
   assert all("--out=/tmp/rs" in l and " --search " in l and "--results=docs/reasoning_study/results" in l
