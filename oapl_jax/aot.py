@@ -43,6 +43,7 @@ from oapl_jax import placement, sharding
 from oapl_jax import plan as plan_lib
 from oapl_jax.errors import ConfigError, UserError
 from oapl_jax.placement import seq_len
+from oapl_jax.rl import losses
 from oapl_jax.topology import CHIPS, LOCAL, GiB, TOPOLOGIES, Topology
 
 # libtpu's names of a TPU generation, its chip config and its chips' grid per slice size.
@@ -192,8 +193,10 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False,
                 rewards=jax.ShapeDtypeStruct(micro, jnp.float32))
   reference = params if uses_reference(config) else None
   opt_state = jax.eval_shape(optimizer.init, params)
-  state_names = ("master weights", "optimizer state", "trainer snapshot", "reference policy",
-                 "train batch")
+  # pi_old is an argument only where the loss scores it (`losses.needs`): jit drops an argument
+  # the program does not read, and the run keeps pi_old all the same (`compiled_peak` adds it)
+  state_names = ("master weights", "optimizer state", "reference policy", "train batch",
+                 *(("trainer snapshot",) if losses.needs(config).snapshot else ()))
   if wanted("train step"):
     with jax.set_mesh(mesh):
       lowered = step.jitted.lower(params, opt_state, snapshot, batch, reference)
@@ -246,7 +249,7 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False,
         jax.ShapeDtypeStruct((p,), jnp.int32, sharding=rep))
     out.append(_compile("prefill", "engine", lowered, snap_bytes, items["engine prefill"], keep_hlo))
 
-  caps = capacities(config)
+  caps, where = capacities(config), plan_lib.topology_of(config)
   stop = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
   for capacity in caps:
     state = jax.eval_shape(lambda c=capacity: engine.init_decode_state(capacity=c))
@@ -255,37 +258,43 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False,
     if wanted(f"decode @ {capacity}"):
       lowered = engine._generate_steps.lower(weights, state, stop)  # noqa: SLF001
       out.append(_compile(f"decode @ {capacity}", "engine", lowered, snap_bytes + cache,
-                          items["engine logits"] + items["decode loop copy"] * capacity // t,
+                          items["engine sampling"]
+                          + cache * plan_lib.loop_copies_cache(config, where, capacity),
                           keep_hlo))
   if wanted("decode step"):
     lowered = engine._generate.lower(weights, state)  # noqa: SLF001  (the largest capacity's)
     out.append(_compile("decode step", "engine", lowered,
-                        snap_bytes + plan_lib.kv_cache_bytes(config), items["engine logits"], keep_hlo))
+                        snap_bytes + plan_lib.kv_cache_bytes(config),
+                        plan_lib.sampler_bytes(config, where, loop=False),
+                        keep_hlo))
   return out
 
 
 # --- the report ---------------------------------------------------------------------------
 
 
-def compiled_peak(progs: list[Program], plan: plan_lib.Plan) -> int:
+def compiled_peak(progs: list[Program], plan: plan_lib.Plan, scores_snapshot: bool = True) -> int:
   """The run's peak bytes per device from the compiled programs, as the plan places trainer
   and engines (`Plan.counted`): with shared devices (sync) the engines' weights and KV cache
   (the largest decode program's arguments) stay while the train step runs, and the trainer's
-  state (the train step's arguments) while the engines prefill, decode or are refreshed; in
-  async mode training and sampling run at once; on devices of their own the fuller side."""
+  state (the train step's arguments, and pi_old where the loss does not score it: the run keeps
+  it, the refresh's argument) while the engines prefill, decode or are refreshed; in async mode
+  training and sampling run at once; on devices of their own the fuller side. scores_snapshot:
+  the loss scores pi_old (`losses.needs`), so the train step's arguments hold it."""
   by = {p.name: p for p in progs}
-  train = by["train step"]
+  train, refresh = by["train step"], by["refresh"]
   engine = [p for p in progs if p.where == "engine"]
   engine_state = max(p.argument for p in engine if p.name.startswith("decode @"))
   engine_peak = max(p.total for p in engine)
-  refresh = by["refresh"]
-  trainer_side = max(train.total, train.argument + refresh.output + refresh.temp,
-                     *(p.total for p in progs if p.name == "offline log-probs"))
+  kept = 0 if scores_snapshot else refresh.argument  # pi_old, not the step's argument
+  trainer_state = train.argument + kept
+  trainer_side = max(train.total + kept, trainer_state + refresh.output + refresh.temp,
+                     *(p.total + kept for p in progs if p.name == "offline log-probs"))
   if not plan.shared:
     return max(trainer_side, engine_peak)
   if plan.concurrent:
     return trainer_side + engine_peak
-  return max(trainer_side + engine_state, train.argument + engine_peak)
+  return max(trainer_side + engine_state, trainer_state + engine_peak)
 
 
 def model_flops(config) -> dict[str, float]:
@@ -324,7 +333,7 @@ class Report:
 
   @property
   def peak(self) -> int:
-    return compiled_peak(self.programs, self.plan)
+    return compiled_peak(self.programs, self.plan, losses.needs(self.plan_config).snapshot)
 
   @property
   def fits(self) -> bool:

@@ -17,7 +17,8 @@ Where the numbers come from:
   every mesh axis but "tensor" dropped), on an engine's `sampling.tensor` devices.
 * optimizer state: `jax.eval_shape(optimizer.init)` of the abstract weights; each leaf that
   mirrors a weight (AdamW's mu, nu) is laid out as that weight.
-* KV cache and engine logits: closed forms of the engine's buffers (`kv_cache_bytes`).
+* KV cache and the sampler's arrays: closed forms of the engine's buffers (`kv_cache_bytes`,
+  `sampler_bytes`).
 * activations and the log-prob kernel: an analytic model of one micro-batch's forward and
   backward under train.remat, train.attn_block and train.logprob_tile (`activation_bytes`,
   `logprob_bytes`), checked against the compiled step's memory_analysis() (tests/test_plan.py).
@@ -257,6 +258,28 @@ def kv_cache_bytes(config) -> int:
           * np.dtype(m.dtype).itemsize)
 
 
+SAMPLER_COPIES = 5  # f32 [S, V] arrays of a decode step's sampling alive at once (the logits
+# gathered over the vocab split and their layout copy, the log-softmax, the prefix sums and their
+# 64-token blocks, which XLA:TPU pads to 128 lanes: `processing.sample`)
+TRUNCATION_COPIES = 2  # more with top-p / top-k (`processing.process_logits`: the kept-token mask)
+LANES = 128  # XLA:TPU's minor tile
+
+
+def sampler_bytes(config, where: Devices, loop: bool = True) -> int:
+  """An engine's sampling arrays in a decode step: SAMPLER_COPIES f32 [S, V] (+ TRUNCATION_COPIES
+  with top-p or top-k); S = the engine's slots. loop: in the decode loop (`generate_steps`) on
+  TPU without truncation, XLA:TPU keeps the loop's logits and log-softmax in a layout with the
+  slots in the 128 lanes instead, two f32 [max(S, 128), V], beside the prefix sums and their
+  blocks (two [S, V]). Compiled for v5p, math.py (32 slots, no truncation; the loop's two
+  lane-major arrays: 0.15 GiB) and code.py (16 slots, top-p 0.95): within 3% of the decode
+  step's and the loop's temp (docs/memory.md)."""
+  s, v = placement.engine_slots(config), config.model.vocab_size
+  truncates = config.sampling.top_p < 1.0 or config.sampling.top_k > 0
+  if loop and _on_tpu(where) and not truncates:
+    return 2 * max(s, LANES) * v * 4 + 2 * s * v * 4
+  return (SAMPLER_COPIES + TRUNCATION_COPIES * truncates) * s * v * 4
+
+
 # --- the plan --------------------------------------------------------------------------------
 
 # What to change when an item is the biggest one of a plan that does not fit.
@@ -271,7 +294,7 @@ SETTINGS = {
     "log-prob kernel": "train.logprob_tile or train.grad_accum",
     "engine snapshot": "sampling.tensor",
     "KV cache": "sampling.max_slots (or spread the cache: sampling.engines x sampling.tensor)",
-    "engine logits": "sampling.max_slots (or sampling.engines)",
+    "engine sampling": "sampling.max_slots (or sampling.engines)",
     "decode loop copy": "sampling.max_slots (or spread the cache: sampling.engines x sampling.tensor)",
     "engine prefill": "sampling.max_prefill_batch",
 }
@@ -464,15 +487,15 @@ def make_plan(config) -> Plan:
       Item("KV cache", kv_cache_bytes(config), "engine", "state",
            f"{slots} slots x {seq_len(config)} positions x {m.num_layers} layers, "
            f"{m.num_kv_heads} KV heads over tensor {s.tensor}, {cd.name}"),
-      Item("engine logits", slots * m.vocab_size * 4, "engine", "step",
-           "next-token logits [slots, V] f32, replicated on an engine"),
-      Item("decode loop copy", kv_cache_bytes(config) if _loop_copies_cache(config, where) else 0,
+      Item("engine sampling", sampler_bytes(config, where), "engine", "step",
+           f"the sampler's f32 [{slots}, V] arrays, replicated on an engine"),
+      Item("decode loop copy", kv_cache_bytes(config) if loop_copies_cache(config, where) else 0,
            "engine", "step",
            "TPU, a head_dim or a row length (the largest cache) not a multiple of 128: a second "
            "KV cache (XLA:TPU lays the cache out apart from what the decode loop reads and "
            "copies it; compiled for v5p: --dry_run=compile); none with both multiples of 128, "
            "none on CPU; GPU not known"),
-      Item("engine prefill", _prefill_bytes(config), "engine", "step",
+      Item("engine prefill", _prefill_bytes(config, where), "engine", "step",
            f"{s.max_prefill_batch} prompts x {s.max_prompt_len} tokens, one layer at a time"),
   ]
   return Plan(where.name, where.devices, mesh, s.engines, s.tensor, shared,
@@ -480,14 +503,14 @@ def make_plan(config) -> Plan:
               where.processes, slots)
 
 
-def _loop_copies_cache(config, where: Devices) -> bool:
-  """Whether the engine's decode loop holds a second KV cache (its largest, seq_len positions),
-  as compiled for v5p: on a TPU slice when model.head_dim or the row length is not a multiple
-  of 128 lanes (head_dim 64, or 300 positions: temp about the cache's bytes; the cache writes
-  stay in the cache's layout only in whole tiles, `sampling.decode.write_keys`). A smaller
-  capacity of the same kind (cache_bucket 64) copies its smaller cache; the plan counts the
-  largest."""
-  return _on_tpu(where) and (config.model.head_dim % 128 != 0 or seq_len(config) % 128 != 0)
+def loop_copies_cache(config, where: Devices, capacity: int | None = None) -> bool:
+  """Whether the engine's decode loop at KV-cache `capacity` (None: its largest, seq_len
+  positions) holds a second KV cache, as compiled for v5p: on a TPU slice when model.head_dim or
+  the capacity is not a multiple of 128 lanes (head_dim 64, 300 positions, or cache_bucket 64's
+  first capacity: temp about that capacity's cache; the cache writes stay in the cache's layout
+  only in whole tiles, `sampling.decode.write_keys`). The plan counts the largest capacity's."""
+  positions = seq_len(config) if capacity is None else capacity
+  return _on_tpu(where) and (config.model.head_dim % LANES != 0 or positions % LANES != 0)
 
 
 def _on_tpu(where: Devices) -> bool:
@@ -497,17 +520,22 @@ def _on_tpu(where: Devices) -> bool:
   return where.name.split("-")[0] in TPU_GENERATIONS
 
 
-def _prefill_bytes(config) -> int:
-  """An engine's prefill working set: one layer's full set (`layer_bytes(., "none")`) of
-  max_prefill_batch x max_prompt_len tokens, blockwise attention's f32 blocks and the [P, T, E]
-  f32 residual; forward only, so no layer is kept (its keys and values go to the KV cache)."""
+def _prefill_bytes(config, where: Devices) -> int:
+  """An engine's prefill working set, forward only (each layer's keys and values go to the KV
+  cache, nothing is kept for a backward pass): the live values of one layer's MLP, its widest
+  part, for max_prefill_batch x max_prompt_len tokens in the compute dtype: the residual, the
+  block input and its norm, gate and up (fused), and their product (3 E + 3 F per token;
+  compiled for v5p-64, math.py: 0.25 GiB against 0.23 so counted). Off TPU, blockwise
+  attention's f32 [P, N, a, a] blocks too; on TPU (model.attention_kernel auto or pallas) the
+  splash kernel keeps its blocks in VMEM."""
   s, m = config.sampling, config.model
-  x = Dims(b=s.max_prefill_batch, t=s.max_prompt_len, e=m.hidden_size,
-           n=_ceil(m.num_heads, s.tensor), k=_ceil(m.num_kv_heads, s.tensor), d=m.head_dim,
-           f=_ceil(m.mlp_dim, s.tensor), v=_ceil(m.vocab_size, s.tensor), layers=m.num_layers,
-           c=np.dtype(m.dtype).itemsize)
-  a = min(config.train.attn_block, x.t)
-  return layer_bytes(x, "none") + 3 * x.b * x.n * a * a * 4 + x.b * x.t * x.e * 4
+  tokens = s.max_prefill_batch * s.max_prompt_len
+  e, f = m.hidden_size, _ceil(m.mlp_dim, s.tensor)
+  mlp = tokens * np.dtype(m.dtype).itemsize * (3 * e + 3 * f)
+  if _on_tpu(where) and config.model.attention_kernel in ("auto", "pallas"):  # splash
+    return mlp
+  a = min(config.train.attn_block, s.max_prompt_len)
+  return mlp + 3 * s.max_prefill_batch * _ceil(m.num_heads, s.tensor) * a * a * 4
 
 
 def device_memory() -> int | None:

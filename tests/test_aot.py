@@ -60,6 +60,39 @@ def test_capacities_are_the_engines_buckets():
   assert aot.capacities(config) == [256, 512, 1024, 1100]
 
 
+def _program(name, where, argument, temp=0, output=0, alias=0):
+  return aot.Program(name, where, argument, output, alias, temp, 0.0, 0.0, 0.0)
+
+
+def test_compiled_peak_keeps_pi_old_where_the_step_does_not_read_it():
+  # jit drops an argument its program does not read: a loss that does not score pi_old compiles
+  # a train step without it, but the run keeps pi_old (the refresh's argument) all the same
+  config = tiny.get_config()
+  plan = aot.plan_lib.make_plan(config)
+  assert plan.shared and not plan.concurrent  # sync mode: trainer and engine take turns
+  progs = [_program("train step", "trainer", 100, temp=50),
+           _program("refresh", "trainer", 7, output=9, temp=1),
+           _program("decode @ 64", "engine", 30, temp=5),
+           _program("decode step", "engine", 30, temp=2)]
+  # the trainer's side (train step 150 + pi_old 7) beside the engines' state (30)
+  assert aot.compiled_peak(progs, plan, scores_snapshot=False) == 100 + 50 + 7 + 30
+  assert aot.compiled_peak(progs, plan, scores_snapshot=True) == 100 + 50 + 30
+
+
+def test_sampler_plan_counts_the_lane_padded_loop_arrays_only_on_tpu():
+  from oapl_jax import plan as plan_lib
+  c = tiny.get_config()
+  s, v = c.sampling.max_slots, c.model.vocab_size
+  cpu = plan_lib.Devices("local cpu", 1, 1, None)
+  tpu = plan_lib.Devices("v5p-8", 4, 1, 95 * 2**30)
+  assert plan_lib.sampler_bytes(c, cpu) == plan_lib.SAMPLER_COPIES * s * v * 4
+  assert plan_lib.sampler_bytes(c, tpu, loop=False) == plan_lib.SAMPLER_COPIES * s * v * 4
+  assert plan_lib.sampler_bytes(c, tpu) == 2 * max(s, 128) * v * 4 + 2 * s * v * 4
+  c.sampling.top_p = 0.95  # the kept-token mask: two more, and no lane-major loop arrays
+  copies = plan_lib.SAMPLER_COPIES + plan_lib.TRUNCATION_COPIES
+  assert plan_lib.sampler_bytes(c, tpu) == copies * s * v * 4
+
+
 def test_libtpu_names_of_the_slices():
   assert aot.libtpu_name(TOPOLOGIES["v5p-64"]) == ("v5:2x4x4", "megacore", (2, 2, 1))
   assert aot.libtpu_name(TOPOLOGIES["v5p-128"]) == ("v5:4x4x4", "megacore", (2, 2, 1))
@@ -135,7 +168,7 @@ def test_compiles_for_a_tpu_slice_with_the_tpu_compiler():
   # The decode loop updates the KV cache in place: no second cache in its temp (before the
   # cache writes of sampling/decode.py kept the cache's layout, XLA:TPU copied the loop's cache
   # in and out of its while loop: temp about the cache's bytes). At 64 positions, fewer than a
-  # TPU tile's 128 lanes, the copy is still there (plan.py counts it: `_loop_copies_cache`).
+  # TPU tile's 128 lanes, the copy is still there (plan.py counts it: `loop_copies_cache`).
   loops, cache = report["loops"], report["kv_cache"]
   assert list(loops) == ["decode @ 64", "decode @ 128"] and cache >= 32 * 2**20, (loops, cache)
   assert loops["decode @ 128"] < cache / 4, (loops, cache)

@@ -162,10 +162,13 @@ _CDF_BLOCK = 64  # vocabulary block of the two-level prefix sum in `sample`
 
 
 def _cdf(p: jax.Array) -> jax.Array:
-  """Inclusive prefix sums `[S, V']` of probabilities `[S, V]` (V' = V padded to the block).
+  """Inclusive prefix sums `[S, V'/B, B]` of probabilities `[S, V]`, by blocks of B =
+  `_CDF_BLOCK` tokens (V' = V padded to the block; token i is at [:, i // B, i % B]).
 
-  Two levels: a triangular matmul inside blocks of `_CDF_BLOCK` tokens, then a cumsum of the
-  block totals (XLA's CPU cumsum over the whole vocabulary is several times slower).
+  Two levels: a triangular matmul inside the blocks, then a cumsum of the block totals (XLA's
+  CPU cumsum over the whole vocabulary is several times slower). Kept in blocks: `sample`
+  counts over them as they are (flattened to [S, V'], XLA:TPU copied them to a layout with
+  the slots in the 128 lanes, 128 x V' x 4 bytes however few the slots).
   """
   s, v = p.shape
   pad = -v % _CDF_BLOCK
@@ -173,7 +176,7 @@ def _cdf(p: jax.Array) -> jax.Array:
   tri = jnp.triu(jnp.ones((_CDF_BLOCK, _CDF_BLOCK), p.dtype))  # tri[i, j] = i <= j
   within = jnp.matmul(blocks, tri, precision=jax.lax.Precision.HIGHEST)  # [S, V'/B, B]
   offsets = jnp.cumsum(within[..., -1], axis=-1) - within[..., -1]  # [S, V'/B] exclusive
-  return (within + offsets[..., None]).reshape(s, -1)
+  return within + offsets[..., None]
 
 
 def sample(processed: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -185,9 +188,10 @@ def sample(processed: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
   """
   logp_all = jax.nn.log_softmax(processed, axis=-1)  # [S, V]
   probs = jnp.exp(logp_all)
-  cdf = _cdf(probs)  # [S, V']
-  threshold = u * cdf[:, -1]  # [S]
-  tokens = jnp.sum(cdf <= threshold[:, None], axis=-1)  # first index with cdf > threshold
+  cdf = _cdf(probs)  # [S, V'/B, B]
+  threshold = u * cdf[:, -1, -1]  # [S]
+  # first index with cdf > threshold: a count, the same in any order
+  tokens = jnp.sum(cdf <= threshold[:, None, None], axis=(1, 2))
   tokens = jnp.minimum(tokens, processed.shape[-1] - 1)
   pick = lambda t: jnp.take_along_axis(logp_all, t[:, None], axis=-1)[:, 0]  # [S]
   logp = pick(tokens)
