@@ -143,6 +143,22 @@ def load_runs(out: str | None, kind: str = layout.RUNS, results: str | None = No
           for name, result in sorted(load_compact(out, kind, results).items())]
 
 
+OUT_TOKEN = "$OUT"  # the runs' folder in a committed result, for the machine that made it
+
+
+def without_folder(tree, out: str):
+  """`tree` (a result's JSON) with every string under folder `out` (the base models' cache in a
+  run's config) rewritten from OUT_TOKEN: a committed result names no one's machine. Pure."""
+  root = os.path.abspath(out).rstrip(os.sep)
+  if isinstance(tree, dict):
+    return {k: without_folder(v, out) for k, v in tree.items()}
+  if isinstance(tree, list):
+    return [without_folder(v, out) for v in tree]
+  if isinstance(tree, str) and (tree == root or tree.startswith(root + os.sep)):
+    return OUT_TOKEN + tree[len(root):]
+  return tree
+
+
 def save_results(out: str, results: str) -> list[str]:
   """Writes each finished run's `compact` result under `out` (both kinds) and the search's plan
   into `results`; returns the paths written."""
@@ -152,7 +168,7 @@ def save_results(out: str, results: str) -> list[str]:
       path = layout.result_path(results, kind, name)
       os.makedirs(os.path.dirname(path), exist_ok=True)
       with open(path, "w") as f:
-        json.dump(result, f, separators=(",", ":"))
+        json.dump(without_folder(result, out), f, separators=(",", ":"))
       written.append(path)
   plan = layout.search_plan_path(out)
   if os.path.isfile(plan):
