@@ -259,7 +259,7 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False,
       lowered = engine._generate_steps.lower(weights, state, stop)  # noqa: SLF001
       out.append(_compile(f"decode @ {capacity}", "engine", lowered, snap_bytes + cache,
                           items["engine sampling"]
-                          + cache * plan_lib.loop_copies_cache(config, where, capacity),
+                          + plan_lib.loop_copy_bytes(config, where, capacity),
                           keep_hlo))
   if wanted("decode step"):
     lowered = engine._generate.lower(weights, state)  # noqa: SLF001  (the largest capacity's)
