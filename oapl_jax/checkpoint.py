@@ -43,6 +43,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from typing import Any
 
 import jax
@@ -205,7 +206,10 @@ def _quiet_storage_failure() -> None:
   traceback, from its background threads, while the next steps train) and tensorstore report
   its late callbacks' "Event loop is closed" to `sys.unraisablehook`: screens of tracebacks
   before `Checkpointer.wait` raises the failure as one line. From the first Checkpointer on,
-  those are dropped; every other record and error still reaches the log and the hook."""
+  those are dropped; every other record and error still reaches the log and the hook. So is
+  the "coroutine ... was never awaited" RuntimeWarning that a write cut short can leave to the
+  interpreter's exit, after the run's one error line (seen once in CI, on a loaded machine)."""
+  warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
   for name in ("absl", "asyncio"):  # orbax's records; asyncio's "exception was never retrieved"
     logger = logging.getLogger(name)
     if not any(isinstance(f, _DropStorageFailure) for f in logger.filters):

@@ -327,7 +327,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes(small_disk):
   lines = full.stderr.strip().splitlines()
   assert "Traceback" not in full.stderr and len(lines) <= 3, full.stderr[-3000:]  # + 2 info lines
   assert lines[-1].startswith("error: a checkpoint could not be written to ") and (
-      "no space left on device" in lines[-1] and "newest: step 2" in lines[-1]), lines[-1]
+      "no space left on device" in lines[-1] and "newest: step 2" in lines[-1]), full.stderr[-3000:]
   assert "2" in os.listdir(workdir / "checkpoints")  # nothing written before is lost
   grow()
   resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
