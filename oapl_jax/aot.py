@@ -231,7 +231,8 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False,
   if wanted("refresh"):
     relayout = layout.jitted_relayout(stage, layout.shardings(snapshot, stage), snapshot)  # the run's program
     lowered = relayout.lower(_sds(snapshot, source_shardings))
-    out.append(_compile("refresh", "trainer", lowered, items["trainer snapshot"], None, keep_hlo))
+    out.append(_compile("refresh", "trainer", lowered, items["trainer snapshot"],
+                        plan_lib.refresh_bytes(config), keep_hlo))
 
   rest_s, decode_s = layout.shardings(snapshot, engine.mesh)
   weights = EngineParams(_sds(shapes[0], rest_s), jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),

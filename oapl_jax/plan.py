@@ -280,6 +280,19 @@ def sampler_bytes(config, where: Devices, loop: bool = True) -> int:
   return (SAMPLER_COPIES + TRUNCATION_COPIES * truncates) * s * v * 4
 
 
+def refresh_bytes(config) -> int:
+  """The refresh's working set per device (pi_old from the trainer's layout to the engines':
+  `EngineLayout.relayout`): the LM head's engine shard, gathered and laid out whole, and one
+  layer's weights in transit, as the layers are laid out one after another. Compiled for v5p:
+  math.py 0.216 GiB against 0.228 so counted, code.py 0.530 against 0.491 (docs/memory.md)."""
+  m, cd = config.model, np.dtype(config.model.dtype)
+  engine_specs = param_specs(abstract_params(config), engine_rules(config.sharding.rules))
+  tensor = {"tensor": config.sampling.tensor}
+  head = ("embed",) if m.tie_embeddings else ("lm_head",)
+  layer = {k: v for k, v in engine_specs.items() if k[:2] == ("layers", "0")}
+  return weights_bytes({head: engine_specs[head]}, cd, tensor) + weights_bytes(layer, cd, tensor)
+
+
 # --- the plan --------------------------------------------------------------------------------
 
 # What to change when an item is the biggest one of a plan that does not fit.
@@ -515,8 +528,9 @@ def loop_copies_cache(config, where: Devices, capacity: int | None = None) -> bo
 
 def loop_copy_bytes(config, where: Devices, capacity: int) -> int:
   """The decode loop's second KV cache at `capacity` (`loop_copies_cache`), in XLA:TPU's tiled
-  layout: positions padded to 128 lanes (math.py's decode @ 64 on v5p-64: 0.14 GiB, twice its
-  cache's bytes)."""
+  layout: twice that capacity's cache (compiled for v5p with sampling.cache_bucket 64, decode @
+  64's temp beyond the sampler's: math.py 0.14 GiB, twice its cache; code.py 1.5 times. The
+  configs now start at 128)."""
   if not loop_copies_cache(config, where, capacity):
     return 0
   return kv_cache_bytes(config) * _ceil(capacity, LANES) * LANES // seq_len(config)

@@ -152,12 +152,15 @@ class EngineLayout:
     via: {path: NamedSharding} a weight passes through on its way to its engine sharding
     (`staging_steps`), or None. out: the result's shardings (the jitted refresh's), or None.
 
-    The layers are laid out in turn, each after the one before (chained by
-    `optimization_barrier`, their results constrained to `out`): left to itself, XLA:TPU
-    schedules every layer's gathers before the copies into the engine's layout, and all layers'
-    gathered weights are alive at once (refresh temp per device, compiled for v5p: math.py
-    1.12 -> 0.22 GiB, code.py 4.52 -> 1.68 GiB, whose down_proj gathers still wait for their
-    copies). The same values bit for bit."""
+    The layers are laid out in turn (chained by `optimization_barrier`, their results
+    constrained to `out`): a layer's weights are gathered once the layer before has its fused
+    matrices. Left to itself, XLA:TPU schedules every layer's gathers before the copies into the
+    engine's layout, and all layers' gathered weights are alive at once. Only the fused
+    matrices are chained: with the unfused weights (o_proj, down_proj) in the chain too, each
+    was gathered into a buffer of its own and copied to the result at the end, all layers' at
+    once (code.py: 1.68 GiB). Refresh temp
+    per device, compiled for v5p: math.py 1.12 -> 0.22 GiB, code.py 4.52 -> 0.53 GiB
+    (`plan.refresh_bytes`). The same values bit for bit."""
     cfg, t = self.cfg, self.tensor
     flat = list(nnx.to_flat_state(params))
     value = {tuple(p): self._cast(v.get_value()) for p, v in flat}
@@ -171,7 +174,7 @@ class EngineLayout:
     layers, done = [], None
     for i in range(cfg.num_layers):
       own = [p for p in value if p[:2] == ("layers", i)]
-      if done is not None:  # layer i is laid out after layer i-1 is: one layer's weights in transit
+      if done is not None:  # layer i is gathered after layer i-1 is fused: one layer in transit
         done, mine = jax.lax.optimization_barrier((done, [value[p] for p in own]))
         value.update(zip(own, mine))
       for p in own:  # the unfused weights: by way of their staging step to their engine sharding
@@ -184,7 +187,7 @@ class EngineLayout:
       layer = {"qkv": jnp.concatenate([part(w, "qkv") for w in attn], axis=2),  # [E, T, (N+2K)/T*D]
                "gate_up": jnp.concatenate([part(w, "gate_up") for w in mlp], axis=2)}  # [E, T, 2F/T]
       layers.append(layer)
-      done = (layer, [value[p] for p in own])
+      done = layer  # the fused matrices only (docstring)
     head = value[("embed",)].T if cfg.tie_embeddings else value[("lm_head",)]  # [E, V]
     rest = nnx.from_flat_state([(p, v.replace(None if self._fused_path(tuple(p)) else value[tuple(p)]))
                                 for p, v in flat])
