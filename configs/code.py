@@ -53,6 +53,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampling.max_slots = 256  # In total: 16 per engine.
   c.sampling.engines = 16  # 16 replicas x 4 devices: the KV cache (1.7 TiB) spread to ~26 GiB per v5p chip.
   c.sampling.tensor = 4
+  c.sampling.cache_bucket = 128  # Whole 128-lane TPU tiles: a smaller KV cache makes XLA:TPU copy it every decode step.
   c.rl.lag = 400
   c.rl.groups_per_step = 256
   c.rl.groups_per_rollout = 256

@@ -50,6 +50,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampling.max_slots = 256  # In total: 32 per engine.
   c.sampling.engines = 8  # 8 replicas x 4 devices: the KV cache (612 GiB) spread to ~19 GiB per v5p chip.
   c.sampling.tensor = 4
+  c.sampling.cache_bucket = 128  # Whole 128-lane TPU tiles: a smaller KV cache makes XLA:TPU copy it every decode step.
   c.rl.lag = args["lag"] or 50
   c.rl.groups_per_step = 32
   c.rl.groups_per_rollout = 32

@@ -111,7 +111,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.sampling.tensor = 1  # Devices per engine replica: a "tensor" sub-mesh (weights over heads/MLP/vocab, KV cache over KV heads).
   c.sampling.steps_per_call = 32  # Decode steps per jitted engine call (fewer host round trips).
   c.sampling.attn_chunk = 1024  # Decode attention reads the KV cache in chunks of this many positions.
-  c.sampling.cache_bucket = 64  # KV cache grows in power-of-two multiples of this (one compile each).
+  c.sampling.cache_bucket = 64  # KV cache grows in power-of-two multiples of this (one compile each); on TPU a multiple of 128 (configs/math.py: docs/memory.md).
   c.sampling.max_prefill_batch = 8  # Prompts prefilled together in one call.
   c.sampling.min_decode_width = 8  # Once no prompt waits, decoding narrows (halving) down to this many slots; >= max_slots: off.
 
