@@ -9,8 +9,8 @@
 # seed-2 run is still going), so 3 seeds are done first; then the finished runs' small results
 # are copied into docs/reasoning_study/results (committed: a later checkout counts them as
 # finished) and the report is written.
-# Estimated: the search 48 x 12-19 min (measured per search run) = 10-15 core-hours; the study's
-# 40 runs ~17-20 core-hours (not measured yet); over two cores, in resumable pieces.
+# Estimated: the search 48 x ~19 min (the median of 25 finished search runs) = ~16 core-hours;
+# the study's 40 runs ~17-20 core-hours (not measured yet); over two cores, in resumable pieces.
 #
 # Two processes, one core each (a second core buys little inside one XLA process on CPU), both
 # running the same command: each skips the runs the other is making, so they share the search
