@@ -158,9 +158,8 @@ class EngineLayout:
     engine's layout, and all layers' gathered weights are alive at once. Only the fused
     matrices are chained: with the unfused weights (o_proj, down_proj) in the chain too, each
     was gathered into a buffer of its own and copied to the result at the end, all layers' at
-    once (code.py: 1.68 GiB). Refresh temp
-    per device, compiled for v5p: math.py 1.12 -> 0.22 GiB, code.py 4.52 -> 0.53 GiB
-    (`plan.refresh_bytes`). The same values bit for bit."""
+    once (code.py: 1.68 GiB). Refresh temp per device, compiled for v5p: math.py 1.12 -> 0.22
+    GiB, code.py 4.52 -> 0.53 GiB (`plan.refresh_bytes`). The same values bit for bit."""
     cfg, t = self.cfg, self.tensor
     flat = list(nnx.to_flat_state(params))
     value = {tuple(p): self._cast(v.get_value()) for p, v in flat}
