@@ -1,7 +1,8 @@
 """The study's report as markdown, a pure function of its results: `report_markdown` takes the
 finished runs, the figures' paths, the kept notes and the sweep's choice, and returns the text;
 `findings`, `paper_setting_findings` and `efficiency_findings` are its sentences on the paper's
-findings. Reading and writing files is the command's (`lag_study.write_report`).
+findings, `verdicts.restated` their verdicts. Reading and writing files is the command's
+(`lag_study.write_report`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import numpy as np
 from oapl_jax.studies import search as search_lib
 from oapl_jax.studies.definitions import METHODS, STUDIES
 from oapl_jax.studies.stats import first_reaching, paired_interval, summarise
+from oapl_jax.studies.verdicts import restated
 
 NOTES_BEGIN, NOTES_END = "<!-- notes: kept when the report is regenerated -->", "<!-- end notes -->"
 NO_NOTES = "_(no notes yet)_"
@@ -391,6 +393,7 @@ def report_markdown(results, *, study: str, command: str, figures: dict[str, str
     lines += [
         *_votes_table(rows),
         *_plots_section(figures),
+        *restated(results),
         "## The paper's findings, checked (computed from the runs)",
         "",
         *findings(rows),
