@@ -2,7 +2,7 @@
 
 import pytest
 
-from oapl_jax.studies import results, verdicts
+from oapl_jax.studies import results, stats, verdicts
 from oapl_jax.studies.report import report_markdown
 from oapl_jax.studies.verdicts import HELD, MIXED, NOT_HELD, Part
 
@@ -106,5 +106,5 @@ def test_the_orientation_of_a_comparison(diffs):
   runs = []
   for s, d in enumerate(diffs):
     runs += [_run("oapl", 50, s, after=spread(16 + round(32 * d))), _run("grpo_tis", 1, s, after=spread(16))]
-  b = verdicts.paper_setting_claim(verdicts._index(runs))
+  b = verdicts.paper_setting_claim(stats.by_run(runs))
   assert b.parts[0].verdict == (HELD if diffs[0] > 0 else NOT_HELD)

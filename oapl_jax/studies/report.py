@@ -7,11 +7,9 @@ findings, `verdicts.restated` their verdicts. Reading and writing files is the c
 
 from __future__ import annotations
 
-import numpy as np
-
 from oapl_jax.studies import search as search_lib
 from oapl_jax.studies.definitions import METHODS, STUDIES
-from oapl_jax.studies.stats import first_reaching, paired_interval, summarise
+from oapl_jax.studies.stats import by_run, first_reaching, paired_text, summarise
 from oapl_jax.studies.verdicts import restated
 
 NOTES_BEGIN, NOTES_END = "<!-- notes: kept when the report is regenerated -->", "<!-- end notes -->"
@@ -41,10 +39,7 @@ def _ranges(ks) -> str:
 
 
 def _paired_text(diffs) -> str:
-  mean, lo, hi = paired_interval(diffs)
-  interval = "no interval from one seed" if np.isnan(lo) else f"95% t-interval [{lo:+.3f}, {hi:+.3f}]"
-  return (", ".join(f"{d:+.3f}" for d in diffs) + f"; mean {mean:+.3f}, {interval}"
-          f" (OAPL higher in {sum(d > 0 for d in diffs)} of {len(diffs)})")
+  return paired_text(diffs, "OAPL higher")
 
 
 def _comparison_findings(rows) -> list[str]:
@@ -103,7 +98,7 @@ def findings(rows) -> list[str]:
 def paper_setting_findings(results, ks=(1, 2, 4, 8)) -> list[str]:
   """The paper's own comparison: OAPL at a long lag (each L > 1 run) vs GRPO+IS at L = 1,
   pass@k for k = 1..8 (its math table), paired by seed."""
-  by = {(r.method, r.lag, r.seed): r for r in results}
+  by = by_run(results)
   out = []
   for lag in sorted({r.lag for r in results if r.method == "oapl" and r.lag > 1}):
     seeds = sorted(s for (m, l, s) in by if m == "oapl" and l == lag and ("grpo_tis", 1, s) in by)
@@ -127,7 +122,7 @@ def _answers(x: float | None) -> str:
 def efficiency_findings(results) -> list[str]:
   """Sample efficiency, per lag and seed: answers until OAPL reaches GRPO+IS's final pass@1,
   and until GRPO+IS reaches OAPL's (at the evaluation points; None: never)."""
-  by = {(r.method, r.lag, r.seed): r for r in results}
+  by = by_run(results)
   out = []
   for lag in sorted({r.lag for r in results}):
     parts, total = [], None

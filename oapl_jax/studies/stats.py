@@ -46,6 +46,20 @@ def paired_interval(diffs, level: float = 0.95) -> tuple[float, float, float]:
   return mean, mean - half, mean + half
 
 
+def paired_text(diffs, ahead: str) -> str:
+  """Per-seed differences, their mean and t-interval, and how many are > 0 (`ahead`: the
+  words before "in n of N", e.g. "OAPL higher")."""
+  mean, lo, hi = paired_interval(diffs)
+  interval = "no interval from one seed" if np.isnan(lo) else f"95% t-interval [{lo:+.3f}, {hi:+.3f}]"
+  return (", ".join(f"{d:+.3f}" for d in diffs) + f"; mean {mean:+.3f}, {interval}"
+          f" ({ahead} in {sum(d > 0 for d in diffs)} of {len(diffs)})")
+
+
+def by_run(results) -> dict[tuple[str, int, int], object]:
+  """(method, lag, seed) -> its run."""
+  return {(r.method, r.lag, r.seed): r for r in results}
+
+
 def entropy_window(r, first: bool, n: int = 20) -> float:
   """Mean policy entropy of run `r` over its first (or last) `n` logged trainer steps."""
   _, ent = r.series("entropy")

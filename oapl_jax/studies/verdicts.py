@@ -21,7 +21,13 @@ import dataclasses
 
 import numpy as np
 
-from oapl_jax.studies.stats import entropy_window, first_reaching, paired_interval
+from oapl_jax.studies.stats import (
+  by_run,
+  entropy_window,
+  first_reaching,
+  paired_interval,
+  paired_text,
+)
 
 HELD, NOT_HELD, MIXED = "held", "not held", "mixed"
 OAPL, GRPO = "oapl", "grpo_tis"
@@ -38,12 +44,9 @@ class Part:
   @staticmethod
   def from_diffs(what: str, diffs) -> Part:
     """A part from per-seed differences (> 0: the claim)."""
-    mean, lo, hi = paired_interval(diffs)
-    interval = "no interval from one seed" if np.isnan(lo) else f"95% t-interval [{lo:+.3f}, {hi:+.3f}]"
+    mean, lo, _ = paired_interval(diffs)
     verdict = NOT_HELD if mean <= 0 else HELD if lo > 0 else MIXED
-    return Part(f"{what}: " + ", ".join(f"{d:+.3f}" for d in diffs)
-                + f"; mean {mean:+.3f}, {interval}, > 0 in {sum(d > 0 for d in diffs)} of {len(diffs)}",
-                verdict)
+    return Part(f"{what}: " + paired_text(diffs, "> 0"), verdict)
 
   @staticmethod
   def from_flags(what: str, flags, details: str) -> Part:
@@ -64,14 +67,15 @@ class Claim:
     return HELD if verdicts == {HELD} else NOT_HELD if verdicts == {NOT_HELD} else MIXED
 
 
-def _index(results) -> dict:
-  return {(r.method, r.lag, r.seed): r for r in results}
-
-
 def _pairs(by, a: tuple[str, int], b: tuple[str, int]):
   """[(seed, run a, run b)] for the seeds that have both runs."""
   seeds = sorted(s for (m, lag, s) in by if (m, lag) == a and (*b, s) in by)
   return [(s, by[(*a, s)], by[(*b, s)]) for s in seeds]
+
+
+def _runs(by, method: str, lag: int) -> list:
+  """The runs of (method, lag), by seed."""
+  return [by[k] for k in sorted(by) if k[:2] == (method, lag)]
 
 
 def _final(r, key: str = "pass@1") -> float:
@@ -96,8 +100,7 @@ def paper_setting_claim(by) -> Claim | None:
   parts = [Part.from_diffs(f"pass@{k}, OAPL L={PAPER_LAG} - GRPO+IS L=1",
                            [_passk_after(a, k) - _passk_after(g, k) for _, a, g in pairs])
            for k in PAPER_KS if k <= n]
-  stable = [by[(OAPL, STABLE_LAG, s)] for (m, lag, s) in sorted(by) if (m, lag) == (OAPL, STABLE_LAG)]
-  if stable:
+  if stable := _runs(by, OAPL, STABLE_LAG):
     parts.append(Part.from_diffs(f"OAPL at L={STABLE_LAG} trains stably: pass@1 after - before",
                                  [_final(r) - r.summary["eval_before"]["pass@1"] for r in stable]))
   return Claim(f"(b) OAPL at L = {PAPER_LAG} ahead of GRPO+IS at L = 1 on pass@1..{min(n, PAPER_KS[-1])}, "
@@ -150,8 +153,7 @@ def passk_claim(by) -> Claim | None:
   parts = []
   for method, name in ((OAPL, "OAPL"), (GRPO, "GRPO+IS")):
     for lag in _lags(by, method):
-      runs = [by[(method, lag, s)] for (m, l, s) in sorted(by) if (m, l) == (method, lag)]
-      worst = [float(_passk_gaps(r).min()) for r in runs]
+      worst = [float(_passk_gaps(r).min()) for r in _runs(by, method, lag)]
       parts.append(Part.from_flags(f"{name} at L={lag}: pass@k after >= before for every k",
                                    [w >= -1e-12 for w in worst],
                                    "worst after - before per seed: " + ", ".join(f"{w:+.3f}" for w in worst)))
@@ -189,7 +191,7 @@ def efficiency_claim(by) -> Claim | None:
 
 def claims(results) -> list[Claim]:
   """Every claim the runs have data for, in the report's order."""
-  by = _index(results)
+  by = by_run(results)
   made = (paper_setting_claim(by), lag_drop_claim(by), same_lag_claim(by), entropy_claim(by),
           passk_claim(by), efficiency_claim(by))
   return [c for c in made if c is not None]
