@@ -93,6 +93,27 @@ def _fake_run(method, lag, seed):
   return results.RunResult(method, lag, seed, summary, metrics, wall_seconds=60.0)
 
 
+def test_pass1_along_the_run_and_at_the_short_runs_length():
+  from oapl_jax.studies import report
+  runs = [_fake_run(m, lag, s) for m in ("oapl", "grpo_tis") for lag in (1, 3) for s in (0, 1)]
+  assert stats.pass1_at_step(runs[0], 2) == 0.3 and stats.pass1_at_step(runs[0], 3) is None
+  assert stats.pass1_at_step(runs[0], 4) == runs[0].summary["eval_after"]["pass@1"]
+  assert stats.pass1_at_step(runs[0], 0) == runs[0].summary["eval_before"]["pass@1"]
+  text = "\n".join(report._along_table(runs, (2, 3, 4)))  # no run evaluated at step 3: left out
+  assert "| method | L | step 2 (16 answers) | step 4 (32 answers) |" in text and "step 3" not in text
+  assert "| OAPL (beta1=1, beta2=0.1) | 1 | 0.350 ± 0.071 | 0.406 ± 0.044 |" in text  # seeds 0, 1
+  assert report._along_table(runs, (3,)) == []
+  reference = {"label": "short runs", "about": "Before.", "steps": 2,
+               "pass1_after": {"oapl": {"1": [0.5, 0.1], "3": [0.4, 0.2]}}}
+  text = report_markdown(runs, study="tiny", command="cmd", figures={}, reference=reference)
+  assert "| OAPL | short runs | 0.500 ± 0.100 | 0.400 ± 0.200 |" in text
+  assert "| OAPL | this study at step 2 | 0.350 ± 0.071 (2 seeds) | 0.350 ± 0.071 (2 seeds) |" in text
+  assert "| OAPL | this study | 0.406 ± 0.044 (2 seeds) | 0.531 ± 0.044 (2 seeds) |" in text
+  del reference["steps"]  # an earlier study of unknown length: its row and this study's end only
+  assert "this study at step" not in report_markdown(runs, study="tiny", command="cmd", figures={},
+                                                     reference=reference)
+
+
 def test_report_markdown_is_a_pure_function_of_its_arguments(monkeypatch):
   import copy
   import scipy.stats  # noqa: F401  (imported before open() is taken away)

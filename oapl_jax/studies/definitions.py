@@ -60,6 +60,7 @@ class Study:
   reduced_config: str | None = None  # None: `config`
   search: dict = dataclasses.field(default_factory=dict)  # a search run's settings on top of `full`
   seeds: tuple[int, ...] = DEFAULT_SEEDS  # the seeds `launcher` runs (the report counts those done)
+  along: tuple[int, ...] = ()  # trainer steps at which the report tabulates pass@1 along the run
 
 
 STUDIES = {
@@ -72,7 +73,7 @@ STUDIES = {
                     "52-53 tokens; a 2-layer width-128 model whose base, shared by all runs of a "
                     "seed, is made by a supervised warm-up ending on demonstrations with dropped "
                     "carries)", "launch/reasoning_study.sh", reduced_config="reason.py:smoke",
-                    search=REASON_SEARCH, seeds=(0, 1, 2, 3, 4)),
+                    search=REASON_SEARCH, seeds=(0, 1, 2, 3, 4), along=(100, 300, 500, 1000)),
 }
 
 

@@ -8,8 +8,8 @@ findings, `verdicts.restated` their verdicts. Reading and writing files is the c
 from __future__ import annotations
 
 from oapl_jax.studies import search as search_lib
-from oapl_jax.studies.definitions import METHODS, STUDIES
-from oapl_jax.studies.stats import by_run, first_reaching, paired_text, summarise
+from oapl_jax.studies.definitions import METHODS, STUDIES, method_label
+from oapl_jax.studies.stats import by_run, first_reaching, group_runs, mean_sd, paired_text, pass1_at_step, summarise
 from oapl_jax.studies.verdicts import restated
 
 NOTES_BEGIN, NOTES_END = "<!-- notes: kept when the report is regenerated -->", "<!-- end notes -->"
@@ -314,13 +314,25 @@ def _search_status(search: dict | None) -> list[str]:
           'What is done and what is not: "Reading" below.', ""]
 
 
-def _reference_section(reference: dict | None, rows) -> list[str]:
+def _seeds(n: int) -> str:
+  return f"{n} seed" if n == 1 else f"{n} seeds"
+
+
+def _at_step(runs, step: int) -> tuple[float, float] | None:
+  """Mean ± sd over `runs` of pass@1 at trainer step `step` (None unless every run has it)."""
+  values = [pass1_at_step(r, step) for r in runs]
+  return None if any(v is None for v in values) else mean_sd(values)
+
+
+def _reference_section(reference: dict | None, rows, results=()) -> list[str]:
   """Final pass@1 per method and lag: the earlier study's row (`reference`) beside this study's
-  ([] without a reference)."""
+  at the earlier study's length (its "steps", where given) and at its end ([] without a reference)."""
   if not reference:
     return []
   lags = sorted({int(l) for table in reference["pass1_after"].values() for l in table})
   by = {(r["method"], r["lag"]): r for r in rows}
+  groups = group_runs(results)
+  steps = reference.get("steps")
   lines = ["## Against the short runs", "",
            reference["about"], "",
            "| method | runs | " + " | ".join(f"L={l}" for l in lags) + " |", "|---|---|" + "---|" * len(lags)]
@@ -328,9 +340,40 @@ def _reference_section(reference: dict | None, rows) -> list[str]:
     name = METHODS[method][0].split(" (")[0]
     lines.append(f"| {name} | {reference['label']} | "
                  + " | ".join(_fmt(table[str(l)]) if str(l) in table else "—" for l in lags) + " |")
+    if steps:
+      cells = [(_at_step(groups[(method, l)], steps), len(groups[(method, l)])) if (method, l) in groups
+               else (None, 0) for l in lags]
+      lines.append(f"| {name} | this study at step {steps} | " + " | ".join(
+          f"{_fmt(ms)} ({_seeds(n)})" if ms else "—" for ms, n in cells) + " |")
     lines.append(f"| {name} | this study | " + " | ".join(
-        f"{_fmt(by[(method, l)]['pass1_after'])} ({len(by[(method, l)]['seeds'])} seeds)" if (method, l) in by
+        f"{_fmt(by[(method, l)]['pass1_after'])} ({_seeds(len(by[(method, l)]['seeds']))})" if (method, l) in by
         else "—" for l in lags) + " |")
+  if steps:
+    lines += ["", (f"\"At step {steps}\": this study's runs evaluated after {steps} of their trainer steps, "
+                   "as many answers as a short run; with the searched settings, but not the same as a "
+                   f"{steps}-step run: the lr's cosine decay spans the whole run, so at step {steps} the lr is "
+                   "still high where a short run's had decayed to its floor.")]
+  return lines + [""]
+
+
+def _along_table(results, steps) -> list[str]:
+  """Mean ± sd over seeds of pass@1 at each of trainer steps `steps` that every run evaluated
+  at, a row per (method, lag) ([] without such steps)."""
+  groups = sorted(group_runs(results).items(), key=lambda kv: (list(METHODS).index(kv[0][0]), kv[0][1]))
+  steps = [s for s in steps if all(_at_step(runs, s) for _, runs in groups)]
+  if not (groups and steps):
+    return []
+  first = results[0].summary
+  per_step = first["samples_generated"] // max(first["trainer_steps"], 1)
+  lines = ["## Held-out pass@1 along the run (mean ± sd over seeds)", "",
+           f"At trainer step s a run has generated s x {per_step} answers and its engine has had s // L "
+           "refreshes (at L = 100: "
+           + ", ".join(f"{s // 100} by step {s}" for s in steps) + ").", "",
+           "| method | L | " + " | ".join(f"step {s} ({s * per_step:,} answers)" for s in steps) + " |",
+           "|---|---|" + "---|" * len(steps)]
+  for (method, lag), runs in groups:
+    label = method_label(method, runs[0].summary["config"])
+    lines.append(f"| {label} | {lag} | " + " | ".join(_fmt(_at_step(runs, s)) for s in steps) + " |")
   return lines + [""]
 
 
@@ -382,8 +425,8 @@ def report_markdown(results, *, study: str, command: str, figures: dict[str, str
   rows = summarise(results)
   lines = [*_header(results, study=study, command=command), *_search_status(search)]
   if rows:
-    lines += _final_table(rows)
-  lines += [*_reference_section(reference, rows), *_search_section(search)]
+    lines += [*_final_table(rows), *_along_table(results, STUDIES[study].along)]
+  lines += [*_reference_section(reference, rows, results), *_search_section(search)]
   if rows:
     lines += [
         *_votes_table(rows),

@@ -111,6 +111,14 @@ def summarise(results) -> list[dict]:
   return [_summary_row(method, lag, runs) for (method, lag), runs in groups]
 
 
+def pass1_at_step(r, step: int) -> float | None:
+  """Run `r`'s held-out pass@1 at its evaluation after trainer step `step` (0: the base's);
+  None if it had none there."""
+  steps, pass1 = r.eval_curve("pass@1", "steps")
+  hits = np.nonzero(steps == step)[0]
+  return float(pass1[hits[0]]) if len(hits) else None
+
+
 def first_reaching(r, target: float) -> float | None:
   """Answers generated when `r`'s held-out pass@1 (at its evaluations) first reaches `target`."""
   xs, ys = r.pass1_curve()
