@@ -99,10 +99,13 @@ def test_pass1_along_the_run_and_at_the_short_runs_length():
   assert stats.pass1_at_step(runs[0], 2) == 0.3 and stats.pass1_at_step(runs[0], 3) is None
   assert stats.pass1_at_step(runs[0], 4) == runs[0].summary["eval_after"]["pass@1"]
   assert stats.pass1_at_step(runs[0], 0) == runs[0].summary["eval_before"]["pass@1"]
-  text = "\n".join(report._along_table(runs, (2, 3, 4)))  # no run evaluated at step 3: left out
+  text = "\n".join(report._along_table(stats.summarise(runs), runs, (2, 3, 4)))  # no run evaluated at step 3: left out
   assert "| method | L | step 2 (16 answers) | step 4 (32 answers) |" in text and "step 3" not in text
   assert "| OAPL (beta1=1, beta2=0.1) | 1 | 0.350 ± 0.071 | 0.406 ± 0.044 |" in text  # seeds 0, 1
-  assert report._along_table(runs, (3,)) == []
+  assert report._along_table(stats.summarise(runs), runs, (3,)) == []
+  runs[-1].summary["evals_during"] = []  # one run (GRPO+IS, L = 3, seed 1) not evaluated at step 2
+  assert "step 2" not in "\n".join(report._along_table(stats.summarise(runs), runs, (2, 4)))
+  runs[-1] = _fake_run("grpo_tis", 3, 1)
   reference = {"label": "short runs", "about": "Before.", "steps": 2,
                "pass1_after": {"oapl": {"1": [0.5, 0.1], "3": [0.4, 0.2]}}}
   text = report_markdown(runs, study="tiny", command="cmd", figures={}, reference=reference)

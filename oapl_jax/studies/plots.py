@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 from oapl_jax.studies.definitions import METHODS, method_label
-from oapl_jax.studies.stats import group_runs
+from oapl_jax.studies.stats import group_runs, seeds_text
 
 
 def _smooth(y: np.ndarray, window: int) -> np.ndarray:
@@ -67,8 +67,7 @@ def _per_method(groups, methods, lags, colors, curves, xlabel: str, ylabel: str,
       runs = groups.get((method, lag), [])
       if runs:
         x, y = curves(runs)
-        seeds = f"{len(runs)} seed" + ("s" if len(runs) > 1 else "")
-        ax.plot(x, y.mean(0), marker, ms=3, color=colors[lag], label=f"L={lag} ({seeds})")
+        ax.plot(x, y.mean(0), marker, ms=3, color=colors[lag], label=f"L={lag} ({seeds_text(len(runs))})")
         ax.fill_between(x, y.min(0), y.max(0), color=colors[lag], alpha=0.15)
     runs = [r for lag in lags for r in groups.get((method, lag), [])]
     ax.set(title=method_label(method, runs[0].summary["config"]) if runs else METHODS[method][0], xlabel=xlabel)

@@ -8,8 +8,17 @@ findings, `verdicts.restated` their verdicts. Reading and writing files is the c
 from __future__ import annotations
 
 from oapl_jax.studies import search as search_lib
-from oapl_jax.studies.definitions import METHODS, STUDIES, method_label
-from oapl_jax.studies.stats import by_run, first_reaching, group_runs, mean_sd, paired_text, pass1_at_step, summarise
+from oapl_jax.studies.definitions import METHODS, STUDIES
+from oapl_jax.studies.stats import (
+  by_run,
+  first_reaching,
+  group_runs,
+  mean_sd,
+  paired_text,
+  pass1_at_step,
+  seeds_text,
+  summarise,
+)
 from oapl_jax.studies.verdicts import restated
 
 NOTES_BEGIN, NOTES_END = "<!-- notes: kept when the report is regenerated -->", "<!-- end notes -->"
@@ -314,10 +323,6 @@ def _search_status(search: dict | None) -> list[str]:
           'What is done and what is not: "Reading" below.', ""]
 
 
-def _seeds(n: int) -> str:
-  return f"{n} seed" if n == 1 else f"{n} seeds"
-
-
 def _at_step(runs, step: int) -> tuple[float, float] | None:
   """Mean ± sd over `runs` of pass@1 at trainer step `step` (None unless every run has it)."""
   values = [pass1_at_step(r, step) for r in runs]
@@ -341,12 +346,11 @@ def _reference_section(reference: dict | None, rows, results=()) -> list[str]:
     lines.append(f"| {name} | {reference['label']} | "
                  + " | ".join(_fmt(table[str(l)]) if str(l) in table else "—" for l in lags) + " |")
     if steps:
-      cells = [(_at_step(groups[(method, l)], steps), len(groups[(method, l)])) if (method, l) in groups
-               else (None, 0) for l in lags]
+      at = [_at_step(groups[(method, l)], steps) if (method, l) in groups else None for l in lags]
       lines.append(f"| {name} | this study at step {steps} | " + " | ".join(
-          f"{_fmt(ms)} ({_seeds(n)})" if ms else "—" for ms, n in cells) + " |")
+          f"{_fmt(ms)} ({seeds_text(len(groups[(method, l)]))})" if ms else "—" for l, ms in zip(lags, at)) + " |")
     lines.append(f"| {name} | this study | " + " | ".join(
-        f"{_fmt(by[(method, l)]['pass1_after'])} ({_seeds(len(by[(method, l)]['seeds']))})" if (method, l) in by
+        f"{_fmt(by[(method, l)]['pass1_after'])} ({seeds_text(len(by[(method, l)]['seeds']))})" if (method, l) in by
         else "—" for l in lags) + " |")
   if steps:
     lines += ["", (f"\"At step {steps}\": this study's runs evaluated after {steps} of their trainer steps, "
@@ -356,24 +360,24 @@ def _reference_section(reference: dict | None, rows, results=()) -> list[str]:
   return lines + [""]
 
 
-def _along_table(results, steps) -> list[str]:
+def _along_table(rows, results, steps) -> list[str]:
   """Mean ± sd over seeds of pass@1 at each of trainer steps `steps` that every run evaluated
-  at, a row per (method, lag) ([] without such steps)."""
-  groups = sorted(group_runs(results).items(), key=lambda kv: (list(METHODS).index(kv[0][0]), kv[0][1]))
-  steps = [s for s in steps if all(_at_step(runs, s) for _, runs in groups)]
-  if not (groups and steps):
+  at, a row per (method, lag) of `rows` (`summarise`'s) ([] without such steps)."""
+  groups = group_runs(results)
+  cells = {s: [_at_step(groups[(r["method"], r["lag"])], s) for r in rows] for s in steps}
+  steps = [s for s in steps if cells[s] and all(cells[s])]
+  if not steps:
     return []
   first = results[0].summary
   per_step = first["samples_generated"] // max(first["trainer_steps"], 1)
+  longest = max(r["lag"] for r in rows)
   lines = ["## Held-out pass@1 along the run (mean ± sd over seeds)", "",
            f"At trainer step s a run has generated s x {per_step} answers and its engine has had s // L "
-           "refreshes (at L = 100: "
-           + ", ".join(f"{s // 100} by step {s}" for s in steps) + ").", "",
+           f"refreshes (at L = {longest}: " + ", ".join(f"{s // longest} by step {s}" for s in steps) + ").", "",
            "| method | L | " + " | ".join(f"step {s} ({s * per_step:,} answers)" for s in steps) + " |",
            "|---|---|" + "---|" * len(steps)]
-  for (method, lag), runs in groups:
-    label = method_label(method, runs[0].summary["config"])
-    lines.append(f"| {label} | {lag} | " + " | ".join(_fmt(_at_step(runs, s)) for s in steps) + " |")
+  for i, r in enumerate(rows):
+    lines.append(f"| {r['label']} | {r['lag']} | " + " | ".join(_fmt(cells[s][i]) for s in steps) + " |")
   return lines + [""]
 
 
@@ -425,7 +429,7 @@ def report_markdown(results, *, study: str, command: str, figures: dict[str, str
   rows = summarise(results)
   lines = [*_header(results, study=study, command=command), *_search_status(search)]
   if rows:
-    lines += [*_final_table(rows), *_along_table(results, STUDIES[study].along)]
+    lines += [*_final_table(rows), *_along_table(rows, results, STUDIES[study].along)]
   lines += [*_reference_section(reference, rows, results), *_search_section(search)]
   if rows:
     lines += [

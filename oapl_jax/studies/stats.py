@@ -55,6 +55,11 @@ def paired_text(diffs, ahead: str) -> str:
           f" ({ahead} in {sum(d > 0 for d in diffs)} of {len(diffs)})")
 
 
+def seeds_text(n: int) -> str:
+  """"1 seed", "2 seeds": a count of seeds in tables and legends."""
+  return f"{n} seed" if n == 1 else f"{n} seeds"
+
+
 def by_run(results) -> dict[tuple[str, int, int], object]:
   """(method, lag, seed) -> its run."""
   return {(r.method, r.lag, r.seed): r for r in results}
