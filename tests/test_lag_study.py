@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import numpy as np
 
@@ -241,6 +242,34 @@ def test_a_signal_ends_the_command_with_one_line(tmp_path, monkeypatch, capsys):
   assert lag_study.main(["--out", str(tmp_path), "--reduced", "--lags", "1", "--seeds", "0"]) == 143
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and err.startswith("error: stopped by SIGTERM at step 7")
+
+
+def test_a_sitting_stopped_by_a_signal_counts_in_the_runs_wall_time(tmp_path, monkeypatch):
+  """A run stopped by SIGTERM (checkpoint saved, `Interrupted`) and resumed later: its study wall
+  time is the sum of both sittings, not only the one that finished it."""
+  import oapl_jax.train
+  from oapl_jax.workdir import Interrupted
+  sittings = []
+
+  def fake_run(config, workdir):
+    sittings.append(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    time.sleep(0.2)
+    if len(sittings) == 1:
+      raise Interrupted(15, "stopped by SIGTERM at step 7")
+    return {"eval_before": {"pass@1": 0.1}, "eval_after": {"pass@1": 0.2}}
+  monkeypatch.setattr(oapl_jax.train, "run", fake_run)
+  out = str(tmp_path / "out")
+  kwargs = dict(methods=("oapl",), lags=(1,), seeds=(0,), reduced=True, echo=lambda line: None)
+  with pytest.raises(Interrupted):
+    runner.run_study(out, **kwargs)
+  wall_path = os.path.join(layout.run_dir(out, "oapl", 1, 0), layout.WALL_SECONDS)
+  with open(wall_path) as f:
+    first = json.load(f)
+  runner.run_study(out, **kwargs)  # the second sitting finishes the run
+  with open(wall_path) as f:
+    total = json.load(f)
+  assert len(sittings) == 2 and 0.2 <= first < total and total >= 0.4
 
 
 def test_report_only_without_finished_runs_is_one_line(tmp_path, capsys):

@@ -63,7 +63,7 @@ def _run_all(out: str, todo: list[Run], *, reduced: bool, study: str, deadline: 
   run left unfinished by an earlier piece resumes from its checkpoints. Raises `BudgetSpent`
   past `deadline`, and `RunsElsewhere` at the end if another process held some runs' workdirs."""
   from oapl_jax import train  # heavy import, only when running
-  from oapl_jax.workdir import WorkdirBusy
+  from oapl_jax.workdir import Interrupted, WorkdirBusy
   dirs, elsewhere = [], []
   for i, run in enumerate(todo, 1):
     d = layout.run_dir(out, run.method, run.lag, run.seed, run.point)
@@ -84,6 +84,9 @@ def _run_all(out: str, todo: list[Run], *, reduced: bool, study: str, deadline: 
       echo(f"[{i}/{len(todo)}] {run.name}: running in another process, skipped")
       elsewhere.append(run.name)
       continue
+    except Interrupted:  # stopped by a signal with a checkpoint: the sitting's time counts too
+      _add_wall_seconds(d, time.perf_counter() - t0)
+      raise
     _add_wall_seconds(d, time.perf_counter() - t0)
     echo(f"[{i}/{len(todo)}] {run.name}: pass@1 {s['eval_before']['pass@1']:.3f} -> "
          f"{s['eval_after']['pass@1']:.3f} ({time.perf_counter() - t0:.0f}s)")
