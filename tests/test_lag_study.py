@@ -133,6 +133,8 @@ def test_report_markdown_is_a_pure_function_of_its_arguments(monkeypatch):
   assert runs == kept  # the results are not touched
   assert "    cmd\n" in text and "![pass@1 vs generated answers](r/a.png)" in text
   assert "Settings search" not in text and "* pass@1 after, L=3:" in text
+  # 8 runs x 5 s of training and x 60 s of wall time
+  assert " Summed over the runs: 1 min of training, 8 min of wall time with warm-ups" in text
   assert f"{NOTES_BEGIN}\nMine.\n{NOTES_END}\n" in text and kept_notes(text) == "Mine."
 
 

@@ -155,6 +155,7 @@ def _runs_line(results, spec) -> str:
   first = results[0].summary["config"]
   walls = [r.wall_seconds for r in results if r.wall_seconds]
   wall_seconds = sum(walls) if len(walls) == len(results) else None
+  train_minutes = sum(r.summary["train_seconds"] for r in results) / 60
   return (f"{len(results)} runs: methods {', '.join(sorted({r.method for r in results}))}; "
           f"L = {', '.join(map(str, sorted({r.lag for r in results})))}; "
           f"seeds {', '.join(map(str, sorted({r.seed for r in results})))}. "
@@ -164,7 +165,10 @@ def _runs_line(results, spec) -> str:
           f"{', '.join(sorted({format(r.summary['config']['train']['lr'], 'g') for r in results}))}, "
           f"pass@k on {first['task']['num_eval']} held-out problems with "
           f"{first['eval']['samples_per_problem']} samples each (unbiased estimator)."
-          + (f" Wall time of all runs: {wall_seconds / 60:.0f} min (2-core CPU)." if wall_seconds else ""))
+          + f" Summed over the runs: {train_minutes:.0f} min of training"
+          + (f", {wall_seconds / 60:.0f} min of wall time with warm-ups and evaluations (a sitting killed "
+             f"without a checkpoint is not counted)" if wall_seconds else "")
+          + " (one run per core of a 2-core CPU).")
 
 
 def _seeds_line(results, spec) -> str:
