@@ -166,9 +166,9 @@ def _runs_line(results, spec) -> str:
           f"pass@k on {first['task']['num_eval']} held-out problems with "
           f"{first['eval']['samples_per_problem']} samples each (unbiased estimator)."
           + f" Summed over the runs: {train_minutes:.0f} min of training"
-          + (f", {wall_seconds / 60:.0f} min of wall time with warm-ups and evaluations (a sitting killed "
-             f"without a checkpoint is not counted)" if wall_seconds else "")
-          + " (one run per core of a 2-core CPU).")
+          + (f", {wall_seconds / 60:.0f} min of wall time with warm-ups and evaluations" if wall_seconds else "")
+          + ", one run per core of a 2-core CPU"
+          + (" (a sitting killed without a checkpoint is not counted)." if wall_seconds else "."))
 
 
 def _seeds_line(results, spec) -> str:
