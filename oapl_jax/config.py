@@ -19,7 +19,7 @@ from oapl_jax.errors import ConfigError
 from oapl_jax.models.names import LOGICAL_AXES, ROPE_SCALING_TYPES, dtype_name
 from oapl_jax.models.pallas_names import ATTENTION_KERNELS  # names only: no JAX
 from oapl_jax.models.presets import PRESETS  # names and numbers only: no JAX, no Flax
-from oapl_jax.rl.names import ADV_NORMS, IS_LEVELS, IS_MODES, LOSS_NAMES, NORMS
+from oapl_jax.rl.names import ADV_NORMS, BETA2_RULES, GRPO_PROX, IS_LEVELS, IS_MODES, LOSS_NAMES, NORMS
 from oapl_jax.tasks.hf_tokenizer import folder_problem as tokenizer_folder_problem  # os, json only
 from oapl_jax.tasks.registry import TASKS  # task names -> builders: no JAX either
 from oapl_jax.topology import LOCAL, MESH_AXES, TOPOLOGIES  # names and numbers: no JAX either
@@ -118,7 +118,15 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict()
   c.rl.loss = "oapl"  # Loss name: oapl_jax.rl.names.LOSS_NAMES (registered in rl/losses.py).
   c.rl.beta1 = 1.0  # Temperature of V_hat = beta1 * log mean exp(R / beta1) (paper: 1).
-  c.rl.beta2 = 1e-3  # Weight on the summed log-ratio in (beta2 * ell - A)^2 (paper: 1e-3).
+  c.rl.beta2 = 1e-3  # Weight on the summed log-ratio in (beta2 * ell - A)^2 (paper: 1e-3), under rl.beta2_rule="fixed".
+  # How beta2 is set (docs/algorithm.md "Reachable targets"): an answer's target is
+  # (R - V_hat) / beta2 nats of summed log-ratio, and a correct answer can gain at most
+  # -log pi_old(answer) (metric target_out_of_reach counts those asked for more). "fixed":
+  # rl.beta2. "tied": beta2 = rl.beta1, the targets are the KL-optimal policy's log-ratios,
+  # reachable by construction. "per_token": beta2 = rl.beta2_per_token / sampling.max_new_tokens,
+  # the paper's targets per token at this run's answer cap.
+  c.rl.beta2_rule = "fixed"
+  c.rl.beta2_per_token = 16.384  # The "per_token" rule's numerator: the paper's 1e-3 x its 16,384-token cap.
   c.rl.group_size = 8  # G: answers sampled per prompt (paper: 8).
   c.rl.lag = 50  # L: trainer steps between engine refreshes, pi_old <- pi_theta (paper, math: 50).
   c.rl.old_logprobs = "sampler"  # log pi_old from: "sampler" (engine) or "snapshot" (recomputed).
@@ -143,9 +151,14 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.rl.offline.check_rows = 16  # Answers of each file rescored with pi_old by the trainer's kernel before training on it.
   c.rl.offline.logprob_tol = 0.05  # Refuse a file whose stored log-probs differ from the rescored ones by more than this (mean nats per token; float32 ~1e-6, bfloat16 ~0.02: docs/design.md "Engine/trainer parity in bfloat16").
   # The baseline, selected with rl.loss = "grpo" (docs/algorithm.md; losses.grpo). Same loop, buffer and
-  # lag; pi_prox is always recomputed by the trainer on the engine's snapshot, and IS corrects
-  # from the engine's log-probs to pi_prox. rl.beta1/beta2/old_logprobs are OAPL-only.
+  # lag; IS corrects from the engine's log-probs to pi_prox. rl.beta1/beta2/old_logprobs are OAPL-only.
   c.rl.grpo = ml_collections.ConfigDict()
+  # pi_prox, what PPO's ratio pi_theta / pi_prox is taken against: "snapshot" (the trainer's
+  # log-probs on the engine's weights: PPO-clip anchored on the sampler, the IS weight only the
+  # engine/trainer mismatch) or "previous_step" (the trainer's weights as the step starts, the
+  # asynchronous GRPO + truncated IS that the paper's "100x more off-policy" compares with: the
+  # ratio is 1 at every step's start and the IS weight pi_prox / pi_sampler carries the lag).
+  c.rl.grpo.prox = "snapshot"
   c.rl.grpo.adv_norm = "std"  # "std": (R - mean) / (std + eps) (GRPO); "none": R - mean (Dr.GRPO).
   c.rl.grpo.adv_eps = 1e-6  # eps added to the group's std.
   c.rl.grpo.eps_low = 0.2  # PPO clip: ratio >= 1 - eps_low.
@@ -407,6 +420,8 @@ def validate(c, *, dry_run: bool = False) -> None:
   _check(rl.loss in LOSS_NAMES, "rl.loss", rl.loss, f"unknown loss; known: {sorted(LOSS_NAMES)}")
   _number(c, "rl.beta1", 0, lo_open=True)
   _number(c, "rl.beta2", 0, lo_open=True)
+  _check(rl.beta2_rule in BETA2_RULES, "rl.beta2_rule", rl.beta2_rule, f"must be one of {BETA2_RULES}")
+  _number(c, "rl.beta2_per_token", 0, lo_open=True)
   _int(c, "rl.group_size", 2, note="V_hat needs a group")
   _int(c, "rl.lag", 1)
   _int(c, "rl.max_lag", "rl.lag", optional=True,
@@ -414,6 +429,7 @@ def validate(c, *, dry_run: bool = False) -> None:
   _check(rl.old_logprobs in OLD_LOGPROB_SOURCES, "rl.old_logprobs", rl.old_logprobs,
          f"must be one of {OLD_LOGPROB_SOURCES}")
   g = rl.grpo
+  _check(g.prox in GRPO_PROX, "rl.grpo.prox", g.prox, f"must be one of {GRPO_PROX}")
   _check(g.adv_norm in ADV_NORMS, "rl.grpo.adv_norm", g.adv_norm, f"must be one of {ADV_NORMS}")
   _number(c, "rl.grpo.adv_eps", 0)
   _number(c, "rl.grpo.eps_low", 0, 1, hi_open=True)

@@ -240,8 +240,11 @@ def test_loss_registry_names_each_loss_setting():
                if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert set(spec.settings) == keyword - TRAINER_ARGS, name
     c.rl.loss = name
-    assert losses.kwargs_from_config(c) == {arg: config_lib._get(c, setting)
-                                            for arg, setting in spec.settings.items()}
+    assert losses.kwargs_from_config(c) == {
+        arg: setting(c) if callable(setting) else config_lib._get(c, setting)
+        for arg, setting in spec.settings.items()}
+    for setting in spec.routing.values():  # what `apply` reads besides the loss's arguments
+      config_lib._get(c, setting)
   c.rl.loss = "oapl"
   assert losses.kwargs_from_config(c) == {"beta1": 1.0, "beta2": 0.1}
   c.rl.loss = "grpo"

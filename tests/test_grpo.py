@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from oapl_jax import config as config_lib
-from oapl_jax import train
+from oapl_jax import train, warmup
+from oapl_jax.placement import seq_len
 from oapl_jax.rl import losses
 from oapl_jax.rl.losses import LOSSES, group_advantages, grpo, importance_weights, kwargs_from_config
 from oapl_jax.rl.step import uses_reference
@@ -207,12 +208,24 @@ def test_registered_and_configurable():
   assert kw["is_mode"] == "truncate" and kw["is_cap"] == 2.0 and kw["eps_high"] > kw["eps_low"]
 
 
-def test_spec_declares_snapshot_always_and_reference_for_kl():
-  """GRPO's spec asks for the snapshot's log-probs (pi_prox) always and the reference's when
-  kl_coef > 0 (which is what `uses_reference` reads); through `LossInputs` it is `grpo`, bit
-  for bit."""
+def test_spec_declares_snapshot_for_its_prox_and_reference_for_kl():
+  """GRPO's spec asks for the snapshot's log-probs when they are pi_prox (`rl.grpo.prox=
+  "snapshot"`, the default) and the reference's when kl_coef > 0 (which is what
+  `uses_reference` reads); through `LossInputs` it is `grpo`, bit for bit, pi_prox the
+  snapshot's log-probs or (`"previous_step"`) the trainer's own."""
   c = config_lib.repo_config("tiny.py:smoke")
   c.rl.loss, c.rl.group_size = "grpo", G
+  c.rl.grpo.prox = "previous_step"
+  assert losses.needs(c) == losses.Needs(snapshot=False, reference=False)
+  logp, prox, sampler, mask, rewards = _arrays()
+  got = losses.from_config(c)(losses.LossInputs(
+      logprobs=logp, sampler_logprobs=sampler, snapshot_logprobs=None, reference_logprobs=None,
+      mask=mask, rewards=rewards, num_tokens=jnp.float32(7.0), num_answers=jnp.float32(4.0)))
+  want = grpo(logp, logp, sampler, mask, rewards, group_size=G, num_tokens=jnp.float32(7.0),
+              **kwargs_from_config(c))
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  assert float(got[1]["ratio_mean"]) == 1.0  # the ratio to the step's own start
+  c.rl.grpo.prox = "snapshot"
   assert losses.needs(c) == losses.Needs(snapshot=True, reference=False)
   assert not uses_reference(c)
   c.rl.grpo.kl_coef = 0.1
@@ -238,7 +251,7 @@ def _with_task(c):
 
 @pytest.mark.parametrize("setting,value", [
     ("is_mode", "clip"), ("is_level", "word"), ("norm", "sum"), ("adv_norm", "mad"),
-    ("is_cap", 0.5), ("eps_low", 1.0), ("eps_high", -0.1), ("kl_coef", -1.0)])
+    ("is_cap", 0.5), ("eps_low", 1.0), ("eps_high", -0.1), ("kl_coef", -1.0), ("prox", "old")])
 def test_bad_grpo_settings_are_refused(setting, value):
   c = _with_task(config_lib.defaults("tiny_addition"))
   c.rl.loss = "grpo"
@@ -282,3 +295,39 @@ def test_reference_is_checkpointed(smoke_config, tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   c.rl.grpo.kl_coef = 0.0
   assert train.Run(c, str(tmp_path / "nokl")).reference is None  # kept only when used
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_previous_step_prox_equals_the_snapshot_at_lag_1_and_differs_after(smoke_config, tmp_path, lag):
+  """pi_prox = the trainer's weights as the step starts (`rl.grpo.prox="previous_step"`) is the
+  snapshot whenever the snapshot was refreshed at the step before (lag 1; the first step of a
+  window): then both runs take the same steps. Later in a window (lag 3) the snapshot's ratio
+  moves off 1 while the previous step's stays 1, its IS weight pi_prox / pi_sampler carrying
+  the lag instead, and the runs part."""
+  c = smoke_config
+  c.rl.loss, c.rl.lag = "grpo", lag
+  c.task.min_digits = c.task.max_digits = 1  # rewards vary within groups from the start
+  c.train.lr = 1e-2  # a step moves the policy by more than float noise
+  c.warmup.cache_dir = str(tmp_path / "base")
+  runs = {}
+  for prox in ("snapshot", "previous_step"):
+    c.rl.grpo.prox = prox
+    r = train.Run(c, str(tmp_path / prox))
+    base, _ = warmup.base_model(c, r.graphdef, r.params, r.sampler.task, r.sampler.tokenizer,
+                                seq_len=seq_len(c))  # the second run reads the first's
+    r.start_from(base)
+    runs[prox] = [r.step() for _ in range(3)]
+  snap, prev = runs["snapshot"], runs["previous_step"]
+  assert all(row["ratio_mean"] == 1.0 for row in prev)
+  # step 1 follows a refresh under either lag: the same step
+  assert snap[0]["loss"] == pytest.approx(prev[0]["loss"], rel=1e-6, abs=1e-7)
+  assert snap[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+  for s, p in zip(snap[1:], prev[1:]):
+    if lag == 1:
+      assert s["loss"] == pytest.approx(p["loss"], rel=1e-5, abs=1e-6)
+      assert s["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+      assert p["is_weight_mean"] == pytest.approx(s["is_weight_mean"], abs=1e-5)
+    else:
+      assert abs(s["ratio_mean"] - 1.0) > 1e-4  # the snapshot is a step or two behind
+      assert abs(p["is_weight_mean"] - 1.0) > 1e-4  # the lag is in the IS weight instead
+      assert abs(s["is_weight_mean"] - 1.0) < 1e-4  # the snapshot's: the mismatch only

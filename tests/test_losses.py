@@ -249,3 +249,52 @@ def test_spec_declares_the_snapshot_only_for_snapshot_old_logprobs():
     got = losses.from_config(c)(losses.LossInputs(
         sampler_logprobs=sampler, snapshot_logprobs=snapshot, **inputs))
     jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_target_out_of_reach_by_hand():
+  """An answer's target A_i / beta2 is out of reach when it exceeds -log pi_old(o_i) (its
+  log-prob can rise at most to 0): counted by hand from the fixture's sums."""
+  _, _, _, adv, _ = _hand_oapl()
+  lp, olp, mask, rewards = _arrays()
+  for beta2 in (BETA2, 0.05, 5.0):
+    reach = [-sum(o for o, m in zip(olps, ms) if m) for olps, ms in zip(OLD_LOGPROBS, MASK)]
+    want = np.mean([a / beta2 > r for a, r in zip(adv, reach)])
+    _, metrics = oapl(lp, olp, mask, rewards, group_size=G, beta1=BETA1, beta2=beta2)
+    assert float(metrics["target_out_of_reach"]) == pytest.approx(want)
+  # the fixture spans both sides: some targets in reach at beta2 = 0.3, none at 5, all
+  # positive ones out of reach at 0.05
+  _, m = oapl(lp, olp, mask, rewards, group_size=G, beta1=BETA1, beta2=0.05)
+  assert float(m["target_out_of_reach"]) == pytest.approx(np.mean([a > 0 for a in adv]))
+  _, m = oapl(lp, olp, mask, rewards, group_size=G, beta1=BETA1, beta2=5.0)
+  assert float(m["target_out_of_reach"]) == 0.0
+
+
+def test_tied_betas_put_targets_at_the_optimal_policy_log_ratios():
+  """With beta2 = beta1 (rule "tied") a target is (R - V_hat) / beta1: over a group whose
+  answers are all distinct, log mean exp of the targets is 0, i.e. the targets are the
+  log-ratios of a distribution over the group (the KL-optimal reweighting)."""
+  rewards = jnp.asarray([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.5], jnp.float32)
+  for beta1 in (0.1, 1.0, 5.0):
+    targets = (rewards - group_value(rewards, group_size=8, beta1=beta1)) / beta1
+    assert float(jax.nn.logsumexp(targets) - math.log(8)) == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("rule,want", [("fixed", BETA2), ("tied", BETA1), ("per_token", 16.384 / 6)])
+def test_beta2_rule_sets_the_loss_beta2(rule, want):
+  """`rl.beta2_rule` picks OAPL's beta2 (fixed: rl.beta2; tied: rl.beta1; per_token:
+  rl.beta2_per_token / sampling.max_new_tokens, 6 in the smoke config) for the loss."""
+  c = config_lib.repo_config("tiny.py:smoke")
+  c.rl.loss, c.rl.beta1, c.rl.beta2, c.rl.beta2_rule = "oapl", BETA1, BETA2, rule
+  assert c.sampling.max_new_tokens == 6
+  config_lib.validate(c)
+  assert losses.kwargs_from_config(c) == {"beta1": BETA1, "beta2": pytest.approx(want)}
+
+
+def test_bad_beta2_rule_is_refused():
+  c = config_lib.repo_config("tiny.py:smoke")
+  c.rl.beta2_rule = "auto"
+  with pytest.raises(config_lib.ConfigError, match="config.rl.beta2_rule="):
+    config_lib.validate(c)
+  c.rl.beta2_rule, c.rl.beta2_per_token = "per_token", 0.0
+  with pytest.raises(config_lib.ConfigError, match="config.rl.beta2_per_token="):
+    config_lib.validate(c)

@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from oapl_jax.rl.names import ADV_NORMS, IS_LEVELS, IS_MODES, LOSS_NAMES, NORMS
+from oapl_jax.rl.names import ADV_NORMS, IS_LEVELS, IS_MODES, LOSS_NAMES, NORMS, beta2_of
 
 
 def _check_groups(batch: int, group_size: int) -> int:
@@ -121,7 +121,9 @@ def oapl(
 
   Returns:
     ``(loss, metrics)``: scalar loss (0 if nothing counts) and a dict of scalars, means over
-    this batch's counted answers (0 if none): ``ell_abs_mean`` (mean |ell|),
+    this batch's counted answers (0 if none): ``target_out_of_reach`` (the fraction whose
+    target ``A_i / beta2`` exceeds ``-log pi_old(o_i)``, the most an answer's log-prob can
+    rise: docs/algorithm.md "Reachable targets"), ``ell_abs_mean`` (mean |ell|),
     ``residual_abs_mean`` (mean |beta2*ell - A|), ``advantage_mean``, ``v_hat_mean``.
   """
   _check_positive("beta2", beta2)
@@ -148,7 +150,12 @@ def oapl(
   def counted_mean(x):  # [B] -> [], over this batch's counted answers
     return jnp.sum(jnp.where(counted, x, 0.0)) / jnp.maximum(n_counted, 1.0)
 
+  # A target asks an answer to gain A_i / beta2 nats; its log-prob can rise at most to 0, i.e.
+  # by -log pi_old(answer) = -sum_t old_logprobs: a target above that is out of reach.
+  reach = -jnp.sum(jnp.where(mask > 0, mask * old_logprobs, 0.0), axis=-1)  # [B] -log pi_old
+  out_of_reach = (advantages / beta2 > reach).astype(residual.dtype)  # [B]
   metrics = {
+      "target_out_of_reach": counted_mean(out_of_reach),
       "ell_abs_mean": counted_mean(jnp.abs(ell)),
       "residual_abs_mean": counted_mean(jnp.abs(residual)),
       "advantage_mean": counted_mean(advantages),
@@ -402,7 +409,7 @@ def _grpo_metrics(m, valid, *, unclipped, clipped, raw_w, kept, ratio, adv) -> d
 # when the step is traced.
 METRIC_REDUCTION: dict[str, str] = {
     "ell_abs_mean": "answers", "residual_abs_mean": "answers", "advantage_mean": "answers",
-    "v_hat_mean": "answers",  # oapl
+    "v_hat_mean": "answers", "target_out_of_reach": "answers",  # oapl
     "clip_fraction": "tokens", "is_weight_mean": "tokens", "is_masked_fraction": "tokens",
     "ratio_mean": "tokens", "kl": "tokens", "advantage_abs_mean": "rows",
     "is_weight_min": "min", "is_weight_max": "max",  # grpo
@@ -448,9 +455,12 @@ def _oapl_inputs(x: LossInputs, **kwargs):
   return oapl(x.logprobs, old, x.mask, x.rewards, num_answers=x.num_answers, **kwargs)
 
 
-def _grpo_inputs(x: LossInputs, **kwargs):
-  """`grpo` on `LossInputs`: pi_prox is the snapshot's log-probs (always scored)."""
-  return grpo(x.logprobs, x.snapshot_logprobs, x.sampler_logprobs, x.mask, x.rewards,
+def _grpo_inputs(x: LossInputs, *, prox: str, **kwargs):
+  """`grpo` on `LossInputs`: pi_prox is the snapshot's log-probs (`prox="snapshot"`) or the
+  trainer's own as the step starts (`"previous_step"`: `logprobs`, which `grpo` stops the
+  gradient of where it uses them as pi_prox)."""
+  prox_logprobs = x.snapshot_logprobs if prox == "snapshot" else x.logprobs
+  return grpo(x.logprobs, prox_logprobs, x.sampler_logprobs, x.mask, x.rewards,
               ref_logprobs=x.reference_logprobs, num_tokens=x.num_tokens,
               num_answers=x.num_answers, **kwargs)
 
@@ -460,20 +470,23 @@ class LossSpec:
   """A registered loss.
 
   fn: the pure loss function (its own keyword signature). settings: for each keyword argument
-  the config sets, the dotted setting it comes from (`group_size` is `rl.group_size`).
-  apply: `(LossInputs, *, group_size, **settings) -> (loss, metrics)`, the one signature the
-  train step calls. needs: config -> `Needs`, the optional log-probs `apply` reads.
+  the config sets, the dotted setting it comes from (`group_size` is `rl.group_size`), or a
+  function of the config where a rule computes it (OAPL's beta2: `names.beta2_of`).
+  apply: `(LossInputs, *, group_size, **settings, **routing) -> (loss, metrics)`, the one
+  signature the train step calls. routing: settings `apply` itself reads (which log-probs go
+  where), not arguments of `fn`. needs: config -> `Needs`, the optional log-probs `apply` reads.
   """
 
   fn: LossFn
-  settings: dict[str, str]  # keyword argument -> setting, e.g. {"beta1": "rl.beta1"}
+  settings: dict[str, str | Callable]  # keyword argument -> setting, e.g. {"beta1": "rl.beta1"}
   apply: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
   needs: Callable[..., Needs]
+  routing: dict[str, str] = dataclasses.field(default_factory=dict)  # apply's keyword -> setting
 
 
 LOSS_SPECS: dict[str, LossSpec] = {
     "oapl": LossSpec(
-        oapl, {"beta1": "rl.beta1", "beta2": "rl.beta2"}, _oapl_inputs,
+        oapl, {"beta1": "rl.beta1", "beta2": beta2_of}, _oapl_inputs,
         lambda config: Needs(snapshot=config.rl.old_logprobs == "snapshot", reference=False)),
     "grpo": LossSpec(grpo, {
         "adv_norm": "rl.grpo.adv_norm", "adv_eps": "rl.grpo.adv_eps",
@@ -481,20 +494,28 @@ LOSS_SPECS: dict[str, LossSpec] = {
         "is_level": "rl.grpo.is_level", "is_mode": "rl.grpo.is_mode",
         "is_cap": "rl.grpo.is_cap", "norm": "rl.grpo.norm", "kl_coef": "rl.grpo.kl_coef",
         "max_tokens": "sampling.max_new_tokens"}, _grpo_inputs,
-        # pi_prox is always the snapshot's log-probs; the reference only for the KL penalty
-        lambda config: Needs(snapshot=True, reference=config.rl.grpo.kl_coef > 0)),
+        # the snapshot's log-probs when they are pi_prox; the reference only for the KL penalty
+        lambda config: Needs(snapshot=config.rl.grpo.prox == "snapshot",
+                             reference=config.rl.grpo.kl_coef > 0),
+        routing={"prox": "rl.grpo.prox"}),
 }
 # Name -> loss function: the names `config.rl.loss` is checked against.
 LOSSES: dict[str, LossFn] = {name: spec.fn for name, spec in LOSS_SPECS.items()}
 assert tuple(LOSSES) == LOSS_NAMES, (tuple(LOSSES), LOSS_NAMES)  # config validates against LOSS_NAMES
 
 
+def _setting(config, name):
+  """"rl.grpo.is_cap" -> config.rl.grpo.is_cap; a function: its value on the config."""
+  if callable(name):
+    return name(config)
+  return functools.reduce(lambda section, part: section[part], name.split("."), config)
+
+
 def kwargs_from_config(config) -> dict:
   """The keyword arguments of the configured loss (`config.rl.loss`), each read from the
-  setting its `LOSS_SPECS` entry names: `{"beta1": config.rl.beta1, "beta2": ...}` for OAPL."""
-  def setting(name: str):  # "rl.grpo.is_cap" -> config.rl.grpo.is_cap
-    return functools.reduce(lambda section, part: section[part], name.split("."), config)
-  return {arg: setting(name) for arg, name in LOSS_SPECS[config.rl.loss].settings.items()}
+  setting its `LOSS_SPECS` entry names: `{"beta1": config.rl.beta1, "beta2": ...}` for OAPL
+  (beta2 by `rl.beta2_rule`)."""
+  return {arg: _setting(config, name) for arg, name in LOSS_SPECS[config.rl.loss].settings.items()}
 
 
 def needs(config) -> Needs:
@@ -504,5 +525,7 @@ def needs(config) -> Needs:
 
 def from_config(config) -> Callable[[LossInputs], tuple[jax.Array, dict[str, jax.Array]]]:
   """The configured loss as `LossInputs -> (loss, metrics)`, its settings bound."""
-  return functools.partial(LOSS_SPECS[config.rl.loss].apply, group_size=config.rl.group_size,
-                           **kwargs_from_config(config))
+  spec = LOSS_SPECS[config.rl.loss]
+  routing = {arg: _setting(config, name) for arg, name in spec.routing.items()}
+  return functools.partial(spec.apply, group_size=config.rl.group_size,
+                           **kwargs_from_config(config), **routing)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from oapl_jax import config as config_lib
+from oapl_jax.rl.names import beta2_of  # JAX-free
 
 # method name -> (label, config overrides). Everything else is the study's config file.
 METHODS: dict[str, tuple[str, dict]] = {
@@ -18,6 +19,18 @@ METHODS: dict[str, tuple[str, dict]] = {
     "grpo_tis": ("GRPO+IS (token TIS, C=2)",
                  {"rl.loss": "grpo", "rl.grpo.is_level": "token", "rl.grpo.is_mode": "truncate",
                   "rl.grpo.is_cap": 2.0}),
+    # The asynchronous GRPO+TIS of the paper's comparison (issue 41): PPO's ratio against the
+    # trainer's previous step, the truncated IS weight (C = 2) from the lagged sampler to it.
+    "grpo_tis_async": ("asynchronous GRPO+TIS (ratio to the previous step, token TIS, C=2)",
+                       {"rl.loss": "grpo", "rl.grpo.prox": "previous_step",
+                        "rl.grpo.is_level": "token", "rl.grpo.is_mode": "truncate",
+                        "rl.grpo.is_cap": 2.0}),
+    # OAPL with targets it can reach (docs/algorithm.md "Reachable targets"; studies/reachable.py)
+    "oapl_tied": ("OAPL, tied betas (beta1=beta2=0.1)",
+                  {"rl.loss": "oapl", "rl.beta1": 0.1, "rl.beta2_rule": "tied"}),
+    "oapl_per_token": ("OAPL, per-token beta2 (beta1=1, beta2=16.384/max_new_tokens)",
+                       {"rl.loss": "oapl", "rl.beta1": 1.0, "rl.beta2_rule": "per_token",
+                        "rl.beta2_per_token": 16.384}),
 }
 DEFAULT_LAGS = (1, 10, 50, 100)
 DEFAULT_SEEDS = (0, 1, 2)
@@ -81,11 +94,12 @@ def method_label(method: str, config: dict) -> str:
   """A method's name in reports, with the settings its runs had (`config`: a summary's config);
   METHODS' label where the config lacks them."""
   rl = config.get("rl", {})
-  if method == "oapl" and {"beta1", "beta2"} <= set(rl):
-    return f"OAPL (beta1={rl['beta1']:g}, beta2={rl['beta2']:g})"
+  if method.startswith("oapl") and {"beta1", "beta2"} <= set(rl) and "sampling" in config:
+    return f"OAPL (beta1={rl['beta1']:g}, beta2={beta2_of(config):.3g})"
   g = rl.get("grpo", {})
-  if method == "grpo_tis" and {"is_cap", "eps_low", "eps_high"} <= set(g):
-    return f"GRPO+IS (token TIS, C={g['is_cap']:g}, clip {g['eps_low']:g}/{g['eps_high']:g})"
+  if method.startswith("grpo_tis") and {"is_cap", "eps_low", "eps_high"} <= set(g):
+    name = "async GRPO+TIS" if g.get("prox") == "previous_step" else "GRPO+IS"
+    return f"{name} (token TIS, C={g['is_cap']:g}, clip {g['eps_low']:g}/{g['eps_high']:g})"
   return METHODS[method][0]
 
 

@@ -22,7 +22,11 @@ from oapl_jax.workdir import Layout
 # Per-answer lists an evaluation carries (megabytes at 64 problems x 256 samples) and no report
 # reads; `compact` leaves them out.
 PER_ANSWER_KEYS = ("answer_ids",)
-SERIES = ("entropy",)  # per-step metrics kept (the entropy plot and findings)
+# Per-step metrics kept: the entropy (plot and findings); OAPL's fit (docs/algorithm.md
+# "Reachable targets": the fraction of targets out of reach, mean |residual|, mean |ell|); the
+# GRPO variants' IS weight and clip fraction. A run keeps those it logged.
+SERIES = ("entropy", "target_out_of_reach", "residual_abs_mean", "ell_abs_mean", "is_weight_mean",
+          "clip_fraction")
 SERIES_DIGITS = 4  # significant digits kept of a series value
 
 
@@ -82,14 +86,15 @@ def compact(summary: dict, metrics: list[dict], wall_seconds: float | None) -> d
   steps = [m["step"] for m in rows]
   contiguous = steps == list(range(steps[0], steps[0] + len(steps))) if steps else True
   series = {**({"first_step": steps[0] if steps else 1} if contiguous else {"step": steps}),
-            **{k: [_round(m[k]) if k in m else None for m in rows] for k in SERIES}}
+            **{k: [_round(m[k]) if k in m else None for m in rows] for k in SERIES
+               if any(k in m for m in rows)}}
   return {"summary": small, "series": series, "wall_seconds": wall_seconds}
 
 
 def from_compact(method: str, lag: int, seed: int, point: str | None, result: dict) -> RunResult:
   """The `RunResult` of a `compact` result."""
   s = result["series"]
-  n = len(s[SERIES[0]])
+  n = max((len(s[k]) for k in SERIES if k in s), default=0)
   steps = s["step"] if "step" in s else range(s["first_step"], s["first_step"] + n)
   metrics = [{"step": step, **{k: s[k][i] for k in SERIES if k in s and s[k][i] is not None}}
              for i, step in enumerate(steps)]
