@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The registered experiment of docs/reachable_targets.md (issue 41; oapl_jax/studies/reachable.py):
+# OAPL with reachable targets (tied / per-token beta2) x lr 1e-4, 3e-4, 3e-5 x L = 100, 50 x
+# seeds 0-2, 36 runs of 1000 steps, seed by seed. Two processes, one core each, running the same
+# command: each skips the runs the other is making (exit 4 when only those are left: started
+# again a minute later). Resumable: finished runs (under OUT or committed) are skipped, and
+# SIGTERM / SIGINT stops both with a checkpoint. At the end the finished runs' small results are
+# copied into docs/reachable_targets/results (to commit) and the report is rewritten.
+#
+# Usage: bash launch/reachable_targets.sh [--dry-run] [OUT_DIR] [EXTRA FLAGS...]
+#   e.g. bash launch/reachable_targets.sh /tmp/oapl_reach --seeds 0
+set -euo pipefail
+dry=""
+if [[ "${1:-}" == "--dry-run" ]]; then dry=1; shift; fi
+out=${1:-/tmp/oapl_reach}
+shift || true
+cmd=(python -m oapl_jax.studies.reachable --out="$out" --results=docs/reachable_targets/results "$@")
+pin_a=() pin_b=()
+if command -v taskset > /dev/null && [[ "$(nproc)" -ge 2 ]]; then
+  pin_a=(taskset -c 0) pin_b=(taskset -c 1)
+fi
+if [[ -n "$dry" ]]; then
+  echo "${pin_a[*]} ${cmd[*]} --report=$out/half_a.md &"
+  echo "${pin_b[*]} ${cmd[*]} --report=$out/half_b.md &"
+  echo "${cmd[*]} --save-results && ${cmd[*]} --report-only"
+  exit 0
+fi
+half() {  # a half, started again while it exits with 4 (runs left that the other half makes)
+  local rc child=""
+  trap '[[ -n "$child" ]] && kill -TERM "$child" 2> /dev/null; wait; exit 143' TERM INT
+  while true; do
+    "$@" & child=$!
+    wait "$child" && return 0 || rc=$?
+    [[ $rc -eq 4 ]] || return $rc
+    sleep 60 & wait $!
+  done
+}
+# each half writes its report into OUT (from a copy of the registered one, which holds the prediction)
+mkdir -p "$out"
+cp docs/reachable_targets.md "$out/half_a.md"; cp docs/reachable_targets.md "$out/half_b.md"
+pids=()
+trap 'kill -TERM "${pids[@]}" 2> /dev/null || true; wait; exit 143' TERM INT
+half "${pin_a[@]}" "${cmd[@]}" --report="$out/half_a.md" & pids+=($!)
+sleep 30  # the first half takes the first run's workdir; the second starts on the next
+half "${pin_b[@]}" "${cmd[@]}" --report="$out/half_b.md" & pids+=($!)
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=$?; done
+"${cmd[@]}" --save-results
+"${cmd[@]}" --report-only
+exit $status
