@@ -43,8 +43,12 @@ def test_last_evaluations_mean_and_area():
 
 
 def test_the_run_list_is_the_registered_grid_seed_by_seed():
-  todo = reachable.runs()
+  todo = reachable.runs(baseline=False)
   assert len(todo) == 2 * 3 * 2 * 3  # settings x lrs x lags x seeds
+  with_baseline = reachable.runs()
+  assert len(with_baseline) == len(todo) + 2 * 3  # a baseline run per lag and seed
+  assert [r for r in with_baseline if r.method != reachable.BASELINE[0]] == todo
+  assert with_baseline[6].method == reachable.BASELINE[0] and with_baseline[6].lag == 100
   assert [r.seed for r in todo] == sorted(r.seed for r in todo)  # a seed's runs before the next's
   first = todo[:2]
   assert {r.method for r in first} == set(reachable.SETTINGS) and {r.lag for r in first} == {100}

@@ -61,11 +61,19 @@ def point(lr: float) -> str:
   return f"lr{lr:g}"
 
 
-def runs(seeds=SEEDS, lags=LAGS, lrs=LRS, settings=SETTINGS) -> list[Run]:
+# The asynchronous GRPO+TIS baseline beside it (`rl.grpo.prox="previous_step"`; registered in
+# the addendum of the prediction, before its runs): the reasoning study's searched GRPO+IS
+# settings (clip 0.8/1.12, lr 3e-4) with pi_prox the trainer's previous step, at each lag.
+BASELINE = ("grpo_tis_async", 3e-4, {"rl.grpo.eps_low": 0.8, "rl.grpo.eps_high": 1.12})
+
+
+def runs(seeds=SEEDS, lags=LAGS, lrs=LRS, settings=SETTINGS, baseline: bool = True) -> list[Run]:
   """Every run of the experiment in run order: seed by seed, L = 100 before L = 50, at each lr
-  both settings."""
-  return [Run(seed, lag, m, {**EVAL, "train.lr": lr}, point(lr))
-          for seed in seeds for lag in lags for lr in lrs for m in settings]
+  both settings, then (`baseline`) the asynchronous GRPO+TIS run at that lag."""
+  method, lr, overrides = BASELINE
+  return [run for seed in seeds for lag in lags for run in (
+      [Run(seed, lag, m, {**EVAL, "train.lr": lr}, point(lr)) for lr in lrs for m in settings]
+      + ([Run(seed, lag, method, {**EVAL, **overrides, "train.lr": lr}, point(lr))] if baseline else []))]
 
 
 # --- the figures of one run (pure: a results.RunResult) --------------------------------------
@@ -131,7 +139,9 @@ def _label(r) -> str:
   rl = c["rl"]
   if rl["loss"] == "oapl":
     return f"OAPL beta1={rl['beta1']:g} beta2={beta2_of(c):.3g}"
-  return f"GRPO+IS clip {rl['grpo']['eps_low']:g}/{rl['grpo']['eps_high']:g}"
+  g = rl["grpo"]
+  name = "async GRPO+TIS" if g.get("prox") == "previous_step" else "GRPO+IS"
+  return f"{name} clip {g['eps_low']:g}/{g['eps_high']:g}"
 
 
 def table(groups: dict) -> list[str]:
@@ -155,11 +165,11 @@ def _grouped(results) -> dict:
   return groups
 
 
-def report_markdown(results, reference, *, prediction: str, notes: str) -> str:
+def report_markdown(results, reference, baseline=(), *, prediction: str, notes: str) -> str:
   """The report: the registered prediction (kept as committed), the status, the experiment's
   table, the study's committed runs at the same lags (and L = 1) beside it, the notes."""
   done = len(results)
-  total = len(runs())
+  total = len(runs(baseline=False))
   seeds = sorted({r.seed for r in results})
   minutes = sum(r.wall_seconds or 0 for r in results) / 60
   ref = [r for r in reference if r.lag in (1,) + LAGS]
@@ -187,6 +197,9 @@ def report_markdown(results, reference, *, prediction: str, notes: str) -> str:
       "lr 1e-4; GRPO+IS clip 0.8/1.12, lr 3e-4), the same figures (their runs did not log the "
       "out-of-reach fraction or the residual):", "",
       *(table(_grouped(ref)) if ref else ["_(not found)_"]), "",
+      "The asynchronous GRPO+TIS baseline (`rl.grpo.prox=\"previous_step\"`, the study's "
+      "GRPO+IS settings otherwise; evaluated as this experiment's runs):", "",
+      *(table(_grouped(baseline)) if baseline else ["_(no runs finished yet)_"]), "",
       "## Notes", "", NOTES_BEGIN, notes, NOTES_END, ""]
   return "\n".join(lines)
 
@@ -207,9 +220,10 @@ def write_report(out: str | None, results: str | None, report: str,
   if prediction is None:
     raise UserError(f"{report} has no registered prediction (between {PREDICTION_BEGIN!r} and "
                     f"{PREDICTION_END!r}): write and commit it before the runs")
-  mine = load_runs(out, layout.SWEEP, results)
+  mine = [r for r in load_runs(out, layout.SWEEP, results) if r.method in SETTINGS]
+  baseline = [r for r in load_runs(out, layout.SWEEP, results) if r.method == BASELINE[0]]
   ref = [r for r in load_runs(None, layout.RUNS, reference) if r.method in ("oapl", "grpo_tis")]
-  text = report_markdown(mine, ref, prediction=prediction, notes=kept_notes(old))
+  text = report_markdown(mine, ref, baseline, prediction=prediction, notes=kept_notes(old))
   with open(report, "w") as f:
     f.write(text)
   return report
