@@ -26,6 +26,7 @@ from oapl_jax.checkpoint import SaveFailed, storage_failure
 from oapl_jax.errors import UserError
 from oapl_jax.metrics import DeadModelWatch, MetricsLog, read_json, read_metrics, say, write_json
 from oapl_jax.placement import seq_len
+from oapl_jax.rl.names import beta2_of
 from oapl_jax.rl.loop import Run
 from oapl_jax.topology import LOCAL, TOPOLOGIES
 from oapl_jax.workdir import Interrupted, Layout, StopSignals, WorkdirLock, check_usable
@@ -52,6 +53,17 @@ def run(config, workdir: str) -> dict:
   return run_validated(config, workdir)
 
 
+def _loss_line(config) -> str:
+  """The loss and the settings it runs with, beta2 as its rule resolved it."""
+  rl = config.rl
+  if rl.loss == "oapl":
+    return (f"loss oapl: beta1 {rl.beta1:g}, beta2 {beta2_of(config):.4g} (rl.beta2_rule="
+            f"{rl.beta2_rule}), lag {rl.lag}")
+  g = rl.grpo
+  return (f"loss grpo: pi_prox {g.prox}, clip {g.eps_low:g}/{g.eps_high:g}, IS {g.is_level} "
+          f"{g.is_mode} C={g.is_cap:g}, lag {rl.lag}")
+
+
 def run_validated(config, workdir: str) -> dict:
   """`run` of a config its caller has validated (`python -m oapl_jax.main` does, before it
   imports this module, so that a refused setting is one line on a quiet console)."""
@@ -66,6 +78,7 @@ def run_validated(config, workdir: str) -> dict:
                               f"config.mesh.topology={config.mesh.topology}")
   say(f"jax {jax.__version__}, devices {jax.devices()}"  # process 0's console only
       + (f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""))
+  say(_loss_line(config))
   plan_lib.check(config)  # before anything is allocated
   lock = (WorkdirLock(workdir, config.checkpoint.lock_lease_s, config.checkpoint.lock_wait_s)
           if distributed.is_writer() else contextlib.nullcontext())
@@ -156,7 +169,8 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
         evals.append({"step": s, **m["eval"]})
       if (s % config.log.every == 0 or "eval" in m) and writer:  # an evaluation is always logged
         metrics_log.write(s, m)
-      bar.set_postfix(reward=f"{m['reward_mean']:.3f}", loss=f"{m['loss']:.4f}", lag=f"{m['lag_mean']:.1f}")
+      bar.set_postfix(reward=f"{m['reward_mean']:.3f}", loss=f"{m['loss']:.4f}", lag=f"{m['lag_mean']:.1f}",
+                      **({"out_of_reach": f"{m['target_out_of_reach']:.2f}"} if "target_out_of_reach" in m else {}))
       bar.update(1)
       _check_finite_steps(r, config)
       saved = s % config.checkpoint.every == 0 or s == config.train.steps

@@ -22,7 +22,7 @@ def study(tmp_path_factory):
 def test_runs_every_method_and_lag_from_one_base(study):
   runs = results.load_runs(study)
   assert sorted((r.method, r.lag) for r in runs) == sorted(
-      (m, l) for m in definitions.METHODS for l in (1, 2))
+      (m, l) for m in definitions.DEFAULT_METHODS for l in (1, 2))
   cache = os.listdir(os.path.join(study, "base_models"))  # one warm-up for the seed, and its eval
   assert len(cache) == 2 and sum(".eval-" in name for name in cache) == 1
   befores = {str(r.summary["eval_before"]) for r in runs}
@@ -42,7 +42,7 @@ def test_report_has_table_plots_findings_and_keeps_notes(study):
   lag_study.write_report(study, report, command="python -m oapl_jax.studies.lag_study --reduced")
   text = open(report).read()
   assert "python -m oapl_jax.studies.lag_study --reduced" in text
-  for method in definitions.METHODS:
+  for method in definitions.DEFAULT_METHODS:
     config = next(r.summary["config"] for r in results.load_runs(study) if r.method == method)
     assert text.count(f"| {definitions.method_label(method, config)} |") == 2  # one table row per lag
   assert "| GRPO+IS (token TIS, C=2, clip 0.2/0.28) |" in text  # the label says the run's settings

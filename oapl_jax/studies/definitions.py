@@ -32,6 +32,9 @@ METHODS: dict[str, tuple[str, dict]] = {
                        {"rl.loss": "oapl", "rl.beta1": 1.0, "rl.beta2_rule": "per_token",
                         "rl.beta2_per_token": 16.384}),
 }
+# The methods a study runs unless told (`--methods`): the lag studies' three. The others are
+# for the reachable-targets experiment and the studies to come (issue 41).
+DEFAULT_METHODS = ("oapl", "oapl_paper_betas", "grpo_tis")
 DEFAULT_LAGS = (1, 10, 50, 100)
 DEFAULT_SEEDS = (0, 1, 2)
 # The study's settings on top of configs/tiny.py: every run generates the same answers per step
@@ -94,8 +97,9 @@ def method_label(method: str, config: dict) -> str:
   """A method's name in reports, with the settings its runs had (`config`: a summary's config);
   METHODS' label where the config lacks them."""
   rl = config.get("rl", {})
-  if method.startswith("oapl") and {"beta1", "beta2"} <= set(rl) and "sampling" in config:
-    return f"OAPL (beta1={rl['beta1']:g}, beta2={beta2_of(config):.3g})"
+  if method.startswith("oapl") and {"beta1", "beta2"} <= set(rl):
+    beta2 = beta2_of(config) if "sampling" in config else rl["beta2"]  # as its rule resolved it
+    return f"OAPL (beta1={rl['beta1']:g}, beta2={beta2:.3g})"
   g = rl.get("grpo", {})
   if method.startswith("grpo_tis") and {"is_cap", "eps_low", "eps_high"} <= set(g):
     name = "async GRPO+TIS" if g.get("prox") == "previous_step" else "GRPO+IS"

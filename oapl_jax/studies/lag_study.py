@@ -44,7 +44,7 @@ import time
 
 from oapl_jax.errors import UserError, one_line
 from oapl_jax.studies import layout, search as search_lib
-from oapl_jax.studies.definitions import DEFAULT_LAGS, DEFAULT_SEEDS, METHODS, STUDIES
+from oapl_jax.studies.definitions import DEFAULT_LAGS, DEFAULT_METHODS, DEFAULT_SEEDS, METHODS, STUDIES
 from oapl_jax.studies.plots import plot
 from oapl_jax.studies.report import kept_notes, report_markdown
 from oapl_jax.studies.results import load_compact, load_runs, read_search_plan, save_results
@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--out", required=True, help="folder for the runs (resumable)")
   p.add_argument("--report", default=None, help="markdown report to write (default: <out>/lag_study.md)")
   p.add_argument("--study", default="tiny", choices=list(STUDIES), help="the task (STUDIES)")
-  p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+  p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
   p.add_argument("--lags", nargs="+", type=int, default=list(DEFAULT_LAGS))
   p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
   p.add_argument("--search", action="store_true",

@@ -13,7 +13,7 @@ import os
 import time
 
 from oapl_jax.studies import layout, search as search_lib
-from oapl_jax.studies.definitions import DEFAULT_LAGS, DEFAULT_SEEDS, METHODS, study_config
+from oapl_jax.studies.definitions import DEFAULT_LAGS, DEFAULT_METHODS, DEFAULT_SEEDS, study_config
 from oapl_jax.studies.results import finished, load_compact
 from oapl_jax.studies.search import plan_json, search_scores
 
@@ -144,7 +144,7 @@ def sweep(out: str, *, methods, lrs, lag: int, seed: int, **kwargs) -> dict[str,
   return {m: o["train.lr"] for m, o in chosen.items()}
 
 
-def run_study(out: str, *, methods=tuple(METHODS), lags=DEFAULT_LAGS, seeds=DEFAULT_SEEDS,
+def run_study(out: str, *, methods=DEFAULT_METHODS, lags=DEFAULT_LAGS, seeds=DEFAULT_SEEDS,
               reduced: bool = False, overrides: dict | None = None, echo=print,
               study: str = "tiny", settings: dict[str, dict] | None = None,
               deadline: float | None = None, results: str | None = None) -> list[str]:
