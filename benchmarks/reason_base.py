@@ -1,4 +1,5 @@
-"""Calibrates the base of configs/reason.py: warm-up, then pass@k (k <= 256), maj@k, diversity.
+"""Calibrates the base of configs/reason.py (or mix.py): warm-up, then pass@k (k <= 256), maj@k,
+diversity; for configs/mix.py pass@1 per operation too.
 
     python benchmarks/reason_base.py                                  # the config's base
     python benchmarks/reason_base.py --set warmup.digit_noise=0.6 --set warmup.steps=2000 \
@@ -56,8 +57,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     out = r.evaluate(params, "base")
     eval_s = time.perf_counter() - t0
+    problems = r.sampler.task.eval_problems()
     r.close()
-  out.pop("correct_per_problem", None)
+  correct = out.pop("correct_per_problem", None)
+  if hasattr(r.sampler.task, "operations"):  # chain_mix: pass@1 of each operation's problems
+    from oapl_jax.tasks.chain_mix import parse  # noqa: PLC0415
+    n = c.eval.samples_per_problem
+    out["pass@1_per_operation"] = {op: sum(k for p, k in zip(problems, correct) if parse(p)[1] == op)
+                                   / (n * sum(parse(p)[1] == op for p in problems))
+                                   for op in r.sampler.task.operations}
   out = {k: v for k, v in out.items() if not isinstance(v, list)}
   print(json.dumps({"settings": args.set, "warmup": info, "warmup_seconds": warm_s,
                     "eval_seconds": eval_s, **out}))

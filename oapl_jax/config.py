@@ -348,7 +348,7 @@ def parse_arg(arg: str | None, **known: type) -> dict:
 
 
 FILE_TASKS = ("math", "code")  # Tasks that read their problems from files (train/eval_path).
-WARMUP_TASKS = ("addition", "chain_addition")  # Embedded tasks (character tokenizer, demonstrations: warmup.*).
+WARMUP_TASKS = ("addition", "chain_addition", "chain_mix")  # Embedded tasks (character tokenizer, demonstrations: warmup.*).
 
 
 def task_section(name: str) -> ml_collections.ConfigDict:
@@ -616,6 +616,10 @@ def _validate_task(c) -> None:
   if "min_digits" in task:  # addition (oapl_jax/tasks/arithmetic.py: at most 9 digits)
     _int(c, "task.min_digits", 1, 9)
     _int(c, "task.max_digits", "task.min_digits", 9)
+  if "operations" in task:  # chain_mix: a non-empty set of "+", "-", "*"
+    ops = task.operations
+    _check(isinstance(ops, str) and ops and set(ops) <= set("+-*") and len(set(ops)) == len(ops),
+           "task.operations", ops, "distinct characters of '+-*', at least one")
   if "num_eval" in task:  # None (math, code: all eval problems) where the config allows it
     _int(c, "task.num_eval", 1, optional=task.name in FILE_TASKS)
   if "reward_workers" in task:

@@ -28,6 +28,11 @@ def _make_chain_addition(config):
   return make_chain_task(config)
 
 
+def _make_chain_mix(config):
+  from oapl_jax.tasks.chain_mix import make_chain_mix_task  # noqa: PLC0415
+  return make_chain_mix_task(config)
+
+
 def _make_math(config):
   tokenizer = _hf_tokenizer(config)
   from oapl_jax.tasks.math import MathTask  # noqa: PLC0415
@@ -53,6 +58,7 @@ def _make_reasoning_gym(config):
 TASKS: dict[str, Callable] = {
     "addition": _make_addition,  # procedural, embedded (arithmetic.py); character tokenizer
     "chain_addition": _make_chain_addition,  # addition answered by a chain of steps (chain.py)
+    "chain_mix": _make_chain_mix,  # +, - and x a digit, each a chain of steps (chain_mix.py)
     "math": _make_math,  # rows of files / TFDS (math.py)
     "code": _make_code,  # rows of files / TFDS, sandboxed tests (code.py)
     "reasoning_gym": _make_reasoning_gym,  # procedural, the gym's verifiers (reasoning_gym.py)
