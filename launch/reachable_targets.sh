@@ -25,16 +25,7 @@ if [[ -n "$dry" ]]; then
   echo "${cmd[*]} --save-results && ${cmd[*]} --report-only"
   exit 0
 fi
-half() {  # a half, started again while it exits with 4 (runs left that the other half makes)
-  local rc child=""
-  trap '[[ -n "$child" ]] && kill -TERM "$child" 2> /dev/null; wait; exit 143' TERM INT
-  while true; do
-    "$@" & child=$!
-    wait "$child" && return 0 || rc=$?
-    [[ $rc -eq 4 ]] || return $rc
-    sleep 60 & wait $!
-  done
-}
+source "$(dirname "$0")/halves.sh"  # half CMD...: CMD again while it exits with 4
 # each half writes its report into OUT (from a copy of the registered one, which holds the prediction)
 mkdir -p "$out"
 cp docs/reachable_targets.md "$out/half_a.md"; cp docs/reachable_targets.md "$out/half_b.md"

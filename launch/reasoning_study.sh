@@ -49,18 +49,7 @@ if [[ -n "$dry" ]]; then
   echo "${full[*]} --report-only"
   exit 0
 fi
-# a half, started again while it exits with 4 (runs left that the other half is making); a
-# SIGTERM / SIGINT is passed on to its python process, which checkpoints and stops
-half() {
-  local rc child=""
-  trap '[[ -n "$child" ]] && kill -TERM "$child" 2> /dev/null; wait; exit 143' TERM INT
-  while true; do
-    "$@" & child=$!
-    wait "$child" && return 0 || rc=$?
-    [[ $rc -eq 4 ]] || return $rc
-    sleep 60 & wait $!
-  done
-}
+source "$(dirname "$0")/halves.sh"  # half CMD...: CMD again while it exits with 4
 pids=()
 trap 'kill -TERM "${pids[@]}" 2> /dev/null || true; wait; exit 143' TERM INT
 half "${a[@]}" & pids+=($!)

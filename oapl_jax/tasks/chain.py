@@ -68,13 +68,22 @@ def carries(a: int, b: int) -> int:
   return sum(int(step[6]) for step in chain(a, b).split(f" {ANSWER_MARK}")[0].split(" "))
 
 
-def final_answer(response: str) -> str | None:
-  """The final answer of a well-formed chain, else None (never raises)."""
+def final_answer(response: str, pattern: re.Pattern = _CHAIN) -> str | None:
+  """The final answer of a chain well formed by `pattern` (its group 1), else None (never
+  raises)."""
   try:
-    match = _CHAIN.match(response.strip())
+    match = pattern.match(response.strip())
   except Exception:  # noqa: BLE001 - a reward must never crash training
     return None
   return match.group(1) if match else None
+
+
+def dropped_columns(columns: int, rng: np.random.Generator, digit_noise: float) -> frozenset[int]:
+  """The columns whose carry a noisy demonstration drops: each independently with probability
+  `digit_noise` (one draw of `rng` per column, none at noise 0)."""
+  if not 0.0 <= digit_noise < 1.0:
+    raise ValueError(f"digit_noise must be in [0, 1), got {digit_noise}")
+  return frozenset(i for i in range(columns) if digit_noise and rng.random() < digit_noise)
 
 
 def answer_tokens(num_columns: int, sum_digits: int) -> int:
@@ -98,12 +107,8 @@ class ChainAdditionTask(AdditionTask):
   @staticmethod
   def demonstration(problem: Problem, rng: np.random.Generator, *, digit_noise: float) -> str:
     """The chain of `problem`, each carry dropped independently with probability `digit_noise`."""
-    if not 0.0 <= digit_noise < 1.0:
-      raise ValueError(f"digit_noise must be in [0, 1), got {digit_noise}")
     a, b = operands(problem)
-    columns = max(len(str(a)), len(str(b)))
-    dropped = frozenset(i for i in range(columns) if digit_noise and rng.random() < digit_noise)
-    return chain(a, b, dropped)
+    return chain(a, b, dropped_columns(max(len(str(a)), len(str(b))), rng, digit_noise))
 
   def longest_answer_tokens(self) -> int:
     """Tokens of the longest answer the task's problems have (EOS included)."""

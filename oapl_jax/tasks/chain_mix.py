@@ -35,10 +35,11 @@ import re
 import numpy as np
 
 from oapl_jax.errors import ConfigError
+from oapl_jax.tasks import chain as chain_lib
 from oapl_jax.tasks.arithmetic import CharTokenizer, _sample_number, check_addition_prompts
 from oapl_jax.tasks.base import Problem
 
-ANSWER_MARK = ">"
+ANSWER_MARK = chain_lib.ANSWER_MARK
 OPERATIONS = "+-*"  # what task.operations may hold
 _STEP = r"\d[-+*]\d[-+]\d=\d\d"
 _CHAIN = re.compile(rf"^(?:{_STEP} )+{ANSWER_MARK}(\d+)$")
@@ -86,11 +87,7 @@ def chain(a: int, op: str, b: int, dropped: frozenset[int] = frozenset()) -> str
 
 def final_answer(response: str) -> str | None:
   """The final answer of a well-formed chain, else None (never raises)."""
-  try:
-    match = _CHAIN.match(response.strip())
-  except Exception:  # noqa: BLE001 - a reward must never crash training
-    return None
-  return match.group(1) if match else None
+  return chain_lib.final_answer(response, _CHAIN)
 
 
 class ChainMixTask:
@@ -161,12 +158,9 @@ class ChainMixTask:
   @staticmethod
   def demonstration(problem: Problem, rng: np.random.Generator, *, digit_noise: float) -> str:
     """The chain of `problem`, each carry or borrow dropped independently w.p. `digit_noise`."""
-    if not 0.0 <= digit_noise < 1.0:
-      raise ValueError(f"digit_noise must be in [0, 1), got {digit_noise}")
     a, op, b = parse(problem)
     columns = len(str(a)) if op == "*" else max(len(str(a)), len(str(b)))
-    dropped = frozenset(i for i in range(columns) if digit_noise and rng.random() < digit_noise)
-    return chain(a, op, b, dropped)
+    return chain(a, op, b, chain_lib.dropped_columns(columns, rng, digit_noise))
 
 
 def make_chain_mix_task(config) -> tuple[ChainMixTask, CharTokenizer]:
