@@ -48,7 +48,8 @@ def test_the_run_list_is_the_registered_grid_seed_by_seed():
   with_baseline = reachable.runs()
   assert len(with_baseline) == len(todo) + 2 * 3  # a baseline run per lag and seed
   assert [r for r in with_baseline if r.method != reachable.BASELINE[0]] == todo
-  assert with_baseline[6].method == reachable.BASELINE[0] and with_baseline[6].lag == 100
+  assert with_baseline[4].method == reachable.BASELINE[0] and with_baseline[4].lag == 100
+  assert {r.overrides["train.lr"] for r in with_baseline[:4]} == set(reachable.LRS[:2])
   assert [r.seed for r in todo] == sorted(r.seed for r in todo)  # a seed's runs before the next's
   first = todo[:2]
   assert {r.method for r in first} == set(reachable.SETTINGS) and {r.lag for r in first} == {100}

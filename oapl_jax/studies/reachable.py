@@ -69,11 +69,19 @@ BASELINE = ("grpo_tis_async", 3e-4, {"rl.grpo.eps_low": 0.8, "rl.grpo.eps_high":
 
 def runs(seeds=SEEDS, lags=LAGS, lrs=LRS, settings=SETTINGS, baseline: bool = True) -> list[Run]:
   """Every run of the experiment in run order: seed by seed, L = 100 before L = 50, at each lr
-  both settings, then (`baseline`) the asynchronous GRPO+TIS run at that lag."""
-  method, lr, overrides = BASELINE
-  return [run for seed in seeds for lag in lags for run in (
-      [Run(seed, lag, m, {**EVAL, "train.lr": lr}, point(lr)) for lr in lrs for m in settings]
-      + ([Run(seed, lag, method, {**EVAL, **overrides, "train.lr": lr}, point(lr))] if baseline else []))]
+  both settings; (`baseline`) the asynchronous GRPO+TIS run of a lag after its first two lrs'
+  (the predictions' runs first: the third lr, 3e-5, is the grid's edge)."""
+  method, base_lr, overrides = BASELINE
+  out = []
+  for seed in seeds:
+    for lag in lags:
+      oapl = [Run(seed, lag, m, {**EVAL, "train.lr": lr}, point(lr)) for lr in lrs for m in settings]
+      first = 2 * len(settings)
+      out += oapl[:first]
+      if baseline:
+        out.append(Run(seed, lag, method, {**EVAL, **overrides, "train.lr": base_lr}, point(base_lr)))
+      out += oapl[first:]
+  return out
 
 
 # --- the figures of one run (pure: a results.RunResult) --------------------------------------
