@@ -12,13 +12,12 @@
 # Estimated: the search 48 x ~19 min (the median of 25 finished search runs) = ~16 core-hours;
 # the study's 40 runs ~17-20 core-hours (not measured yet); over two cores, in resumable pieces.
 #
-# Two processes, one core each (a second core buys little inside one XLA process on CPU), both
-# running the same command: each skips the runs the other is making, so they share the search
-# and then the study's runs, in order. A process that runs out of runs while the other still
-# makes its last ones (the last runs at L = 100, whose scores pick the L = 50 runs; the search's
-# last runs; the study's) exits with code 4 and is started again a minute later, until they are
-# done. Resumable: finished runs (under OUT_DIR or committed) are skipped, and Ctrl-C / SIGTERM
-# stops both with a checkpoint of the runs in progress; run the same command again to go on.
+# Two processes share the runs (launch/study_halves.sh): a process that runs out of runs while
+# the other still makes its last ones (the last runs at L = 100, whose scores pick the L = 50
+# runs; the search's last runs; the study's) exits with code 4 and is started again a minute
+# later, until they are done. Resumable: finished runs (under OUT_DIR or committed) are skipped,
+# and Ctrl-C / SIGTERM stops both with a checkpoint of the runs in progress; run the same command
+# again to go on.
 #
 # Usage: bash launch/reasoning_study.sh [--dry-run] [OUT_DIR] [EXTRA LAG_STUDY FLAGS...]
 #   --dry-run  prints the commands instead of running them
@@ -31,37 +30,5 @@ shift || true
 results=docs/reasoning_study/results  # committed small results (from the repository root)
 study=(python -m oapl_jax.studies.lag_study --study=reason --out="$out" --results="$results" \
   --methods oapl grpo_tis --lags 1 10 50 100 --search)
-# pin each half to a core where there are two or more
-pin_a=() pin_b=()
-if command -v taskset > /dev/null && [[ "$(nproc)" -ge 2 ]]; then
-  pin_a=(taskset -c 0) pin_b=(taskset -c 1)
-fi
-# both halves take every seed, in order (the runs of a seed before the next seed's); each writes a
-# report in OUT; the last steps copy the results and write the study's
-a=("${pin_a[@]}" "${study[@]}" --report="$out/half_a.md" --seeds 0 1 2 3 4 "$@")
-b=("${pin_b[@]}" "${study[@]}" --report="$out/half_b.md" --seeds 0 1 2 3 4 "$@")
-full=("${study[@]}" --report=docs/reasoning_study.md --seeds 0 1 2 3 4 "$@")
-if [[ -n "$dry" ]]; then
-  echo "# each again while it exits with 4 (the other process is making the runs left):"
-  echo "${a[*]} &"
-  echo "${b[*]} &"
-  echo "${full[*]} --save-results"
-  echo "${full[*]} --report-only"
-  exit 0
-fi
-source "$(dirname "$0")/halves.sh"  # half CMD...: CMD again while it exits with 4
-pids=()
-trap 'kill -TERM "${pids[@]}" 2> /dev/null || true; wait; exit 143' TERM INT
-half "${a[@]}" & pids+=($!)
-sleep 30  # the first half takes the first search run; the second starts on the next
-half "${b[@]}" & pids+=($!)
-status=0
-for p in "${pids[@]}"; do wait "$p" || status=$?; done
-"${full[@]}" --save-results  # whatever finished, also after a stop
-if [[ $status -ne 0 ]]; then
-  echo "a half of the study exited with $status; run the same command again to go on" >&2
-  exit $status
-fi
-# the report quotes the command that made it: this one, not a half's
-echo "bash launch/reasoning_study.sh $out${*:+ $*}" > "$out/study_command.txt"
-"${full[@]}" --report-only
+seeds=(0 1 2 3 4) report=docs/reasoning_study.md name=reasoning_study.sh
+source "$(dirname "$0")/study_halves.sh"

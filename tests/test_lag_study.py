@@ -605,3 +605,50 @@ def test_a_search_whose_first_lag_is_unfinished_elsewhere_exits_4_before_the_sec
   busy = layout.run_name("oapl", 2, 100, "b2-0.1_lr-0.0003")
   got, made, _, _ = _screened_search(reason_study, tmp_path, monkeypatch, busy=(busy,))
   assert isinstance(got, runner.RunsElsewhere) and busy in str(got) and made == []
+
+
+# --- the mixed-task study (configs/mix.py; issue 41, point 5) ------------------------------------
+
+def test_the_mix_study_searches_each_method_over_its_own_axis_and_the_lr_grids_edges():
+  args = lag_study._parse(["--study", "mix", "--out", "/tmp/x", "--search"])
+  spec = definitions.STUDIES["mix"]
+  assert args.methods == ["oapl_tied", "grpo_tis", "grpo_tis_async"] == list(spec.methods)
+  assert args.lags == [1, 10, 50, 100, 200]
+  grid = args.grid
+  for method, axes in grid.items():
+    lrs = sorted(v[0] for v in axes[-1].values)
+    assert axes[-1].tag == "lr" and lrs == [3e-5, 1e-4, 3e-4, 1e-3]  # the edges the last search lacked
+    assert len(search.points(axes)) == 12
+    assert search.planned_runs(axes, search.SEARCH_LAGS, search.SCREEN_TOP_K) == 18
+  assert [a.tag for a in grid["oapl_tied"]] == ["beta", "lr"] and [a.tag for a in grid["grpo_tis_async"]] == ["C", "lr"]
+  # a tied point moves beta1, and the rule carries beta2 with it (every target reachable)
+  from oapl_jax.rl.names import beta2_of
+  idx = search.points(grid["oapl_tied"])[1]
+  c = definitions.study_config("oapl_tied", 100, 100, study="mix", search=True,
+                               overrides=search.overrides(grid["oapl_tied"], idx))
+  assert c.task.name == "chain_mix" and c.train.steps == 1000 and c.eval.samples_per_problem == 64
+  assert c.rl.beta1 == 0.03 and beta2_of(c) == 0.03
+  g = definitions.study_config("grpo_tis_async", 200, 0, study="mix",
+                               overrides=search.overrides(grid["grpo_tis_async"], search.points(grid["grpo_tis_async"])[2]))
+  assert g.rl.grpo.is_cap == 4.0 and g.rl.grpo.prox == "previous_step" and g.rl.lag == 200
+  # the reasoning study keeps its grid and defaults
+  assert lag_study._parse(["--study", "reason", "--out", "/tmp/x"]).methods == ["oapl", "oapl_paper_betas", "grpo_tis"]
+  assert search.study_grid(["oapl"])["oapl"][-1].values == ((3e-4,), (1e-4,), (1e-3,))
+  with pytest.raises(SystemExit):  # a method without a grid in the study's search: argparse's line
+    lag_study._parse(["--study", "mix", "--out", "/tmp/x", "--search", "--methods", "oapl"])
+
+
+def test_a_reduced_mix_study_runs_the_mixed_task_with_both_grpo_variants(tmp_path):
+  out = str(tmp_path)
+  assert lag_study.main(["--study", "mix", "--out", out, "--reduced", "--methods", "oapl_tied",
+                         "grpo_tis_async", "--lags", "2", "--seeds", "0"]) == 0
+  runs = results.load_runs(out)
+  assert sorted(r.method for r in runs) == ["grpo_tis_async", "oapl_tied"]
+  for r in runs:
+    cfg = r.summary["config"]
+    assert cfg["task"]["name"] == "chain_mix" and cfg["task"]["operations"] == "+-*" and cfg["rl"]["lag"] == 2
+  text = open(os.path.join(out, "lag_study.md")).read()
+  assert text.startswith("# Mixed-task study") and "configs/mix.py" in text
+  assert "async GRPO+TIS (token TIS, C=2, clip 0.2/0.28) | 2 |" in text  # in the tables
+  # the paired findings are written for oapl vs grpo_tis only: the report says which runs they leave out
+  assert "**Not in the findings below: grpo_tis_async, oapl_tied.**" in text

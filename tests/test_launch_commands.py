@@ -179,7 +179,7 @@ def test_every_command_in_launch_and_readme_parses_against_its_config():
   assert not problems, "\n".join(problems)
   assert counts["README.md"] >= 10
   for script in ("launch/tpu_pod.sh", "launch/gke_xpk.sh", "launch/slurm_gpu.sbatch", "launch/tiny_seeds.sh",
-                 "launch/lag_study.sh", "launch/reasoning_study.sh"):
+                 "launch/lag_study.sh", "launch/reasoning_study.sh", "launch/mix_study.sh"):
     assert counts[script] >= 1, f"{script}: no python -m oapl_jax command found"
 
 
@@ -296,3 +296,18 @@ def test_renaming_a_setting_used_in_launch_or_readme_fails_the_check(section, na
   _, problems = check_files(documents(), load=renamed)
   assert problems and all(f"--config.{section}.{name}: no such setting" in p for p in problems), problems
   assert any(p.startswith(used_in + ":") for p in problems), problems
+
+
+def test_the_mix_study_launcher_searches_every_method_and_runs_the_studys_lags_and_seeds():
+  p = subprocess.run(["bash", "launch/mix_study.sh", "--dry-run", "/tmp/ms"], cwd=REPO, capture_output=True,
+                     text=True, timeout=60)
+  assert p.returncode == 0, p.stderr
+  n, problems = check_text(p.stdout, "mix_study.sh --dry-run")
+  assert n == 4 and not problems, (p.stdout, problems)
+  lines = [l for l in p.stdout.splitlines() if "oapl_jax" in l]
+  spec = STUDIES["mix"]
+  for l in lines:
+    assert "--study=mix" in l and " --search " in l and "--results=docs/mix_study/results" in l
+    assert f"--methods {' '.join(spec.methods)} " in l and f"--lags {' '.join(map(str, spec.lags))} " in l
+    assert f"--seeds {' '.join(map(str, spec.seeds))}" in l
+  assert lines[2].endswith("--report=docs/mix_study.md --seeds 0 1 2 --save-results")

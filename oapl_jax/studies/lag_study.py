@@ -44,7 +44,7 @@ import time
 
 from oapl_jax.errors import UserError, one_line
 from oapl_jax.studies import layout, search as search_lib
-from oapl_jax.studies.definitions import DEFAULT_LAGS, DEFAULT_METHODS, DEFAULT_SEEDS, METHODS, STUDIES
+from oapl_jax.studies.definitions import DEFAULT_SEEDS, METHODS, STUDIES
 from oapl_jax.studies.plots import plot
 from oapl_jax.studies.report import kept_notes, report_markdown
 from oapl_jax.studies.results import load_compact, load_runs, read_search_plan, save_results
@@ -98,8 +98,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--out", required=True, help="folder for the runs (resumable)")
   p.add_argument("--report", default=None, help="markdown report to write (default: <out>/lag_study.md)")
   p.add_argument("--study", default="tiny", choices=list(STUDIES), help="the task (STUDIES)")
-  p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
-  p.add_argument("--lags", nargs="+", type=int, default=list(DEFAULT_LAGS))
+  p.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
+                 help="default: the study's (STUDIES[...].methods)")
+  p.add_argument("--lags", nargs="+", type=int, default=None, help="default: the study's")
   p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
   p.add_argument("--search", action="store_true",
                  help="pick each method's settings first by the joint search (search.study_grid)")
@@ -124,6 +125,9 @@ def _parse(argv) -> argparse.Namespace:
   """The flags, checked (a bad one exits 2 with argparse's usage line)."""
   p = _parser()
   args = p.parse_args(argv)
+  spec = STUDIES[args.study]
+  args.methods = list(spec.methods) if args.methods is None else args.methods
+  args.lags = list(spec.lags) if args.lags is None else args.lags
   if args.search and args.sweep_lrs:
     p.error("--search and --sweep-lrs: give one (--search already searches the lr)")
   searching = args.search or args.sweep_lrs
@@ -139,7 +143,7 @@ def _parse(argv) -> argparse.Namespace:
     p.error("--save-results needs --results (the folder to copy into)")
   if args.search:
     try:
-      args.grid = search_lib.study_grid(args.methods)
+      args.grid = search_lib.study_grid(args.methods, spec.grids, spec.search_lrs)
     except ValueError as e:
       p.error(f"--search: {e}")
   else:

@@ -50,7 +50,24 @@ OAPL_BETA1 = Axis("b1", ("rl.beta1",), ((1.0,), (5.0,)))
 GRPO_CLIP = Axis("clip", ("rl.grpo.eps_low", "rl.grpo.eps_high"),
                  ((0.2, 0.28), (0.1, 0.14), (0.4, 0.56), (0.05, 0.07), (0.6, 0.84), (0.8, 1.12)))
 SEARCH_LRS = (1e-4, 3e-4, 1e-3)  # every method's lr axis
-CURRENT_LR = {"oapl": 3e-4, "grpo_tis": 1e-3}  # the lrs the 300-step study chose (tried first)
+# The mixed-task study's searches (issue 41, point 5), three points each besides the lr:
+# OAPL with tied betas over beta1 = beta2 (rl.beta2_rule="tied": every target reachable; 0.1
+# the reachable-targets experiment's); GRPO+IS over three of the clips above (the reasoning
+# study chose 0.8/1.12); the asynchronous GRPO+TIS over its truncation cap C, the lever of its
+# off-policy correction (its PPO ratio is to the step's own start, 1 at a single optimizer step
+# per batch, so its clip is inert there).
+TIED_BETA = Axis("beta", ("rl.beta1",), ((0.1,), (0.03,), (0.3,)))
+GRPO_CLIP_3 = Axis("clip", GRPO_CLIP.settings, (GRPO_CLIP.values[5], GRPO_CLIP.values[0], GRPO_CLIP.values[2]))
+TIS_CAP = Axis("C", ("rl.grpo.is_cap",), ((2.0,), (1.5,), (4.0,)))
+# The lr axis of the mixed-task study, out to the edges the reasoning study's search stopped at
+# (its OAPL chose its lowest lr, 1e-4): 3e-5 .. 1e-3.
+MIX_SEARCH_LRS = (3e-5, 1e-4, 3e-4, 1e-3)
+# Each method's axes before its lr (study_grid appends the lr axis), per study.
+REASON_GRIDS = {"oapl": (OAPL_BETA2, OAPL_BETA1), "grpo_tis": (GRPO_CLIP,)}
+MIX_GRIDS = {"oapl_tied": (TIED_BETA,), "grpo_tis": (GRPO_CLIP_3,), "grpo_tis_async": (TIS_CAP,)}
+# The lr each method's search tries first: the 300-step study's choices for oapl and grpo_tis,
+# the reasoning study's for the others.
+CURRENT_LR = {"oapl": 3e-4, "grpo_tis": 1e-3, "oapl_tied": 1e-4, "grpo_tis_async": 3e-4}
 SEARCH_LAGS = (100, 50)  # the search's lags, in the order they run
 SEARCH_SEED = 100  # not a study seed
 # The joint search's screening: at the second lag (L = 50) only each method's 6 best points by
@@ -66,14 +83,16 @@ def _current_first(values, current) -> tuple:
   return tuple(sorted(values, key=lambda v: v != current))
 
 
-def study_grid(methods) -> dict[str, tuple[Axis, ...]]:
-  """The joint search of issue 30 for `methods` (those with a grid: oapl, grpo_tis): OAPL over
-  beta2 x beta1 x lr (18 points), GRPO+IS over its clip x lr (18 points)."""
-  grids = {"oapl": (OAPL_BETA2, OAPL_BETA1), "grpo_tis": (GRPO_CLIP,)}
+def study_grid(methods, grids=None, lrs=None) -> dict[str, tuple[Axis, ...]]:
+  """The joint search for `methods`: each one's axes in `grids` (REASON_GRIDS when None) x the
+  lr axis over `lrs` (SEARCH_LRS when None), its current lr first. The reasoning study's (issue
+  30): OAPL over beta2 x beta1 x lr (18 points), GRPO+IS over its clip x lr (18 points)."""
+  grids = REASON_GRIDS if grids is None else grids
   unknown = [m for m in methods if m not in grids]
   if unknown:
     raise ValueError(f"no search grid for {unknown}; the search has one for {sorted(grids)}")
-  return {m: grids[m] + (lr_axis(_current_first(SEARCH_LRS, CURRENT_LR[m])),) for m in methods}
+  lrs = SEARCH_LRS if lrs is None else lrs
+  return {m: grids[m] + (lr_axis(_current_first(lrs, CURRENT_LR[m])),) for m in methods}
 
 
 def lr_grid(methods, lrs) -> dict[str, tuple[Axis, ...]]:

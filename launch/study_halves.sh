@@ -1,0 +1,43 @@
+# Sourced by the lag-study launchers (reasoning_study.sh, mix_study.sh) after they set:
+#   name     the launcher (launch/NAME), quoted in the report as the command that made it
+#   out      the runs' folder (resumable)
+#   study    the lag_study command without --report / --seeds (an array)
+#   seeds    the seeds, in order (an array): both halves take every seed, a seed's runs first
+#   report   the study's report (docs/...md)
+#   dry      non-empty: print the commands instead of running them
+# and pass on the launcher's extra flags ("$@"). Two processes of the same command, one core each
+# (a second core buys little inside one XLA process on CPU): each skips the runs the other is
+# making, so they share the search and then the study's runs, in order; each writes a report in
+# OUT; at the end the finished runs' small results are copied into the results folder and the
+# study's report is written.
+pin_a=() pin_b=()
+if command -v taskset > /dev/null && [[ "$(nproc)" -ge 2 ]]; then
+  pin_a=(taskset -c 0) pin_b=(taskset -c 1)
+fi
+a=("${pin_a[@]}" "${study[@]}" --report="$out/half_a.md" --seeds "${seeds[@]}" "$@")
+b=("${pin_b[@]}" "${study[@]}" --report="$out/half_b.md" --seeds "${seeds[@]}" "$@")
+full=("${study[@]}" --report="$report" --seeds "${seeds[@]}" "$@")
+if [[ -n "$dry" ]]; then
+  echo "# each again while it exits with 4 (the other process is making the runs left):"
+  echo "${a[*]} &"
+  echo "${b[*]} &"
+  echo "${full[*]} --save-results"
+  echo "${full[*]} --report-only"
+  exit 0
+fi
+source "$(dirname "${BASH_SOURCE[0]}")/halves.sh"  # half CMD...: CMD again while it exits with 4
+pids=()
+trap 'kill -TERM "${pids[@]}" 2> /dev/null || true; wait; exit 143' TERM INT
+half "${a[@]}" & pids+=($!)
+sleep 30  # the first half takes the first search run; the second starts on the next
+half "${b[@]}" & pids+=($!)
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=$?; done
+"${full[@]}" --save-results  # whatever finished, also after a stop
+if [[ $status -ne 0 ]]; then
+  echo "a half of the study exited with $status; run the same command again to go on" >&2
+  exit $status
+fi
+# the report quotes the command that made it: the launcher's, not a half's
+echo "bash launch/$name $out${*:+ $*}" > "$out/study_command.txt"
+"${full[@]}" --report-only
