@@ -243,6 +243,14 @@ def directory_of(config, workdir: str) -> str:
   return config.checkpoint.directory or Layout(workdir).checkpoints
 
 
+def newest_step(directory: str) -> int | None:
+  """The newest finished checkpoint's step under `directory` (its step-named folders; orbax's
+  unfinished `<step>.orbax-checkpoint-tmp` ones are not), None if there is none."""
+  p = epath.Path(directory)
+  steps = [int(c.name) for c in p.iterdir() if c.name.isdigit()] if p.exists() else []
+  return max(steps, default=None)
+
+
 class Checkpointer:
   """Saves and restores run states under `directory`: a local folder, or a URL orbax writes
   through its own storage layer (gs://): every path operation here goes through etils.epath."""

@@ -213,6 +213,8 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.log.every = 1  # Write metrics every this many trainer steps.
   c.log.progress = True  # Show a progress bar (step, reward, speed).
   c.log.dead_model_steps = 20  # Warn (one line) once the gradient norm has been 0, or the entropy ln(model.vocab_size) (a uniform policy), this many steps in a row: weights that stopped learning (e.g. too high a train.lr); 0 = never.
+  c.log.peak_flops = placeholder(float)  # One device's peak FLOP/s for the logged MFU (oapl_jax/timing.py); None: the published dense bf16 figure of a known TPU / GPU, on CPU a measured float32 matmul rate.
+  c.log.profile_steps = placeholder(str)  # "a:b": write a jax.profiler trace of trainer steps a..b (1-based, inclusive) into <workdir>/profile (TensorBoard's profile plugin, XProf, Perfetto); None: no trace.
   c.log.tensorboard = True  # Also write TensorBoard scalars (events.out.* in the workdir; a gs:// workdir through tf.io.gfile).
   return c
 
@@ -293,6 +295,15 @@ def _range_text(c, lo, hi, lo_open: bool, hi_open: bool) -> str:
 
 def _note(note: str) -> str:
   return f" ({note})" if note else ""
+
+
+def profile_range(text) -> tuple[int, int] | None:
+  """`log.profile_steps` "a:b" as (a, b) with 1 <= a <= b, or None if it is not one."""
+  try:
+    a, b = (int(x) for x in str(text).split(":"))
+  except ValueError:
+    return None
+  return (a, b) if 1 <= a <= b else None
 
 
 def _number(c, setting: str, lo=None, hi=None, *, lo_open=False, hi_open=False, note=""):
@@ -503,6 +514,11 @@ def validate(c, *, dry_run: bool = False) -> None:
   _number(c, "checkpoint.lock_wait_s", 0)
   _int(c, "log.dead_model_steps", 0)
   _int(c, "log.every", 1)
+  if c.log.peak_flops is not None:
+    _number(c, "log.peak_flops", 0, lo_open=True)
+  if c.log.profile_steps is not None:
+    _check(profile_range(c.log.profile_steps) is not None, "log.profile_steps", c.log.profile_steps,
+           "must be 'a:b' with 1 <= a <= b (trainer steps, inclusive), or None")
   _validate_distributed(c)
 
 

@@ -75,6 +75,18 @@ def write_text(path: str, text: str) -> None:
   os.replace(tmp, path)
 
 
+def upload(local_path: str, path: str) -> None:
+  """Copies the local file `local_path` (bytes) to `path` (a URL: one upload; local: a copy)."""
+  with open(local_path, "rb") as f:
+    data = f.read()
+  if is_remote(path):
+    _epath(path).write_bytes(data)
+    return
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "wb") as f:
+    f.write(data)
+
+
 def remove(path: str) -> None:
   """Removes the file if it is there."""
   try:

@@ -67,4 +67,21 @@ CHIPS: dict[str, tuple[str, float, float]] = {
     "v5p": ("TPU v5p", 459e12, 2765e9),
     "v5e": ("TPU v5e", 197e12, 819e9),
     "v6e": ("TPU v6e", 918e12, 1640e9),
+    # NVIDIA's published dense (no sparsity) bf16 / fp16 tensor-core figures, SXM parts
+    "a100": ("NVIDIA A100", 312e12, 2039e9),
+    "h100": ("NVIDIA H100", 989e12, 3350e9),
+    "h200": ("NVIDIA H200", 989e12, 4800e9),
+    "l4": ("NVIDIA L4", 121e12, 300e9),
+    "t4": ("NVIDIA T4", 65e12, 320e9),
 }
+# JAX's `device_kind` (lower case) -> CHIPS key, first match wins ("TPU v5 lite" is a v5e).
+_DEVICE_KINDS = (("v5 lite", "v5e"), ("v5e", "v5e"), ("v6 lite", "v6e"), ("v6e", "v6e"), ("v5p", "v5p"),
+                 ("v5", "v5p"), ("v4", "v4"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100"),
+                 ("l4", "l4"), ("t4", "t4"))
+
+
+def chip_of(device_kind: str) -> tuple[str, float, float] | None:
+  """The CHIPS entry of a JAX device's `device_kind` ("TPU v5p", "NVIDIA H100 80GB HBM3"), or
+  None (a CPU, or a chip not in the table)."""
+  kind = device_kind.lower()
+  return next((CHIPS[key] for pattern, key in _DEVICE_KINDS if pattern in kind), None)

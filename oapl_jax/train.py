@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 
 from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
 
 import jax
 
 from oapl_jax import config as config_lib
-from oapl_jax import distributed, placement, storage, warmup
+from oapl_jax import checkpoint, distributed, placement, storage, warmup
 from oapl_jax import plan as plan_lib
 from oapl_jax.checkpoint import SaveFailed, storage_failure
 from oapl_jax.errors import UserError
@@ -28,6 +29,7 @@ from oapl_jax.metrics import DeadModelWatch, MetricsLog, read_json, read_metrics
 from oapl_jax.placement import seq_len
 from oapl_jax.rl.names import beta2_of
 from oapl_jax.rl.loop import Run
+from oapl_jax.timing import Profiler
 from oapl_jax.topology import LOCAL, TOPOLOGIES
 from oapl_jax.workdir import Interrupted, Layout, StopSignals, WorkdirLock, check_usable
 
@@ -89,8 +91,10 @@ def run_validated(config, workdir: str) -> dict:
     why = storage_failure(e)
     if why is None:
       raise
-    raise SaveFailed(f"{e.filename or workdir}: {why}; the checkpoints written are kept; fix the "
-                     "storage and run the same command again to resume from the newest") from e
+    newest = checkpoint.newest_step(checkpoint.directory_of(config, workdir))
+    raise SaveFailed(f"{e.filename or workdir}: {why}; the checkpoints written are kept (newest: step "
+                     f"{newest}); fix the storage and run the same command again to resume from "
+                     "there") from e
 
 
 def _start(r: Run, config, workdir: str) -> tuple[dict, dict]:
@@ -151,31 +155,51 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
   writer = distributed.is_writer()  # multi-host: process 0 writes metrics and the bar
   metrics_log = (MetricsLog(workdir, resume_step=r.counters.step, tensorboard=config.log.tensorboard)
                  if writer else None)
+  say(f"MFU against {r.peak_flops / 1e12:.3g} TFLOP/s per device ({r.peak_source})")
   bar = tqdm.tqdm(total=config.train.steps, initial=r.counters.step,
                   disable=not (config.log.progress and writer), desc=config.rl.loss, unit="step")
   # evaluations of a resumed run's earlier steps come back from its metrics (each is logged)
   evals = [{"step": row["step"], **row["eval"]} for row in read_metrics(workdir)
            if "eval" in row] if writer and r.counters.step > 0 else []
   dead = DeadModelWatch(config.log.dead_model_steps, config.model.vocab_size)
-  with stop.deferring(), contextlib.closing(bar):  # a signal: stop after this step, with a checkpoint
+  profiler = Profiler(config_lib.profile_range(config.log.profile_steps) if config.log.profile_steps else None,
+                      workdir)
+  # a step's time: from the previous step's metrics to its own, in parts (oapl_jax/timing.py)
+  mark, seconds_saving = time.perf_counter(), 0.0
+  with stop.deferring(), contextlib.closing(bar), contextlib.closing(profiler):  # a signal: stop after this step, with a checkpoint
     while r.counters.step < config.train.steps:
+      t = time.perf_counter()
+      profiler.before_step(r.counters.step + 1)
+      seconds_profiling = time.perf_counter() - t
       m = r.step()
       s = r.counters.step
       warning = dead.update(s, m)
       if warning:
         say(warning)
+      t = time.perf_counter()
       if config.eval.every and s % config.eval.every == 0 and s < config.train.steps:
         m["eval"] = _logged_eval(r.evaluate(r.params, f"step {s}"))
         evals.append({"step": s, **m["eval"]})
+      seconds_evaluating, t = time.perf_counter() - t, time.perf_counter()
+      if profiler.after_step(s):
+        say(f"profile of steps {config.log.profile_steps}: {storage.join(workdir, 'profile')} "
+            "(tensorboard --logdir there, XProf or Perfetto)")
+      now = time.perf_counter()
+      m |= {"seconds_evaluating": seconds_evaluating, "seconds_saving": seconds_saving,
+            "seconds_profiling": seconds_profiling + now - t, "step_seconds": now - mark}
       if (s % config.log.every == 0 or "eval" in m) and writer:  # an evaluation is always logged
         metrics_log.write(s, m)
+      mark = time.perf_counter()
       bar.set_postfix(reward=f"{m['reward_mean']:.3f}", loss=f"{m['loss']:.4f}", lag=f"{m['lag_mean']:.1f}",
-                      **({"out_of_reach": f"{m['target_out_of_reach']:.2f}"} if "target_out_of_reach" in m else {}))
+                      **({"out_of_reach": f"{m['target_out_of_reach']:.2f}"} if "target_out_of_reach" in m else {}),
+                      wait=f"{m['seconds_waiting'] / max(m['step_seconds'], 1e-9):.0%}", mfu=f"{m['mfu']:.1%}")
       bar.update(1)
       _check_finite_steps(r, config)
       saved = s % config.checkpoint.every == 0 or s == config.train.steps
+      t = time.perf_counter()
       if saved:
         r.save(wait=False)  # written while the next steps train
+      seconds_saving = time.perf_counter() - t
       if distributed.any_process(stop.requested):  # multi-host: every process stops here
         stop.requested = stop.requested or signal.SIGTERM
         bar.close()

@@ -16,6 +16,7 @@ import importlib.util
 
 import pytest
 
+from oapl_jax import timing
 from oapl_jax import metrics, storage, workdir
 from oapl_jax.errors import UserError
 from oapl_jax.workdir import WorkdirBusy, WorkdirLock
@@ -110,7 +111,7 @@ def test_offline_mode_in_a_bucket_is_refused_before_anything_starts(smoke_config
 
 _CONFIG = ["--config=configs/tiny.py:smoke", "--config.train.steps=6", "--config.checkpoint.every=2",
            "--config.log.progress=False", "--config.eval.every=3", "--config.log.tensorboard=False"]
-_TIMING = ("step_seconds", "train_seconds", "sample_wait_seconds", "sample_tokens_per_s")
+_TIMING = timing.TIMED  # wall-time metrics: the rest repeat exactly
 
 
 def _main(workdir, checkpoints, root):
@@ -201,3 +202,18 @@ def test_a_two_process_run_in_a_bucket_killed_then_resumed_is_the_straight_run(t
   assert _rows((run_dir / "metrics.jsonl").read_text()) == want
   summary = json.loads((run_dir / "summary.json").read_text())
   assert summary["eval_after"] == json.loads((tmp_path / "straight" / "summary.json").read_text())["eval_after"]
+
+
+def test_a_profile_of_a_bucket_run_is_traced_locally_and_uploaded(bucket):
+  import jax.numpy as jnp  # noqa: PLC0415
+  p = timing.Profiler((2, 3), URL)
+  p.before_step(1)
+  assert p.after_step(1) == []  # outside the range: nothing
+  p.before_step(2)
+  (jnp.ones((64, 64)) @ jnp.ones((64, 64))).block_until_ready()
+  assert p.after_step(2) == []  # the trace runs to step 3
+  written = p.after_step(3)
+  assert any(w.endswith(".xplane.pb") for w in written)
+  assert all(w.startswith(f"{URL}/profile/plugins/profile/") for w in written)
+  files = list((bucket / "bkt" / "runs" / "r1" / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+  assert len(files) == 1 and files[0].stat().st_size > 0

@@ -46,6 +46,8 @@ BAD = [
     ("train.grad_accum", 0), ("train.grad_accum", 3), ("train.max_nonfinite_steps", 0),
     ("eval.samples_per_problem", 0), ("eval.every", -1),
     ("checkpoint.every", 0), ("checkpoint.keep", 0), ("log.every", 0),
+    ("log.peak_flops", 0.0), ("log.peak_flops", INF), ("log.profile_steps", "3:2"),
+    ("log.profile_steps", "0:2"), ("log.profile_steps", "2"), ("log.profile_steps", "a:b"),
     ("task.min_digits", 0), ("task.max_digits", 1), ("task.max_digits", 10), ("task.num_eval", 0),
 ]
 

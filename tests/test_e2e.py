@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from oapl_jax import timing
+
 
 def _run(workdir, *overrides, config="configs/tiny.py:smoke", timeout=900):
   out = subprocess.run([sys.executable, "-m", "oapl_jax.main", f"--config={config}",
@@ -18,7 +20,7 @@ def _run(workdir, *overrides, config="configs/tiny.py:smoke", timeout=900):
 
 def test_smoke_run_writes_everything_and_resumes(tmp_path):
   workdir = tmp_path / "run"
-  _run(workdir)
+  first = _run(workdir, "--config.log.profile_steps=2:3")
   summary = json.loads((workdir / "summary.json").read_text())
   for key in ("eval_before", "eval_after"):
     assert {"pass@1", "pass@2", "pass@4"} <= set(summary[key])
@@ -32,6 +34,19 @@ def test_smoke_run_writes_everything_and_resumes(tmp_path):
               "lag_mean", "lag_hist", "samples_generated", "sample_tokens_per_s"):
     assert key in rows[0], key
   assert "engine_mismatch_abs" in rows[0] and rows[0]["engine_mismatch_abs"] < 1e-4
+  # where each step's time went (oapl_jax/timing.py): its parts add up to the step
+  for r in rows:
+    parts = sum(r[k] for k in timing.PARTS)
+    assert 0.9 * r["step_seconds"] <= parts <= r["step_seconds"], (r["step"], parts, r["step_seconds"])
+    assert 0 < r["mfu"] < 1 and r["train_tokens_per_s_per_device"] > 0
+  took = [r for r in rows if "slot_utilisation" in r]  # the steps that took a rollout
+  assert took and all(0 < r["slot_utilisation"] <= 1 and r["answer_tokens_per_s_per_device"] > 0
+                      and r["seconds_sampling"] > 0 for r in took)
+  assert rows[2]["seconds_profiling"] > 1e-3 > max(rows[0]["seconds_profiling"], rows[3]["seconds_profiling"])
+  # the trace of steps 2..3, one file per host, where TensorBoard's profile plugin looks
+  traces = list((workdir / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+  assert len(traces) == 1 and traces[0].stat().st_size > 0
+  assert "profile of steps 2:3" in first.stdout + first.stderr
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir))
   assert sorted(os.listdir(workdir / "checkpoints")) == ["4", "6"]
 

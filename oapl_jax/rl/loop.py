@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oapl_jax import distributed, placement, sharding, storage
+from oapl_jax import distributed, placement, sharding, storage, timing
 from oapl_jax import checkpoint
+from oapl_jax.aot import model_flops as aot_flops
 from oapl_jax.checkpoint import Checkpointer
 from oapl_jax.errors import ConfigError
 from oapl_jax.eval.evaluate import eval_key, evaluate
@@ -106,8 +107,11 @@ def draw_rollout(config, sampler: Sampler, weights, *, index: int, version: int,
   scored = sampler.sample(weights, problems, group_size=config.rl.group_size, key=key)
   rows = make_batch(scored.rollout, scored.rewards, seq_len=seq_len(config),
                     pad_id=sampler.tokenizer.pad_id, count_truncated=config.rl.count_truncated)
+  stats = scored.rollout.stats
   return Drawn(stamp(rows, version=version, snapshot_step=snapshot_step),
-               int(scored.rollout.lengths.sum()))
+               int(scored.rollout.lengths.sum()), seconds_sampling=scored.seconds_sampling,
+               seconds_rewards=scored.seconds_rewards, live_slot_steps=int(stats.get("live_slot_steps", 0)),
+               slot_steps=int(stats.get("slot_steps", 0)))
 
 
 def check_processes(config, n: int) -> int:
@@ -182,6 +186,10 @@ class Run:
     self.train_step = make_train_step(config, self.graphdef, self.optimizer, sampling, self.mesh)
     self.buffer = GroupBuffer(config.rl.group_size)
     self.counters = Counters()
+    # for the step's throughput and MFU (oapl_jax/timing.py)
+    self.engine_device_count = max(distributed.total(len(engine_devices(config))), 1)
+    self.useful_flops = aot_flops(config)["useful"]
+    self.peak_flops, self.peak_source = timing.device_peak(self.mesh.devices.flat[0], config.log.peak_flops)
     self.start_from(params)
     self.ckpt = Checkpointer(checkpoint.directory_of(config, workdir), keep=config.checkpoint.keep)
 
@@ -275,17 +283,22 @@ class Run:
       self.counters.groups_dropped_stale += distributed.total(
           self.buffer.drop_older_than(self.counters.step - max_lag))
 
-  def _fill_buffer(self) -> int:
-    """Takes rollouts until the buffer holds a step's groups; returns the answer tokens taken."""
-    answer_tokens = 0
+  def _fill_buffer(self) -> dict:
+    """Takes rollouts until the buffer holds a step's groups; returns what they took: answer
+    tokens and slot-steps (over all processes), this process's sampling and reward seconds."""
+    taken = dict.fromkeys(("answer_tokens", "live_slot_steps", "slot_steps"), 0)
+    taken |= dict.fromkeys(("seconds_sampling", "seconds_rewards"), 0.0)
     self._drop_stale()
     while len(self.buffer) < self.groups_per_step:
       drawn = self.source.next(self._next_job)
       self.buffer.extend(drawn.rows)
       self.counters.samples_generated += distributed.total(drawn.samples)
-      answer_tokens += distributed.total(drawn.answer_tokens)
+      for k in ("answer_tokens", "live_slot_steps", "slot_steps"):
+        taken[k] += distributed.total(getattr(drawn, k))
+      taken["seconds_sampling"] += drawn.seconds_sampling
+      taken["seconds_rewards"] += drawn.seconds_rewards
       self._drop_stale()  # a rollout that was in flight may land already too old
-    return answer_tokens
+    return taken
 
   def _global_rows(self, *arrays) -> list[np.ndarray]:
     """Per-row arrays of this step's batch over all processes, in the order a single process
@@ -301,13 +314,16 @@ class Run:
     """One trainer step (sampling first if the buffer runs short). Returns its metrics."""
     c, rl = self.counters, self.config.rl
     t0 = time.perf_counter()
-    answer_tokens = self._fill_buffer()
-    wait_seconds = time.perf_counter() - t0  # with overlapped sampling: only the wait for it
+    taken = self._fill_buffer()
+    answer_tokens = taken["answer_tokens"]
+    t1 = time.perf_counter()
+    wait_seconds = t1 - t0  # with overlapped sampling: only the wait for it
     rows = self.buffer.take(self.groups_per_step)
     lags = c.step - rows.snapshot_step
     self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, self.snapshot,
                                                      Batch.from_rows(rows), self.reference)
     m = jax.device_get(m)
+    t2 = time.perf_counter()
     c.step += 1
     c.steps_skipped += bool(m["step_skipped"])
     c.nonfinite_in_a_row = c.nonfinite_in_a_row + 1 if m["step_skipped"] else 0
@@ -319,7 +335,7 @@ class Run:
                "lag_mean": float(lags.mean()), "lag_hist": lag_histogram(lags),
                "policy_version": c.version, "samples_generated": c.samples_generated,
                "groups_dropped": c.groups_dropped, "groups_dropped_stale": c.groups_dropped_stale,
-               "steps_skipped": c.steps_skipped, "step_seconds": elapsed,
+               "steps_skipped": c.steps_skipped,
                "train_seconds": c.train_seconds}
     if answer_tokens:
       metrics["sample_wait_seconds"] = wait_seconds
@@ -327,8 +343,21 @@ class Run:
         metrics["sample_tokens_per_s"] = answer_tokens / max(wait_seconds, 1e-9)
     if lags.max() == 0:  # pi_theta == pi_old at this step: the engine/trainer mismatch
       metrics["engine_mismatch_abs"] = m["trainer_vs_sampler_abs"]
+    t3 = time.perf_counter()
     if self.source.refresh_due(c.step, rl.lag):  # every rl.lag steps; offline: each round's end
       self.refresh_engine()
+    t4 = time.perf_counter()
+    # where the time went (oapl_jax/timing.py); train.py adds evaluating and saving
+    metrics |= {"seconds_waiting": wait_seconds, "seconds_training": t2 - t1,
+                "seconds_refreshing": t4 - t3, "step_seconds": t4 - t0,
+                "seconds_sampling": taken["seconds_sampling"], "seconds_rewards": taken["seconds_rewards"]}
+    metrics |= timing.rollout_rates(answer_tokens=answer_tokens, seconds_sampling=taken["seconds_sampling"],
+                                    engine_devices=self.engine_device_count, live_slot_steps=taken["live_slot_steps"],
+                                    slot_steps=taken["slot_steps"])
+    metrics |= timing.train_rates(positions=self.groups_per_step * jax.process_count() * rl.group_size
+                                  * (seq_len(self.config) - 1), seconds_training=t2 - t1,
+                                  devices=self.mesh.devices.size, useful_flops=self.useful_flops,
+                                  peak_flops=self.peak_flops)
     return metrics
 
   # looking at the policy

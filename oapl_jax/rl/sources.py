@@ -40,6 +40,11 @@ class Drawn:
   rows: Rows
   answer_tokens: int  # answer tokens generated for it
   samples: int | None = None  # answers generated for it; None = one per row (stored answers: 0)
+  # how it was made (oapl_jax/timing.py): the engines' and the rewards' seconds, slot-steps
+  seconds_sampling: float = 0.0
+  seconds_rewards: float = 0.0
+  live_slot_steps: int = 0
+  slot_steps: int = 0
 
   def __post_init__(self):
     if self.samples is None:

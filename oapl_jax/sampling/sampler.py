@@ -9,6 +9,7 @@ the config, with the `SamplingParams` that the trainer's log-prob kernel is hand
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -76,6 +77,8 @@ class Scored:
   rollout: Rollout
   rewards: np.ndarray  # [P*G] float32
   index: np.ndarray | None = None  # [P] places of `problems` in the list sampled
+  seconds_sampling: float = 0.0  # the engines' rollout (prefill and decode, to the host)
+  seconds_rewards: float = 0.0  # scoring its answers
 
 
 class Sampler:
@@ -100,13 +103,16 @@ class Sampler:
   def sample(self, weights, problems: list, *, group_size: int, key: jax.Array) -> Scored:
     """G = `group_size` answers per problem (multi-host: to this process's share of them, each
     host scoring its own). weights: from `load`, or bare params (version -1)."""
+    t0 = time.perf_counter()
     prompts = [self.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
     ro = self.replicas.rollout(weights, prompts, group_size=group_size,
                                max_new_tokens=self.max_new_tokens, eos_id=self.tokenizer.eos_id,
                                pad_id=self.tokenizer.pad_id, key=key)
     index = self.replicas.local_prompts(len(problems))
     mine = [problems[j] for j in index]
-    return Scored(mine, ro, score_rollout(self.task, self.tokenizer, mine, ro), index)
+    t1 = time.perf_counter()
+    rewards = score_rollout(self.task, self.tokenizer, mine, ro)
+    return Scored(mine, ro, rewards, index, t1 - t0, time.perf_counter() - t1)
 
   def decode(self, ro: Rollout) -> list[str]:
     return decode_answers(self.tokenizer, ro)
