@@ -155,7 +155,8 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
   writer = distributed.is_writer()  # multi-host: process 0 writes metrics and the bar
   metrics_log = (MetricsLog(workdir, resume_step=r.counters.step, tensorboard=config.log.tensorboard)
                  if writer else None)
-  say(f"MFU against {r.peak_flops / 1e12:.3g} TFLOP/s per device ({r.peak_source})")
+  say(f"MFU against {r.peak_flops / 1e12:.3g} TFLOP/s per device ({r.peak_source})" if r.peak_flops
+      else f"MFU: {r.peak_source}")
   bar = tqdm.tqdm(total=config.train.steps, initial=r.counters.step,
                   disable=not (config.log.progress and writer), desc=config.rl.loss, unit="step")
   # evaluations of a resumed run's earlier steps come back from its metrics (each is logged)
@@ -192,7 +193,8 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
       mark = time.perf_counter()
       bar.set_postfix(reward=f"{m['reward_mean']:.3f}", loss=f"{m['loss']:.4f}", lag=f"{m['lag_mean']:.1f}",
                       **({"out_of_reach": f"{m['target_out_of_reach']:.2f}"} if "target_out_of_reach" in m else {}),
-                      wait=f"{m['seconds_waiting'] / max(m['step_seconds'], 1e-9):.0%}", mfu=f"{m['mfu']:.1%}")
+                      wait=f"{m['seconds_waiting'] / max(m['step_seconds'], 1e-9):.0%}",
+                      **({"mfu": f"{m['mfu']:.1%}"} if "mfu" in m else {}))
       bar.update(1)
       _check_finite_steps(r, config)
       saved = s % config.checkpoint.every == 0 or s == config.train.steps

@@ -23,6 +23,17 @@ def test_cpu_peak_is_measured_and_an_override_wins():
   assert timing.device_peak(cpu, 2e12) == (2e12, "log.peak_flops")
 
 
+class _Unknown:  # an accelerator with no published figure here
+  platform, device_kind = "gpu", "Some GPU 9000"
+
+
+def test_an_unknown_accelerator_logs_no_mfu_rather_than_failing_the_run():
+  peak, why = timing.device_peak(_Unknown())
+  assert peak is None and "log.peak_flops" in why
+  assert "mfu" not in timing.train_rates(positions=1, seconds_training=1.0, devices=1, useful_flops=1.0,
+                                         peak_flops=peak)
+
+
 def test_rates():
   r = timing.rollout_rates(answer_tokens=600, seconds_sampling=2.0, engine_devices=3, live_slot_steps=75,
                            slot_steps=100)
