@@ -1,5 +1,6 @@
 """The lag-study launcher, CI-sized: every method at two lags, its report and plots."""
 
+import dataclasses
 import json
 import os
 import time
@@ -650,5 +651,12 @@ def test_a_reduced_mix_study_runs_the_mixed_task_with_both_grpo_variants(tmp_pat
   text = open(os.path.join(out, "lag_study.md")).read()
   assert text.startswith("# Mixed-task study") and "configs/mix.py" in text
   assert "async GRPO+TIS (token TIS, C=2, clip 0.2/0.28) | 2 |" in text  # in the tables
-  # the paired findings are written for oapl vs grpo_tis only: the report says which runs they leave out
-  assert "**Not in the findings below: grpo_tis_async, oapl_tied.**" in text
+  # its findings pair OAPL (tied) with each GRPO: the async one here (no grpo_tis run: no part)
+  assert "# oapl_tied vs grpo_tis_async" in text and "# oapl_tied vs grpo_tis\n" not in text
+  assert 'In this part "OAPL" is the runs of `oapl_tied` and "GRPO+IS" those of `grpo_tis_async`' in text
+  assert "**(c) after training both raise pass@k" in text.split("# oapl_tied vs grpo_tis_async")[1]
+  assert "Not in the findings below" not in text
+  # a method outside the study's pairs is named as left out
+  from oapl_jax.studies.report import _unpaired_line
+  extra = [dataclasses.replace(runs[0], method="oapl")]
+  assert _unpaired_line(runs + extra, definitions.STUDIES["mix"].pairs)[0].startswith("**Not in the findings below: oapl**")

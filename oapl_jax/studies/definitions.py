@@ -82,6 +82,8 @@ class Study:
   lags: tuple[int, ...] = DEFAULT_LAGS  # its lags unless told (--lags)
   grids: dict | None = None  # its search's grids (search.study_grid; None: the reasoning study's)
   search_lrs: tuple[float, ...] | None = None  # its search's lrs (None: search.SEARCH_LRS)
+  # the (OAPL, GRPO) method pairs its report's findings and verdicts compare, paired by seed
+  pairs: tuple[tuple[str, str], ...] = (("oapl", "grpo_tis"),)
 
 
 STUDIES = {
@@ -108,7 +110,8 @@ STUDIES = {
                  "launch/mix_study.sh", reduced_config="mix.py:smoke", search=REASON_SEARCH,
                  seeds=(0, 1, 2), along=(100, 300, 500, 1000),
                  methods=("oapl_tied", "grpo_tis", "grpo_tis_async"), lags=(1, 10, 50, 100, 200),
-                 grids=search_lib.MIX_GRIDS, search_lrs=search_lib.MIX_SEARCH_LRS),
+                 grids=search_lib.MIX_GRIDS, search_lrs=search_lib.MIX_SEARCH_LRS,
+                 pairs=(("oapl_tied", "grpo_tis"), ("oapl_tied", "grpo_tis_async"))),
 }
 
 

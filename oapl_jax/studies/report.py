@@ -7,6 +7,8 @@ findings, `verdicts.restated` their verdicts. Reading and writing files is the c
 
 from __future__ import annotations
 
+import dataclasses
+
 from oapl_jax.studies import search as search_lib
 from oapl_jax.studies.definitions import METHODS, STUDIES
 from oapl_jax.studies.stats import (
@@ -419,18 +421,45 @@ def _plots_section(figures: dict[str, str]) -> list[str]:
   return lines
 
 
-PAIRED = ("oapl", "oapl_paper_betas", "grpo_tis")  # the methods the findings below compare
+PAIRED = ("oapl", "oapl_paper_betas", "grpo_tis")  # the methods the lag studies' findings compare
 
 
-def _unpaired_line(results) -> list[str]:
-  """A line naming the runs' methods that the findings and verdicts leave out ([] if none): they
-  pair `oapl` (and `oapl_paper_betas`) with `grpo_tis` only."""
-  other = sorted({r.method for r in results} - set(PAIRED))
+def _covered(pairs) -> set[str]:
+  """The methods the findings of a study with method pairs `pairs` speak of."""
+  return set(PAIRED) if tuple(pairs) == (("oapl", "grpo_tis"),) else {m for pair in pairs for m in pair}
+
+
+def _unpaired_line(results, pairs) -> list[str]:
+  """A line naming the runs' methods that the findings and verdicts leave out ([] if none)."""
+  other = sorted({r.method for r in results} - _covered(pairs))
   if not other:
     return []
-  return [f"**Not in the findings below: {', '.join(other)}.** They pair `oapl` with `grpo_tis` "
-          "only; pairing the other methods (the mixed-task study's OAPL with tied betas against "
-          "both GRPO variants) is not written yet (issue 41). The tables above have every run.", ""]
+  return [f"**Not in the findings below: {', '.join(other)}** (they compare the study's method pairs "
+          f"only: {', '.join(f'{a} vs {b}' for a, b in pairs)}). The tables above have every run.", ""]
+
+
+def _findings_sections(results) -> list[str]:
+  """The verdicts and the paper's findings on runs of methods "oapl" and "grpo_tis" (and the
+  lag studies' "oapl_paper_betas")."""
+  return [*restated(results), "## The paper's findings, checked (computed from the runs)", "",
+          *findings(summarise(results)), *paper_setting_findings(results), *efficiency_findings(results), ""]
+
+
+def _paired_sections(results, pairs) -> list[str]:
+  """The findings of each (OAPL, GRPO) method pair: the lag studies' own pair as it always was;
+  another pair's runs renamed to "oapl" / "grpo_tis" for the same functions, under a heading
+  saying which runs those names stand for."""
+  if tuple(pairs) == (("oapl", "grpo_tis"),):
+    return _findings_sections(results)
+  lines = []
+  for a, b in pairs:
+    view = [dataclasses.replace(r, method={a: "oapl", b: "grpo_tis"}[r.method]) for r in results
+            if r.method in (a, b)]
+    if not {r.method for r in view} == {"oapl", "grpo_tis"}:
+      continue
+    lines += [f"# {a} vs {b}", "", f"In this part \"OAPL\" is the runs of `{a}` and \"GRPO+IS\" those of "
+              f"`{b}` ({METHODS[a][0]}; {METHODS[b][0]}).", "", *_findings_sections(view)]
+  return lines
 
 
 def report_markdown(results, *, study: str, command: str, figures: dict[str, str],
@@ -453,14 +482,8 @@ def report_markdown(results, *, study: str, command: str, figures: dict[str, str
     lines += [
         *_votes_table(rows),
         *_plots_section(figures),
-        *_unpaired_line(results),
-        *restated(results),
-        "## The paper's findings, checked (computed from the runs)",
-        "",
-        *findings(rows),
-        *paper_setting_findings(results),
-        *efficiency_findings(results),
-        "",
+        *_unpaired_line(results, STUDIES[study].pairs),
+        *_paired_sections(results, STUDIES[study].pairs),
     ]
   lines += ["## Reading", "", NOTES_BEGIN, notes, NOTES_END, ""]
   return "\n".join(lines)
