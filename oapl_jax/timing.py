@@ -92,7 +92,8 @@ def train_rates(*, positions: int, seconds_training: float, devices: int, useful
 class Profiler:
   """A `jax.profiler` trace of trainer steps a..b (`log.profile_steps` "a:b", 1-based, inclusive)
   into `<workdir>/profile`: TensorBoard's profile plugin (`tensorboard --logdir <workdir>`), XProf
-  and Perfetto read it. Each process writes its own host's file (`plugins/profile/<run>/<host>.*`).
+  and Perfetto read it. Each process writes its own host's file (`plugins/profile/<run>/<host>.*`;
+  with several processes under `profile/process_<i>/`).
   A bucket workdir: traced into a local folder, then uploaded there at the end of step b.
   `steps` None: does nothing."""
 
@@ -106,7 +107,7 @@ class Profiler:
     import tempfile  # noqa: PLC0415
     import jax  # noqa: PLC0415
     from oapl_jax import storage  # noqa: PLC0415
-    target = storage.join(self.workdir, "profile")
+    target = self._target()
     self._local = tempfile.mkdtemp(prefix="oapl_profile_") if storage.is_remote(target) else target
     jax.profiler.start_trace(self._local)
 
@@ -119,7 +120,7 @@ class Profiler:
     from oapl_jax import storage  # noqa: PLC0415
     jax.profiler.stop_trace()
     local, self._local = self._local, None
-    target = storage.join(self.workdir, "profile")
+    target = self._target()
     for root, _, files in os.walk(local):
       for name in files:
         path = os.path.join(root, name)
@@ -128,6 +129,14 @@ class Profiler:
           storage.upload(path, storage.join(target, *rel.split("/")))
         self.written.append(storage.join(target, *rel.split("/")))
     return self.written
+
+  def _target(self) -> str:
+    """<workdir>/profile; with several processes <workdir>/profile/process_<i> (processes on
+    one machine share a host name, which names the trace files)."""
+    import jax  # noqa: PLC0415
+    from oapl_jax import storage  # noqa: PLC0415
+    target = storage.join(self.workdir, "profile")
+    return target if jax.process_count() == 1 else storage.join(target, f"process_{jax.process_index()}")
 
   def close(self) -> None:
     """Stops a trace still running (the run ended or stopped inside the range), keeping it."""
