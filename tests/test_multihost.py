@@ -418,10 +418,13 @@ def test_local_multihost_smoke_run_is_the_two_engine_run(tmp_path):
   sampling.engines=2: one metrics.jsonl and summary.json, equal losses (<= 1e-5) and metrics,
   the same rows in the checkpointed buffer, the same final weights."""
   multi, single = tmp_path / "multi", tmp_path / "single"
-  procs = [_launch(2, multi, *SMALL), _single_run(single, *SMALL)]
+  procs = [_launch(2, multi, *SMALL, "--config.log.profile_steps=2:3"), _single_run(single, *SMALL)]
   out = _finish(procs[0])
   _finish(procs[1])
   assert out.count('"trainer_steps": 4') == 1  # process 0 alone prints the summary
+  # a profiler trace from each process, each in its own folder (one machine: one host name)
+  for i in range(2):
+    assert len(list((multi / "profile" / f"process_{i}").glob("plugins/profile/*/*.xplane.pb"))) == 1
   worst = _check_same_run(multi, single, 4)
   print(f"max loss difference {worst:.3g}")
   _check_same_rows(multi, single, 2)
