@@ -84,7 +84,7 @@ def train_rates(*, positions: int, seconds_training: float, devices: int, useful
   """The train step's tokens per second per device and its MFU (left out without a peak)."""
   seconds = max(seconds_training, 1e-9)
   out = {"train_tokens_per_s_per_device": positions / seconds / devices}
-  if peak_flops:
+  if peak_flops and useful_flops:
     out["mfu"] = useful_flops / (seconds * devices * peak_flops)
   return out
 
@@ -100,16 +100,19 @@ class Profiler:
   def __init__(self, steps: tuple[int, int] | None, workdir: str):
     self.steps, self.workdir, self._local, self.written = steps, workdir, None, []
 
-  def before_step(self, step: int) -> None:
-    """Called before trainer step `step` (1-based) runs: starts the trace at step a."""
+  def before_step(self, step: int) -> float:
+    """Called before trainer step `step` (1-based) runs: starts the trace at step a; returns the
+    seconds that took (0 at other steps)."""
     if self.steps is None or step != self.steps[0]:
-      return
+      return 0.0
+    t0 = time.perf_counter()
     import tempfile  # noqa: PLC0415
     import jax  # noqa: PLC0415
     from oapl_jax import storage  # noqa: PLC0415
     target = self._target()
     self._local = tempfile.mkdtemp(prefix="oapl_profile_") if storage.is_remote(target) else target
     jax.profiler.start_trace(self._local)
+    return time.perf_counter() - t0
 
   def after_step(self, step: int) -> list[str]:
     """Called after trainer step `step`: stops the trace at step b; returns the files written."""

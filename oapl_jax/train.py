@@ -27,8 +27,9 @@ from oapl_jax.checkpoint import SaveFailed, storage_failure
 from oapl_jax.errors import UserError
 from oapl_jax.metrics import DeadModelWatch, MetricsLog, read_json, read_metrics, say, write_json
 from oapl_jax.placement import seq_len
-from oapl_jax.rl.names import beta2_of
+from oapl_jax.rl.names import loss_line
 from oapl_jax.rl.loop import Run
+from oapl_jax.aot import model_flops
 from oapl_jax.timing import Profiler
 from oapl_jax.topology import LOCAL, TOPOLOGIES
 from oapl_jax.workdir import Interrupted, Layout, StopSignals, WorkdirLock, check_usable
@@ -55,17 +56,6 @@ def run(config, workdir: str) -> dict:
   return run_validated(config, workdir)
 
 
-def _loss_line(config) -> str:
-  """The loss and the settings it runs with, beta2 as its rule resolved it."""
-  rl = config.rl
-  if rl.loss == "oapl":
-    return (f"loss oapl: beta1 {rl.beta1:g}, beta2 {beta2_of(config):.4g} (rl.beta2_rule="
-            f"{rl.beta2_rule}), lag {rl.lag}")
-  g = rl.grpo
-  return (f"loss grpo: pi_prox {g.prox}, clip {g.eps_low:g}/{g.eps_high:g}, IS {g.is_level} "
-          f"{g.is_mode} C={g.is_cap:g}, lag {rl.lag}")
-
-
 def run_validated(config, workdir: str) -> dict:
   """`run` of a config its caller has validated (`python -m oapl_jax.main` does, before it
   imports this module, so that a refused setting is one line on a quiet console)."""
@@ -80,7 +70,7 @@ def run_validated(config, workdir: str) -> dict:
                               f"config.mesh.topology={config.mesh.topology}")
   say(f"jax {jax.__version__}, devices {jax.devices()}"  # process 0's console only
       + (f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""))
-  say(_loss_line(config))
+  say(loss_line(config))
   plan_lib.check(config)  # before anything is allocated
   lock = (WorkdirLock(workdir, config.checkpoint.lock_lease_s, config.checkpoint.lock_wait_s)
           if distributed.is_writer() else contextlib.nullcontext())
@@ -140,38 +130,24 @@ def _stop(r: Run, stop: StopSignals, saved: bool) -> None:
                     f"saved in {r.ckpt.directory}; run the same command again to resume")
 
 
-PER_ANSWER = ("answer_ids",)  # evaluation entries with one value per answer (problems x n)
-
-
-def _logged_eval(result: dict) -> dict:
-  """An evaluation during the run as logged (metrics.jsonl, summary's evals_during): without
-  its per-answer lists, which only the evaluations before and after keep."""
-  return {k: v for k, v in result.items() if k not in PER_ANSWER}
-
-
 def _run(config, workdir: str, stop: StopSignals) -> dict:
   r = Run(config, workdir)
   eval_before, warmup_info = _start(r, config, workdir)
   writer = distributed.is_writer()  # multi-host: process 0 writes metrics and the bar
   metrics_log = (MetricsLog(workdir, resume_step=r.counters.step, tensorboard=config.log.tensorboard)
                  if writer else None)
-  say(f"MFU against {r.peak_flops / 1e12:.3g} TFLOP/s per device ({r.peak_source})" if r.peak_flops
-      else f"MFU: {r.peak_source}")
+  r.useful_flops = model_flops(config)["useful"]  # for the step's MFU (oapl_jax/timing.py)
   bar = tqdm.tqdm(total=config.train.steps, initial=r.counters.step,
                   disable=not (config.log.progress and writer), desc=config.rl.loss, unit="step")
   # evaluations of a resumed run's earlier steps come back from its metrics (each is logged)
   evals = [{"step": row["step"], **row["eval"]} for row in read_metrics(workdir)
            if "eval" in row] if writer and r.counters.step > 0 else []
   dead = DeadModelWatch(config.log.dead_model_steps, config.model.vocab_size)
-  profiler = Profiler(config_lib.profile_range(config.log.profile_steps) if config.log.profile_steps else None,
-                      workdir)
-  # a step's time: from the previous step's metrics to its own, in parts (oapl_jax/timing.py)
-  mark, seconds_saving = time.perf_counter(), 0.0
+  profiler = Profiler(config_lib.profile_range(config.log.profile_steps or ""), workdir)
+  mark, seconds_saving = time.perf_counter(), 0.0  # a step: previous metrics to its own (timing.py)
   with stop.deferring(), contextlib.closing(bar), contextlib.closing(profiler):  # a signal: stop after this step, with a checkpoint
     while r.counters.step < config.train.steps:
-      t = time.perf_counter()
-      profiler.before_step(r.counters.step + 1)
-      seconds_profiling = time.perf_counter() - t
+      seconds_profiling = profiler.before_step(r.counters.step + 1)
       m = r.step()
       s = r.counters.step
       warning = dead.update(s, m)
@@ -179,12 +155,11 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
         say(warning)
       t = time.perf_counter()
       if config.eval.every and s % config.eval.every == 0 and s < config.train.steps:
-        m["eval"] = _logged_eval(r.evaluate(r.params, f"step {s}"))
+        m["eval"] = {k: v for k, v in r.evaluate(r.params, f"step {s}").items() if k != "answer_ids"}  # no per-answer lists
         evals.append({"step": s, **m["eval"]})
       seconds_evaluating, t = time.perf_counter() - t, time.perf_counter()
       if profiler.after_step(s):
-        say(f"profile of steps {config.log.profile_steps}: {storage.join(workdir, 'profile')} "
-            "(tensorboard --logdir there, XProf or Perfetto)")
+        say(f"profile of steps {config.log.profile_steps}: {storage.join(workdir, 'profile')}")
       now = time.perf_counter()
       m |= {"seconds_evaluating": seconds_evaluating, "seconds_saving": seconds_saving,
             "seconds_profiling": seconds_profiling + now - t, "step_seconds": now - mark}
@@ -193,14 +168,12 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
       mark = time.perf_counter()
       bar.set_postfix(reward=f"{m['reward_mean']:.3f}", loss=f"{m['loss']:.4f}", lag=f"{m['lag_mean']:.1f}",
                       **({"out_of_reach": f"{m['target_out_of_reach']:.2f}"} if "target_out_of_reach" in m else {}),
-                      wait=f"{m['seconds_waiting'] / max(m['step_seconds'], 1e-9):.0%}",
-                      **({"mfu": f"{m['mfu']:.1%}"} if "mfu" in m else {}))
+                      wait=f"{m['seconds_waiting'] / max(m['step_seconds'], 1e-9):.0%}")
       bar.update(1)
       _check_finite_steps(r, config)
       saved = s % config.checkpoint.every == 0 or s == config.train.steps
       t = time.perf_counter()
-      if saved:
-        r.save(wait=False)  # written while the next steps train
+      r.save(wait=False) if saved else None  # written while the next steps train
       seconds_saving = time.perf_counter() - t
       if distributed.any_process(stop.requested):  # multi-host: every process stops here
         stop.requested = stop.requested or signal.SIGTERM

@@ -37,7 +37,9 @@ def test_smoke_run_writes_everything_and_resumes(tmp_path):
   # where each step's time went (oapl_jax/timing.py): its parts add up to the step
   for r in rows:
     parts = sum(r[k] for k in timing.PARTS)
-    assert 0.9 * r["step_seconds"] <= parts <= r["step_seconds"], (r["step"], parts, r["step_seconds"])
+    # (bookkeeping between the parts: milliseconds, more on a loaded machine)
+    assert r["step_seconds"] - max(0.1 * r["step_seconds"], 0.03) <= parts <= r["step_seconds"], (
+        r["step"], parts, r["step_seconds"])
     assert 0 < r["mfu"] < 1 and r["train_tokens_per_s_per_device"] > 0
   took = [r for r in rows if "slot_utilisation" in r]  # the steps that took a rollout
   assert took and all(0 < r["slot_utilisation"] <= 1 and r["answer_tokens_per_s_per_device"] > 0

@@ -38,7 +38,6 @@ import numpy as np
 
 from oapl_jax import distributed, placement, sharding, storage, timing
 from oapl_jax import checkpoint
-from oapl_jax.aot import model_flops as aot_flops
 from oapl_jax.checkpoint import Checkpointer
 from oapl_jax.errors import ConfigError
 from oapl_jax.eval.evaluate import eval_key, evaluate
@@ -188,7 +187,7 @@ class Run:
     self.counters = Counters()
     # for the step's throughput and MFU (oapl_jax/timing.py)
     self.engine_device_count = max(distributed.total(len(engine_devices(config))), 1)
-    self.useful_flops = aot_flops(config)["useful"]
+    self.useful_flops = 0.0  # the train step's useful FLOPs (aot.model_flops): set by train.py; 0: no MFU
     self.peak_flops, self.peak_source = timing.device_peak(self.mesh.devices.flat[0], config.log.peak_flops)
     self.start_from(params)
     self.ckpt = Checkpointer(checkpoint.directory_of(config, workdir), keep=config.checkpoint.keep)

@@ -43,3 +43,14 @@ def beta2_of(config) -> float:
   return oapl_beta2(rl.get("beta2_rule", "fixed"), beta1=rl["beta1"], beta2=rl["beta2"],
                     beta2_per_token=rl.get("beta2_per_token", 16.384),
                     max_new_tokens=config["sampling"]["max_new_tokens"])
+
+
+def loss_line(config) -> str:
+  """The loss and the settings it runs with, beta2 as its rule resolved it."""
+  rl = config.rl
+  if rl.loss == "oapl":
+    return (f"loss oapl: beta1 {rl.beta1:g}, beta2 {beta2_of(config):.4g} (rl.beta2_rule="
+            f"{rl.beta2_rule}), lag {rl.lag}")
+  g = rl.grpo
+  return (f"loss grpo: pi_prox {g.prox}, clip {g.eps_low:g}/{g.eps_high:g}, IS {g.is_level} "
+          f"{g.is_mode} C={g.is_cap:g}, lag {rl.lag}")
