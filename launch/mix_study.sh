@@ -15,16 +15,14 @@
 # OUT_DIR or committed) are skipped, and Ctrl-C / SIGTERM stops both with a checkpoint of the
 # runs in progress; run the same command again to go on.
 #
+# Each half runs (with its own --report; --dry-run prints both):
+#   python -m oapl_jax.studies.lag_study --study=mix --methods oapl_tied grpo_tis grpo_tis_async \
+#       --lags 1 10 50 100 200 --search --out=/tmp/oapl_mix_study --results=docs/mix_study/results --seeds 0 1 2
 # Usage: bash launch/mix_study.sh [--dry-run] [OUT_DIR] [EXTRA LAG_STUDY FLAGS...]
 #   --dry-run  prints the commands instead of running them
 #   e.g. bash launch/mix_study.sh /tmp/oapl_mix_study --budget-minutes=120
 set -euo pipefail
-dry=""
-if [[ "${1:-}" == "--dry-run" ]]; then dry=1; shift; fi
-out=${1:-/tmp/oapl_mix_study}
-shift || true
-results=docs/mix_study/results  # committed small results (from the repository root)
-study=(python -m oapl_jax.studies.lag_study --study=mix --out="$out" --results="$results" \
-  --methods oapl_tied grpo_tis grpo_tis_async --lags 1 10 50 100 200 --search)
+out=/tmp/oapl_mix_study results=docs/mix_study/results  # the default runs' folder; the committed small results
+flags=(--study=mix --methods oapl_tied grpo_tis grpo_tis_async --lags 1 10 50 100 200 --search)
 seeds=(0 1 2) report=docs/mix_study.md name=mix_study.sh
 source "$(dirname "$0")/study_halves.sh"

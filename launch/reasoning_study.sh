@@ -19,16 +19,14 @@
 # and Ctrl-C / SIGTERM stops both with a checkpoint of the runs in progress; run the same command
 # again to go on.
 #
+# Each half runs (with its own --report; --dry-run prints both):
+#   python -m oapl_jax.studies.lag_study --study=reason --methods oapl grpo_tis --lags 1 10 50 100 --search \
+#       --out=/tmp/oapl_reason_study --results=docs/reasoning_study/results --seeds 0 1 2 3 4
 # Usage: bash launch/reasoning_study.sh [--dry-run] [OUT_DIR] [EXTRA LAG_STUDY FLAGS...]
 #   --dry-run  prints the commands instead of running them
 #   e.g. bash launch/reasoning_study.sh /tmp/oapl_reason_study --budget-minutes=120
 set -euo pipefail
-dry=""
-if [[ "${1:-}" == "--dry-run" ]]; then dry=1; shift; fi
-out=${1:-/tmp/oapl_reason_study}
-shift || true
-results=docs/reasoning_study/results  # committed small results (from the repository root)
-study=(python -m oapl_jax.studies.lag_study --study=reason --out="$out" --results="$results" \
-  --methods oapl grpo_tis --lags 1 10 50 100 --search)
+out=/tmp/oapl_reason_study results=docs/reasoning_study/results  # the default runs' folder; the committed small results
+flags=(--study=reason --methods oapl grpo_tis --lags 1 10 50 100 --search)
 seeds=(0 1 2 3 4) report=docs/reasoning_study.md name=reasoning_study.sh
 source "$(dirname "$0")/study_halves.sh"

@@ -1,15 +1,21 @@
 # Sourced by the lag-study launchers (reasoning_study.sh, mix_study.sh) after they set:
 #   name     the launcher (launch/NAME), quoted in the report as the command that made it
-#   out      the runs' folder (resumable)
-#   study    the lag_study command without --report / --seeds (an array)
+#   out      the default runs' folder (resumable); the launcher's first argument replaces it
+#   results  the committed small results' folder
+#   flags    the lag_study flags but --out, --results, --report and --seeds (an array)
 #   seeds    the seeds, in order (an array): both halves take every seed, a seed's runs first
 #   report   the study's report (docs/...md)
-#   dry      non-empty: print the commands instead of running them
-# and pass on the launcher's extra flags ("$@"). Two processes of the same command, one core each
+# and pass on the launcher's arguments ("$@": [--dry-run] [OUT_DIR] [EXTRA LAG_STUDY FLAGS...];
+# --dry-run prints the commands instead of running them). Two processes of the same command, one core each
 # (a second core buys little inside one XLA process on CPU): each skips the runs the other is
 # making, so they share the search and then the study's runs, in order; each writes a report in
 # OUT; at the end the finished runs' small results are copied into the results folder and the
 # study's report is written.
+dry=""
+if [[ "${1:-}" == "--dry-run" ]]; then dry=1; shift; fi
+out=${1:-$out}
+shift || true
+study=(python -m oapl_jax.studies.lag_study "${flags[@]}" --out="$out" --results="$results")
 pin_a=() pin_b=()
 if command -v taskset > /dev/null && [[ "$(nproc)" -ge 2 ]]; then
   pin_a=(taskset -c 0) pin_b=(taskset -c 1)

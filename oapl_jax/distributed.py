@@ -285,7 +285,14 @@ def any_process(flag: bool) -> bool:
 
 def total(n: int) -> int:
   """The sum of the int `n` over processes."""
-  return int(n) if process_count() == 1 else int(allgather(np.array(int(n), np.int32)).sum())
+  return totals(n)[0]
+
+
+def totals(*ns: int) -> list[int]:
+  """The sum of each int of `ns` over processes, in one collective."""
+  if process_count() == 1:
+    return [int(n) for n in ns]
+  return [int(x) for x in allgather(np.array([int(n) for n in ns], np.int32)).sum(0)]
 
 
 def concat_rows(*arrays) -> list[np.ndarray]:

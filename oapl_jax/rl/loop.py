@@ -291,9 +291,11 @@ class Run:
     while len(self.buffer) < self.groups_per_step:
       drawn = self.source.next(self._next_job)
       self.buffer.extend(drawn.rows)
-      self.counters.samples_generated += distributed.total(drawn.samples)
-      for k in ("answer_tokens", "live_slot_steps", "slot_steps"):
-        taken[k] += distributed.total(getattr(drawn, k))
+      counts = ("answer_tokens", "live_slot_steps", "slot_steps")
+      samples, *summed = distributed.totals(drawn.samples, *(getattr(drawn, k) for k in counts))
+      self.counters.samples_generated += samples
+      for k, n in zip(counts, summed):
+        taken[k] += n
       taken["seconds_sampling"] += drawn.seconds_sampling
       taken["seconds_rewards"] += drawn.seconds_rewards
       self._drop_stale()  # a rollout that was in flight may land already too old
