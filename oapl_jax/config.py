@@ -133,6 +133,12 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.rl.count_truncated = True  # Answers cut at max_new_tokens still count in the loss.
   c.rl.groups_per_step = 32  # Groups (prompts) in one trainer step's batch.
   c.rl.groups_per_rollout = 32  # Groups the engine samples into the buffer per call.
+  # Window rollouts (sync mode): sample this many steps' rollouts in one continuous batch, slots
+  # refilled as answers end across all of them, the rest held in the host buffer for the next
+  # steps. Same answers, counts and losses as 1 (each rollout's problems and keys are its own);
+  # fewer idle slots when answer lengths spread (docs/performance.md "Window rollouts"). Must
+  # divide rl.lag; needs groups_per_rollout == groups_per_step. Host bytes: the plan's "host".
+  c.rl.window_rollouts = 1
   # Groups whose realised lag (trainer step - snapshot step) would exceed this are dropped when a
   # step takes its batch, and counted (groups_dropped_stale); >= rl.lag, so it only bites in async
   # mode, where left-overs and rollouts in flight outlive a refresh. None = never drop (docs/design.md "Asynchronous mode":
@@ -457,6 +463,16 @@ def validate(c, *, dry_run: bool = False) -> None:
          "trainer's snapshot is already the next one)")
   _int(c, "rl.groups_per_step", 1)
   _int(c, "rl.groups_per_rollout", 1)
+  _int(c, "rl.window_rollouts", 1, note="1 = one rollout per step")
+  if rl.window_rollouts > 1:
+    _check(rl.mode == "sync", "rl.window_rollouts", rl.window_rollouts,
+           f"sync mode only (rl.mode={rl.mode!r}): async overlaps sampling with training instead, "
+           "offline reads rounds")
+    _check(rl.lag % rl.window_rollouts == 0, "rl.window_rollouts", rl.window_rollouts,
+           f"must divide rl.lag={rl.lag}: a window of rollouts is sampled by one pi_old")
+    _check(rl.groups_per_rollout == rl.groups_per_step, "rl.window_rollouts", rl.window_rollouts,
+           f"needs rl.groups_per_rollout == rl.groups_per_step (now {rl.groups_per_rollout} and "
+           f"{rl.groups_per_step}): a window holds whole steps")
   if rl.mode == "offline":
     _validate_offline(c, dry_run)
 

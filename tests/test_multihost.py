@@ -228,12 +228,12 @@ ROLLOUT = textwrap.dedent("""
     import jax
     from oapl_jax import config as config_lib
     from oapl_jax.eval.evaluate import eval_key, evaluate
-    from oapl_jax.rl.loop import Run, draw_rollout
+    from oapl_jax.rl.loop import Run, draw_rollouts
     from oapl_jax.rl.step import Batch
     c = config_lib.from_file("configs/tiny.py:smoke")
     c.sampling.engines = int(sys.argv[2])
     r = Run(c, sys.argv[1])
-    drawn = draw_rollout(c, r.sampler, r.engine_weights(), index=0, version=0, snapshot_step=0)
+    drawn = draw_rollouts(c, r.sampler, r.engine_weights(), indices=[0], version=0, snapshot_step=0)
     r.buffer.extend(drawn.rows)
     rows = r.buffer.take(r.groups_per_step)
     new, _, m = r.train_step(r.params, r.opt_state, r.snapshot, Batch.from_rows(rows), r.reference)

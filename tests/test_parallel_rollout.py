@@ -54,8 +54,14 @@ SAMPLER = textwrap.dedent("""
     assert ro.prompts == prompts and ro.num_samples == 10
     assert (ro.versions == 3).all()
     np.testing.assert_array_equal(ro.answers, again.answers)  # deterministic given the key
-    for i in range(2):  # row order: replica i has prompts i::2
-      alone = rollout(replicas.engines[i], weights[i], prompts[i::2], key=jax.random.fold_in(key, i), **kw)
+    # prompt p's key is fold_in(key, p) whichever replica samples it: one engine, all prompts,
+    # gives the same answers as two
+    single = rollout(replicas.engines[0], weights[0], prompts, key=key, **kw)
+    np.testing.assert_array_equal(ro.answers, single.answers)
+    np.testing.assert_array_equal(ro.lengths, single.lengths)
+    prompt_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(5, dtype=np.uint32))
+    for i in range(2):  # row order: replica i has prompts i::2, with their own keys
+      alone = rollout(replicas.engines[i], weights[i], prompts[i::2], key=prompt_keys[i::2], **kw)
       rows = np.concatenate([np.arange(p * 2, p * 2 + 2) for p in range(i, 5, 2)])
       np.testing.assert_array_equal(ro.lengths[rows], alone.lengths)
       for r, a in zip(rows, range(alone.num_samples)):
@@ -66,7 +72,7 @@ SAMPLER = textwrap.dedent("""
     err = np.abs(np.where(batch.mask > 0, np.asarray(logp) - batch.sampler_logprobs, 0)).max()
     assert err <= 1e-5, err
     one = replicas.rollout(weights, prompts[:1], key=key, **kw)  # fewer prompts than replicas
-    alone = rollout(replicas.engines[0], weights[0], prompts[:1], key=jax.random.fold_in(key, 0), **kw)
+    alone = rollout(replicas.engines[0], weights[0], prompts[:1], key=key, **kw)
     np.testing.assert_array_equal(one.answers, alone.answers)
     print("OK", err)
 """)

@@ -93,17 +93,26 @@ def trainer_devices(config) -> list:
   return [local[i] for i in trainer]
 
 
-def draw_rollout(config, sampler: Sampler, weights, *, index: int, version: int,
-                 snapshot_step: int) -> Drawn:
-  """Rollout number `index`: `rl.groups_per_rollout` fresh training problems x G answers.
+def draw_rollouts(config, sampler: Sampler, weights, *, indices: list[int], version: int,
+                  snapshot_step: int) -> Drawn:
+  """Rollouts number `indices` (consecutive), sampled in one continuous batch: each
+  `rl.groups_per_rollout` fresh training problems x G answers, their rows in rollout order.
 
   weights: the snapshot as `sampler.load(snapshot, version)`, copied from pi_theta at trainer
-  step `snapshot_step`. Problems and sampling keys are functions of (seed, index).
+  step `snapshot_step`. A rollout's problems and its prompts' sampling keys are functions of
+  (seed, index) only, and an answer follows its prompt's key whatever is sampled beside it
+  (`sampling.rollout`): so the rows of rollout i are the same whether it is drawn alone or in a
+  window of several (`rl.window_rollouts`).
   """
-  rng = np.random.default_rng([config.seed, 1, index])
-  key = jax.random.fold_in(jax.random.key(config.seed), index)
-  problems = sampler.task.train_problems(rng, config.rl.groups_per_rollout)
-  scored = sampler.sample(weights, problems, group_size=config.rl.group_size, key=key)
+  problems, keys = [], []
+  for index in indices:
+    rng = np.random.default_rng([config.seed, 1, index])
+    key = jax.random.fold_in(jax.random.key(config.seed), index)
+    problems += sampler.task.train_problems(rng, config.rl.groups_per_rollout)
+    keys.append(jax.vmap(jax.random.fold_in, (None, 0))(
+        key, np.arange(config.rl.groups_per_rollout, dtype=np.uint32)))  # prompt p: fold_in(key, p)
+  scored = sampler.sample(weights, problems, group_size=config.rl.group_size,
+                          key=jnp.concatenate(keys))
   rows = make_batch(scored.rollout, scored.rewards, seq_len=seq_len(config),
                     pad_id=sampler.tokenizer.pad_id, count_truncated=config.rl.count_truncated)
   stats = scored.rollout.stats
@@ -243,12 +252,14 @@ class Run:
     """The snapshot on every engine's device, stamped with the version (placed once per snapshot)."""
     return self.sampler.load(self.snapshot, self.counters.version)
 
-  def _next_job(self):
-    """Fixes rollout number `counters.rollouts` (the engines' current snapshot and its stamps)."""
+  def _next_job(self, count: int = 1):
+    """Fixes the next `count` rollouts, numbers `counters.rollouts` on (the engines' current
+    snapshot and its stamps), as one job that samples them together."""
     c = self.counters
-    job = functools.partial(draw_rollout, self.config, self.sampler, self.engine_weights(),
-                            index=c.rollouts, version=c.version, snapshot_step=c.snapshot_step)
-    c.rollouts += 1
+    job = functools.partial(draw_rollouts, self.config, self.sampler, self.engine_weights(),
+                            indices=list(range(c.rollouts, c.rollouts + count)), version=c.version,
+                            snapshot_step=c.snapshot_step)
+    c.rollouts += count
     return job
 
   def wait(self) -> None:

@@ -1,10 +1,14 @@
 """Where a run's training rollouts come from, chosen once from `rl.mode` (`SOURCES`).
 
 A source hands the loop its next rollout (`next`), given `make_job`: a function that fixes the
-next rollout's index, weights and stamps at the moment it is called (so the loop decides what
-is sampled and when) and returns the job that samples it. Sources differ in when jobs run:
+next rollouts' indices (`make_job(count)`: `count` of them, default one), weights and stamps at
+the moment it is called (so the loop decides what is sampled and when) and returns the job
+that samples them, together. Sources differ in when jobs run:
 
-* `SyncSource` ("sync"): the job runs here and now, while the trainer waits.
+* `SyncSource` ("sync"): the job runs here and now, while the trainer waits; with
+  `rl.window_rollouts` = k > 1 it samples k steps' rollouts in one continuous batch (slots
+  refilled as answers end, across the k steps' problems) and the buffer holds the rest on the
+  host for the next k - 1 steps. Every rollout's rows are what k = 1 samples (`draw_rollouts`).
 * `AsyncSource` ("async"): the job for the next rollout is launched the moment the previous
   one is taken, and samples in a background thread while the trainer trains; a checkpoint
   holds it (`pending`, `resume`).
@@ -52,22 +56,35 @@ class Drawn:
 
 
 Job = Callable[[], Drawn]
+MakeJob = Callable[..., Job]  # make_job(count=1): the job of the next `count` rollouts
 
 
 class SyncSource:
-  """Samples when the loop asks, while the trainer waits."""
+  """Samples when the loop asks, while the trainer waits: the rollouts up to the end of the
+  current window of `rl.window_rollouts` (k) rollouts, in one call.
+
+  Rollout i is step i's (sync mode checks groups_per_rollout == groups_per_step when k > 1, and
+  that k divides rl.lag, so a window never spans a refresh and every rollout of it is sampled
+  by the pi_old that k = 1 would use). A run resumed inside a window (its checkpoint holds the
+  buffer with the window's rest) carries on as it was; a run on a checkpoint written without
+  the rest draws only to the window's end.
+  """
 
   empties_buffer_at_refresh = True  # Algorithm 1: each window trains on its own pi_old's groups
 
   def __init__(self, run=None, workdir: str | None = None):
-    del run, workdir  # samples through the loop's jobs only
+    del workdir  # samples through the loop's jobs only
+    self._run = run
+    self.window = 1 if run is None else run.config.rl.window_rollouts
 
   def refresh_due(self, step: int, lag: int) -> bool:
     """Whether pi_old <- pi_theta after trainer step `step` (steps taken): every rl.lag steps."""
     return step % lag == 0
 
-  def next(self, make_job: Callable[[], Job]) -> Drawn:
-    return make_job()()
+  def next(self, make_job: MakeJob) -> Drawn:
+    if self.window == 1:
+      return make_job()()
+    return make_job(self.window - self._run.counters.rollouts % self.window)()
 
   def pending(self) -> Drawn | None:
     """The rollout in flight (waited for), for checkpoints; sync mode has none."""
@@ -97,7 +114,7 @@ class AsyncSource:
 
   refresh_due = SyncSource.refresh_due
 
-  def next(self, make_job: Callable[[], Job]) -> Drawn:
+  def next(self, make_job: MakeJob) -> Drawn:
     # The next rollout starts now, with the weights of this moment (a fixed point of the step
     # sequence, so runs stay reproducible); it lands at a later step, maybe after a refresh,
     # and is used then with its own stamps.
@@ -168,7 +185,7 @@ class OfflineSource:
       return step % sched.round_steps == 0
     return (step - sched.steps) % lag == 0
 
-  def next(self, make_job: Callable[[], Job]) -> Drawn:
+  def next(self, make_job: MakeJob) -> Drawn:
     run = self._run
     c, config = run.counters, run.config
     if c.step >= self.schedule.steps:

@@ -9,9 +9,11 @@ Decode state (a dict pytree, one row per slot `S`, cache capacity `M <= max_len`
   finish       `[S]` why the slot's answer ended (FINISH_*; -1 while live)
   versions     `[S]` oldest policy version of the weights that produced the answer
   recent       `[S, W]` the answer's last W tokens (stop sequences); eos `[]`, stops `[N, W]`
-  slot_ids     `[S]` each row's slot index in the full-width state (`narrow` keeps it, so a
-               slot draws the same random numbers at any width)
-  key          PRNG key;  step `[]`: folded into the key at every decode step
+  answer_keys  `[S]` PRNG keys, one per answer: token t of an answer is drawn with
+               `fold_in(its key, t)`, so an answer is a function of its key and the weights,
+               whichever slot, decode step, width or company it is sampled in
+  key          PRNG key that `insert` derives an answer's key from when none is given;
+  step `[]`    decode steps taken
 
 A decode step samples one token per slot from the processed `next_logits` (temperature,
 top-k, top-p; `processing.py`), records its log-prob under exactly that distribution, runs
@@ -70,7 +72,7 @@ from oapl_jax.sampling.processing import SamplingParams, process_logits, sample
 FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2  # EOS token, length budget, stop sequence
 _NO_TOKEN = -2  # fills `recent` before an answer has W tokens (matches no stop sequence)
 _STATE_KEYS = ("next_logits", "positions", "lengths", "limits", "live", "finish", "versions",
-               "recent", "slot_ids", "eos", "stops", "key", "step")  # the decode state but the cache
+               "recent", "answer_keys", "eos", "stops", "key", "step")  # the decode state but the cache
 
 
 @struct.dataclass
@@ -226,12 +228,12 @@ class Engine:
         "finish": np.full((s,), -1, np.int32),
         "versions": np.full((s,), -1, np.int32),
         "recent": np.full((s, width), _NO_TOKEN, np.int32),
-        "slot_ids": np.arange(s, dtype=np.int32),
         "eos": np.asarray(eos_id, np.int32),
         "stops": stops,
         "key": jax.random.key(0) if key is None else jnp.copy(key),  # the state is donated, the caller's key is not
         "step": np.zeros((), np.int32),
     }
+    small["answer_keys"] = jax.random.split(small["key"], s)  # replaced at each insert
     return {"cache": self._zero_cache(capacity or self.max_len),
             **jax.device_put(small, self._replicated)}
 
@@ -243,7 +245,8 @@ class Engine:
     return self.prefill_batch(params, tokens, np.array([true_length], np.int32))
 
   def insert(self, prefix: dict, decode_state: dict, slot: int) -> dict:
-    """Writes a one-prompt `prefix` into decode slot `slot` (answer budget: the cache)."""
+    """Writes a one-prompt `prefix` into decode slot `slot` (answer budget: the cache; the
+    answer's key: the state's key folded with the decode step and the slot)."""
     return self.insert_many(prefix, decode_state, np.array([slot]), np.array([0]),
                             np.array([self.max_len]))
 
@@ -300,14 +303,16 @@ class Engine:
     embed = self._embedding(weights.decode["head"]) if self.model_cfg.tie_embeddings else None
     return self._prefill(weights, embed, np.asarray(tokens, np.int32), np.asarray(lengths, np.int32))
 
-  def insert_many(self, prefix: dict, decode_state: dict, slots, rows, max_new) -> dict:
+  def insert_many(self, prefix: dict, decode_state: dict, slots, rows, max_new, keys=None) -> dict:
     """Starts answers: slot `slots[n]` gets prompt `rows[n]` of `prefix`, `[N]` ints each.
 
     A slot index >= max_slots is skipped (padding). max_new `[N]`: answer budgets (capped by
     the cache). A prompt inserted into G slots is prefilled once (groups share a prefix).
+    keys: `[N]` PRNG keys of the answers (`rollout` gives each answer its own); None: the
+    state's key folded with the decode step and the slot.
     """
     as_i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
-    return self._insert(prefix, decode_state, as_i32(slots), as_i32(rows), as_i32(max_new))
+    return self._insert(prefix, decode_state, as_i32(slots), as_i32(rows), as_i32(max_new), keys)
 
   def generate_steps(self, params, decode_state: dict, stop_after_finished: int):
     """Up to `steps_per_call` decode steps in one call; returns (new state, `Steps`).
@@ -344,7 +349,7 @@ class Engine:
   def narrow(self, decode_state: dict, keep) -> dict:
     """The state with only slots `keep` (`[W]` ints, row `i` of the result = slot `keep[i]`),
     W < the current width. Each kept slot carries on exactly as it would have (its random
-    numbers follow its original slot index). One compile per
+    numbers follow its answer's key). One compile per
     (old width, new width, capacity)."""
     return self._narrow(decode_state, np.asarray(keep, np.int32))
 
@@ -371,7 +376,7 @@ class Engine:
 
   def _narrow_impl(self, state, keep):
     per_slot = ("next_logits", "positions", "lengths", "limits", "live", "finish", "versions",
-                "recent", "slot_ids")
+                "recent", "answer_keys")
     cache = {name: [x[keep] for x in layers] for name, layers in state["cache"].items()}
     return {**state, "cache": cache, **{name: state[name][keep] for name in per_slot}}
 
@@ -396,10 +401,12 @@ class Engine:
     logits, kvs = nnx.merge(self._graphdef, plain).prefill(tokens, lengths)  # [B, V], L x [B, T, K, D]
     return {"kvs": kvs, "logits": logits, "lengths": lengths, "version": weights.version}
 
-  def _insert_impl(self, prefix, state, slots, rows, max_new):
+  def _insert_impl(self, prefix, state, slots, rows, max_new, keys):
     kvs = [(k[rows], v[rows]) for k, v in prefix["kvs"]]  # [N, T, K, D]
     length = prefix["lengths"][rows]  # [N]
     put = lambda a, value: a.at[slots].set(value, mode="drop")  # slots >= S: dropped  # noqa: E731
+    if keys is None:  # JetStream's `insert`: a key of this decode step and slot
+      keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(state["key"], state["step"]), slots)
     return {
         **state,
         "cache": write_prefix(state["cache"], kvs, slots),
@@ -411,6 +418,7 @@ class Engine:
         "finish": put(state["finish"], -1),
         "versions": put(state["versions"], prefix["version"]),
         "recent": put(state["recent"], _NO_TOKEN),
+        "answer_keys": put(state["answer_keys"], keys),
     }
 
   def _loop_constants(self, weights, state) -> dict:
@@ -424,8 +432,9 @@ class Engine:
     consts: `_loop_constants(weights, state)`.
     """
     live = state["live"]  # [S]
-    key = jax.random.fold_in(state["key"], state["step"])
-    u = jax.random.uniform(key, (self._max_slots,))[state["slot_ids"]]  # [S]: by slot, any width
+    # token t of an answer: uniform(fold_in(answer key, t)) (any slot, width or decode step)
+    u = jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t)))(
+        state["answer_keys"], state["lengths"])  # [S]
     tokens, logp = sample(process_logits(state["next_logits"], self.sampling), u)  # [S], [S]
     capacity = self.capacity(state)
     positions = jnp.minimum(state["positions"], capacity - 1)  # retired slots: harmless

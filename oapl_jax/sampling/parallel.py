@@ -19,15 +19,16 @@ run before JAX starts its backends (`oapl_jax.train.run` calls it before anythin
 JAX).
 On TPU / GPU the replicas sit on the local accelerator devices they are given.
 
-Replica i samples with `fold_in(key, i)` (one replica: `key` itself, so a one-replica run is
-exactly a plain `rollout`): answers are deterministic given the key and the number of
-replicas, and differ between replica counts.
+Prompt p of the list has the key `fold_in(key, p)` (`rollout.answer_keys`), whichever replica
+samples it: answers are deterministic given the key, and the same for any number of replicas
+(one replica: exactly a plain `rollout`).
 
 Multi-host (oapl_jax/distributed.py): the replicas of all processes are one data axis
 (`sampling.engines` counts them all; each process runs `placement.local_engines` of them). Every
 process is handed the same global prompt list; global replica r = process_index x local
-replicas + i takes `prompts[r::R]` (R replicas in all) with `fold_in(key, r)`, and `rollout`
-returns this process's rows only (`local_prompts`: which prompts, in order). So N processes
+replicas + i takes `prompts[r::R]` (R replicas in all), and `rollout`
+returns this process's rows only (`local_prompts`: which prompts, in order), each prompt with its
+global key. So N processes
 x k replicas sample exactly what one process with N x k replicas samples: the same code path,
 `first` = 0 and `total` = the local count on one process.
 """
@@ -117,7 +118,8 @@ class Replicas:
     n, total = len(self.engines), self.total
     limits = kwargs.pop("answer_limits", None)
     ids = self.replica_ids()
-    keys = [key] if total == 1 else [jax.random.fold_in(key, r) for r in ids]
+    if key.shape == ():  # one key per prompt of the whole list (global: alike on every process)
+      key = jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(len(prompts), dtype=np.uint32))
     results: list[Rollout | None] = [None] * n
     errors: list[BaseException] = []
 
@@ -126,7 +128,7 @@ class Replicas:
         with jax.default_device(self.meshes[i].devices.flat[0]):
           r = ids[i]
           results[i] = rollout(self.engines[i], weights[i], prompts[r::total], group_size=group_size,
-                               key=keys[i],
+                               key=key[r::total],
                                answer_limits=None if limits is None else list(limits)[r::total],
                                **kwargs)
       except BaseException as e:  # re-raised in the caller's thread

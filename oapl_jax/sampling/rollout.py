@@ -12,7 +12,12 @@ Before each call the cache is resized to the smallest capacity bucket that the l
 The final drain (no prompt waits, the last long answers run on) narrows the decode state: as
 soon as at most half of its slots are live, the live ones move into a state of half the width
 (`Engine.narrow`, down to `engine.min_decode_width`), so that a step computes fewer rows.
-Answers do not change (a slot's random numbers follow its original index).
+
+Sampling keys: prompt p has a key (`key` folded with p, or the caller's own per-prompt keys),
+and its g-th answer `fold_in(prompt key, g)`, from which the engine draws token t with
+`fold_in(answer key, t)`. So an answer depends on its prompt's key, g and the weights only: not
+on which slot or decode step it lands in, how wide the state is, or which other prompts are
+sampled beside it (a window of several steps' prompts in one call gives each step's answers).
 
 Slot utilisation (`Rollout.slot_utilisation`) = live slot-steps / computed slot-steps, where a
 decode call of n steps at width W computes n * W slot-steps (W = max_slots, or less once
@@ -140,8 +145,19 @@ def _padded(prompts, chunk, pad_id: int, max_len: int):
   return tokens, lengths
 
 
+def answer_keys(key: jax.Array, num_prompts: int, group_size: int) -> jax.Array:
+  """`[P * G]` keys of the answers, row p * G + g: `fold_in(prompt key p, g)`. key: one key
+  (prompt p's key: `fold_in(key, p)`) or `[P]` keys, one per prompt."""
+  if key.shape == ():
+    key = jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(num_prompts, dtype=np.uint32))
+  if key.shape != (num_prompts,):
+    raise ValueError(f"key: one key or one per prompt ({num_prompts}), got shape {key.shape}")
+  per_group = jax.vmap(jax.random.fold_in, (None, 0))
+  return jax.vmap(per_group, (0, None))(key, np.arange(group_size, dtype=np.uint32)).reshape(-1)
+
+
 def _start_groups(engine, params, state, prompts, batch, slots: _Slots, *, group_size, limits,
-                  pad_id, stats):
+                  pad_id, stats, keys):
   """Prefills prompts `batch`, up to `max_prefill_batch` per call (sorted by length, so
   little padding), and inserts each prompt's prefix into G free slots."""
   batch = sorted(batch, key=lambda p: len(prompts[p]))
@@ -152,13 +168,15 @@ def _start_groups(engine, params, state, prompts, batch, slots: _Slots, *, group
     n = tokens.shape[0] * group_size
     dst = np.full((n,), engine.max_concurrent_decodes, np.int32)  # padding rows: dropped
     budget = np.ones((n,), np.int32)
+    answer = np.zeros((n,), np.int32)  # each inserted answer's row (its key)
     for j, p in enumerate(chunk):
       for g in range(group_size):
         slot = slots.take()
         slots.row[slot], slots.position[slot] = p * group_size + g, len(prompts[p])
         dst[j * group_size + g], budget[j * group_size + g] = slot, limits[p]
+        answer[j * group_size + g] = p * group_size + g
     rows = np.repeat(np.arange(tokens.shape[0]), group_size)
-    state = engine.insert_many(prefix, state, dst, rows, budget)
+    state = engine.insert_many(prefix, state, dst, rows, budget, keys=keys[answer])
     stats["prefill_calls"] += 1
   return state
 
@@ -212,7 +230,9 @@ def _capacity(engine: Engine, prompts, batch, slots: _Slots) -> int:
 def rollout(engine: Engine, params, prompts: list[list[int]], *, group_size: int,
             max_new_tokens: int, eos_id: int, pad_id: int, key: jax.Array,
             stop_sequences=(), answer_limits=None) -> Rollout:
-  """Samples `group_size` answers for each prompt (token lists). Deterministic given `key`.
+  """Samples `group_size` answers for each prompt (token lists). Deterministic given `key`:
+  one key, or `[P]` keys, one per prompt (the module docstring: an answer follows its prompt's
+  key, whatever else is sampled beside it).
 
   params: an `nnx.State` or `engine.load_params(state, version=v)` (answers are stamped v).
   stop_sequences: token-id sequences that end an answer (kept in it, finish FINISH_STOP).
@@ -227,7 +247,8 @@ def rollout(engine: Engine, params, prompts: list[list[int]], *, group_size: int
                          "queued_live_slot_steps", "decode_calls", "prefill_calls"), 0)
   # Refill once `quantum` slots are free: fewer, larger prefills for a few idle slot-steps.
   quantum = g * -(-max(g, num_slots // 8) // g)
-  state = engine.init_decode_state(key, eos_id=eos_id, stop_sequences=stop_sequences,
+  keys = answer_keys(key, len(prompts), g)
+  state = engine.init_decode_state(jax.random.key(0), eos_id=eos_id, stop_sequences=stop_sequences,
                                    capacity=engine.capacity_for(1))
   slots = _Slots(num_slots)
   pending = collections.deque(range(len(prompts)))
@@ -241,7 +262,7 @@ def rollout(engine: Engine, params, prompts: list[list[int]], *, group_size: int
     state = engine.resize(state, _capacity(engine, prompts, batch, slots))
     if batch:
       state = _start_groups(engine, params, state, prompts, batch, slots, group_size=g,
-                            limits=limits, pad_id=pad_id, stats=stats)
+                            limits=limits, pad_id=pad_id, stats=stats, keys=keys)
     if pending:
       wanted = min(quantum, len(pending) * g) - len(slots.free)
     else:  # the drain: return once the state can be narrowed (or everything has ended)
