@@ -648,10 +648,10 @@ def _validate_task(c) -> None:
   if "min_digits" in task:  # addition (oapl_jax/tasks/arithmetic.py: at most 9 digits)
     _int(c, "task.min_digits", 1, 9)
     _int(c, "task.max_digits", "task.min_digits", 9)
-  if "operations" in task:  # chain_mix: a non-empty set of "+", "-", "*"
+  if "operations" in task:  # chain_mix: a non-empty set of "+", "-", "*", "x"
     ops = task.operations
-    _check(isinstance(ops, str) and ops and set(ops) <= set("+-*") and len(set(ops)) == len(ops),
-           "task.operations", ops, "distinct characters of '+-*', at least one")
+    _check(isinstance(ops, str) and ops and set(ops) <= set("+-*x") and len(set(ops)) == len(ops),
+           "task.operations", ops, "distinct characters of '+-*x', at least one")
   if "num_eval" in task:  # None (math, code: all eval problems) where the config allows it
     _int(c, "task.num_eval", 1, optional=task.name in FILE_TASKS)
   if "reward_workers" in task:

@@ -13,6 +13,19 @@ def test_docstring_chains():
   assert chain_mix.chain(47381, "+", 29465) == "1+5+0=06 8+6+0=14 3+4+1=08 7+9+0=16 4+2+1=07 >76846"
   assert chain_mix.chain(47381, "-", 29465) == "1-5-0=16 8-6-1=01 3-4-0=19 7-9-1=17 4-2-1=01 >17916"
   assert chain_mix.chain(47381, "*", 7) == "1*7+0=07 8*7+0=56 3*7+5=26 7*7+2=51 4*7+5=33 >331667"
+  assert chain_mix.chain(47381, "x", 29) == ("1x29+00=029 8x29+02=234 3x29+23=110 7x29+11=214 "
+                                             "4x29+21=137 >1374049")
+
+
+def test_a_two_digit_multiplier_needs_its_own_tokens_and_steps():
+  task = chain_mix.ChainMixTask(5, 5, 8, seed=0, operations="x")
+  p = task.eval_problems()[0]
+  a, op, b = chain_mix.parse(p)
+  assert op == "x" and 10 <= b <= 99
+  clean = chain_mix.chain(a, op, b)
+  assert len(clean) + 1 <= task.longest_answer_tokens() == 12 * 5 + 1 + 7 + 1
+  assert task.score(clean, p) == 1.0
+  assert task.score(clean.replace("x", "*"), p) == 0.0  # a one-digit step shape is malformed here
 
 
 @pytest.mark.parametrize("op", list(chain_mix.OPERATIONS))

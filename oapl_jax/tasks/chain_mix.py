@@ -11,11 +11,15 @@ own carry rule::
     47381+29465=  ->  1+5+0=06 8+6+0=14 3+4+1=08 7+9+0=16 4+2+1=07 >76846
     47381-29465=  ->  1-5-0=16 8-6-1=01 3-4-0=19 7-9-1=17 4-2-1=01 >17916
     47381*7=      ->  1*7+0=07 8*7+0=56 3*7+5=26 7*7+2=51 4*7+5=33 >331667
+    47381x29=     ->  1x29+00=029 8x29+02=234 3x29+23=110 7x29+11=214 4x29+21=137 >1374049
 
 A step is ``x?y?c=kd``: the column's digits, the carry (or borrow) in, then the carry out k and
 the column's digit d (subtraction: k = 1 when the column borrowed; multiplication: k is the tens
-digit of x*y + c, 0 to 8). Every step is 9 tokens with its space. The final answer follows
-``>`` (no leading zeros; a product's last carry leads it). The reward reads the final answer
+digit of x*y + c, 0 to 8). Every step is 9 tokens with its space. Operation ``x`` (a two-digit
+multiplier yz, 10-99; only when `operations` holds it) writes ``x x yz + cc = kkd``: the carry in
+cc and out kk two digits each (0-98), 12 tokens with the space; its column products are a table
+of 900 facts the base must compute, not one carry rule. The final answer follows ``>`` (no
+leading zeros; a product's last carry leads it). The reward reads the final answer
 only (1 if the chain is well formed and its answer is right), as chain.py's does.
 
 Skills: the three carry rules (a 0/1 carry added, a 0/1 borrow subtracted, a 0-8 carry added
@@ -40,10 +44,12 @@ from oapl_jax.tasks.arithmetic import CharTokenizer, _sample_number, check_addit
 from oapl_jax.tasks.base import Problem
 
 ANSWER_MARK = chain_lib.ANSWER_MARK
-OPERATIONS = "+-*"  # what task.operations may hold
+OPERATIONS = "+-*x"  # what task.operations may hold ("x": times a two-digit number)
+DEFAULT_OPERATIONS = "+-*"  # configs/mix.py's
 _STEP = r"\d[-+*]\d[-+]\d=\d\d"
-_CHAIN = re.compile(rf"^(?:{_STEP} )+{ANSWER_MARK}(\d+)$")
-_PROMPT = re.compile(r"^(\d+)([-+*])(\d+)=$")
+_WIDE_STEP = r"\dx\d\d\+\d\d=\d\d\d"  # operation "x"
+_CHAIN = re.compile(rf"^(?:(?:{_STEP} )+|(?:{_WIDE_STEP} )+){ANSWER_MARK}(\d+)$")
+_PROMPT = re.compile(r"^(\d+)([-+*x])(\d+)=$")
 
 
 def parse(problem: Problem) -> tuple[int, str, int]:
@@ -53,19 +59,20 @@ def parse(problem: Problem) -> tuple[int, str, int]:
 
 
 def result(a: int, op: str, b: int) -> int:
-  return a + b if op == "+" else a - b if op == "-" else a * b
+  return a + b if op == "+" else a - b if op == "-" else a * b  # "*" and "x" multiply
 
 
 def chain(a: int, op: str, b: int, dropped: frozenset[int] = frozenset()) -> str:
-  """The chain of steps of ``a op b`` (``op`` in "+-*"; for "-", a >= b; for "*", b one
-  digit). A carry or borrow out of column ``i`` (0 = units) in `dropped` is written as 0 in the
+  """The chain of steps of ``a op b`` (``op`` in "+-*x"; for "-", a >= b; for "*", b one
+  digit; for "x", two). A carry or borrow out of column ``i`` (0 = units) in `dropped` is written as 0 in the
   next step, and the chain goes on consistently (a wrong final answer)."""
   xs = str(a)[::-1]
-  ys = str(b)[::-1] if op != "*" else ""
+  times = op in "*x"
+  ys = "" if times else str(b)[::-1]
   steps, digits, carry = [], [], 0
-  for i in range(max(len(xs), len(ys)) if op != "*" else len(xs)):
+  for i in range(len(xs) if times else max(len(xs), len(ys))):
     x = int(xs[i]) if i < len(xs) else 0
-    y = b if op == "*" else (int(ys[i]) if i < len(ys) else 0)
+    y = b if times else (int(ys[i]) if i < len(ys) else 0)
     if op == "+":
       v = x + y + carry
       out, digit = v // 10, v % 10
@@ -74,10 +81,14 @@ def chain(a: int, op: str, b: int, dropped: frozenset[int] = frozenset()) -> str
       v = x - y - carry
       out, digit = (1, v + 10) if v < 0 else (0, v)
       steps.append(f"{x}-{y}-{carry}={out}{digit}")
-    else:
+    elif op == "*":
       v = x * y + carry
       out, digit = v // 10, v % 10
       steps.append(f"{x}*{y}+{carry}={out}{digit}")
+    else:
+      v = x * y + carry
+      out, digit = v // 10, v % 10
+      steps.append(f"{x}x{y}+{carry:02d}={out:02d}{digit}")
     digits.append(str(digit))
     carry = 0 if i in dropped else out
   lead = str(carry) if carry and op != "-" else ""  # a >= b: no borrow out of the top column
@@ -91,12 +102,13 @@ def final_answer(response: str) -> str | None:
 
 
 class ChainMixTask:
-  """Problems ``"a+b="``, ``"a-b="`` (a >= b) and ``"a*d="`` (d a digit 2-9), the operation
+  """Problems ``"a+b="``, ``"a-b="`` (a >= b), ``"a*d="`` (d a digit 2-9) and ``"axn="`` (n
+  10-99), the operation
   drawn uniformly from `operations`, operands of `min_digits`..`max_digits` digits; a fixed
   held-out set of `num_eval` problems (by `seed`) that training never draws."""
 
   def __init__(self, min_digits: int, max_digits: int, num_eval: int, seed: int,
-               operations: str = OPERATIONS) -> None:
+               operations: str = DEFAULT_OPERATIONS) -> None:
     if not 1 <= min_digits <= max_digits <= 9:
       raise ValueError(f"need 1 <= min_digits <= max_digits <= 9, got {min_digits}, {max_digits}")
     if not operations or any(op not in OPERATIONS for op in operations) or len(set(operations)) != len(operations):
@@ -119,6 +131,8 @@ class ChainMixTask:
     a = _sample_number(rng, self.min_digits, self.max_digits)
     if op == "*":
       return a, op, int(rng.integers(2, 10))
+    if op == "x":
+      return a, op, int(rng.integers(10, 100))
     b = _sample_number(rng, self.min_digits, self.max_digits)
     return (max(a, b), op, min(a, b)) if op == "-" else (a, op, b)
 
@@ -144,8 +158,10 @@ class ChainMixTask:
     return f"{top}+{top}="
 
   def longest_answer_tokens(self) -> int:
-    """Tokens of the longest chain (EOS included): a sum of two max_digits operands."""
-    return 9 * self.max_digits + 1 + self.max_digits + 1 + 1
+    """Tokens of the longest chain (EOS included): a sum of two max_digits operands, or with
+    "x" a product by two digits (12-token steps, up to max_digits + 2 answer digits)."""
+    n = self.max_digits
+    return max(9 * n + 1 + n + 1 + 1, 12 * n + 1 + n + 2 + 1 if "x" in self.operations else 0)
 
   @staticmethod
   def score(response: str, problem: Problem) -> float:
@@ -159,7 +175,7 @@ class ChainMixTask:
   def demonstration(problem: Problem, rng: np.random.Generator, *, digit_noise: float) -> str:
     """The chain of `problem`, each carry or borrow dropped independently w.p. `digit_noise`."""
     a, op, b = parse(problem)
-    columns = len(str(a)) if op == "*" else max(len(str(a)), len(str(b)))
+    columns = len(str(a)) if op in "*x" else max(len(str(a)), len(str(b)))
     return chain(a, op, b, chain_lib.dropped_columns(columns, rng, digit_noise))
 
 
@@ -172,7 +188,7 @@ def make_chain_mix_task(config) -> tuple[ChainMixTask, CharTokenizer]:
     task = ChainMixTask(t.min_digits, t.max_digits, t.num_eval, config.seed, t.operations)
   except ValueError as e:
     raise ConfigError(f"config.task: {e}") from e
-  tokenizer = CharTokenizer(extra=ANSWER_MARK)
+  tokenizer = CharTokenizer(extra=ANSWER_MARK + ("x" if "x" in task.operations else ""))
   check_addition_prompts(task, tokenizer, config.sampling.max_prompt_len)
   need = task.longest_answer_tokens()
   if config.sampling.max_new_tokens < need:
