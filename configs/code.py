@@ -57,6 +57,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.lag = 400
   c.rl.groups_per_step = 256
   c.rl.groups_per_rollout = 256
+  # 10 steps' answers in one continuous batch (divides the lag): a step's 8 waves per engine no
+  # longer end in a drain each; 0.8 GiB of host memory per v5p-128 host (the plan's "host").
+  c.rl.window_rollouts = 10
   c.train.steps = 800
   c.train.grad_accum = 32  # 64-row micro-batches: one row per device of a v5p-128 (fsdp 64).
   c.eval.samples_per_problem = 16
@@ -66,4 +69,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task.train_path = os.path.join(DATA, "code_tiny_train.jsonl")
     c.task.eval_path = os.path.join(DATA, "code_tiny_eval.jsonl")
     c.sampling.max_prompt_len = 256
+    c.rl.window_rollouts = 1
   return c

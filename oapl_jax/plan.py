@@ -348,6 +348,8 @@ class Plan:
   device_bytes: int | None  # None: unknown (CPU): no check
   processes: int = 1  # hosts, one JAX process each
   engine_slots: int = 0  # answers one engine replica decodes at once
+  host_bytes: int = 0  # per process, host memory: the answers of a rollout window (`host_window_bytes`)
+  host_note: str = ""
 
   def _bytes(self, items) -> int:
     return sum(i.nbytes for i in items)
@@ -404,6 +406,8 @@ class Plan:
     else:
       how = "states + the larger step (sync: training and sampling take turns)"
     lines.append(f"{'total':<17} {self.total:>17,} {self.total / GiB:>8.2f}  {'':<13}  {how}")
+    lines.append(f"{'host (process)':<17} {self.host_bytes:>17,} {self.host_bytes / GiB:>8.2f}  "
+                 f"{'host':<13}  {self.host_note}")
     if self.device_bytes is None:
       lines.append("device memory: unknown (this backend reports no limit): not checked; "
                    "give config.mesh.topology to check against one")
@@ -453,6 +457,20 @@ def activation_settings(config, x: Dims) -> str:
   out += [f"mesh.tensor (now {config.mesh.tensor}: splits heads and MLP width)",
           f"sampling.max_new_tokens (rows of {seq_len(config)} tokens)"]
   return ", ".join(out[:-1]) + " or " + out[-1]
+
+
+def host_window_bytes(config, processes: int) -> tuple[int, str]:
+  """Host bytes per process of one sampling call's answers at its peak, and a note: a window of
+  `rl.window_rollouts` rollouts (this process's share) held twice, as the engines' answer
+  buffers (token and log-prob per answer position, `rollout._Answers`) and as the trainer's
+  rows (tokens, mask, log-probs per position, `buffer.Rows`), which then wait in the buffer."""
+  rl, s = config.rl, config.sampling
+  rows = _ceil(rl.window_rollouts * rl.groups_per_rollout, processes) * rl.group_size
+  per_row = 8 * s.max_new_tokens + 12 * seq_len(config) + 16
+  note = (f"rl.window_rollouts={rl.window_rollouts} x {rl.groups_per_rollout} groups x G="
+          f"{rl.group_size} / {processes} process(es) = {rows} answers, "
+          f"{per_row:,} B each (engine buffers + trainer rows)")
+  return rows * per_row, note
 
 
 def make_plan(config) -> Plan:
@@ -511,9 +529,10 @@ def make_plan(config) -> Plan:
       Item("engine prefill", _prefill_bytes(config, where), "engine", "step",
            f"{s.max_prefill_batch} prompts x {s.max_prompt_len} tokens, one layer at a time"),
   ]
+  host, host_note = host_window_bytes(config, where.processes)
   return Plan(where.name, where.devices, mesh, s.engines, s.tensor, shared,
               placement.overlaps_training(config), tuple(items), where.device_bytes,
-              where.processes, slots)
+              where.processes, slots, host, host_note)
 
 
 def loop_copies_cache(config, where: Devices, capacity: int | None = None) -> bool:
