@@ -1,9 +1,11 @@
 """Sample G answers per prompt through the `Engine` with continuous batching.
 
 Pending prompts wait in a queue. Whenever at least G slots are free, the next prompts are
-prefilled in batches (padded to a few length and batch-size buckets, so nothing recompiles
-per prompt length) and each prompt's prefix is inserted into G free slots (a group shares its
-prefill). Then `Engine.generate_steps` decodes all live slots on device, many steps per call,
+prefilled and each prompt's prefix is inserted into G free slots (a group shares its prefill).
+Every prefill call has `engine.max_prefill_batch` rows (padded) and prompts of one length
+bucket, padded to it: a prompt is always prefilled in the same program at the same length, so
+its KV cache does not depend on which prompts share the call (matmul rounding does depend on
+the shapes), and nothing recompiles per prompt length. Then `Engine.generate_steps` decodes all live slots on device, many steps per call,
 and returns as soon as enough answers have ended (EOS, stop sequence, length budget) for the
 next refill. Host work per call: one transfer of the call's tokens and a loop over slots.
 Before each call the cache is resized to the smallest capacity bucket that the live answers
@@ -82,10 +84,6 @@ def _bucket(length: int, max_len: int) -> int:
   return min(max(8, 1 << (length - 1).bit_length()), max_len)
 
 
-def _pow2_at_least(n: int) -> int:
-  return 1 << (n - 1).bit_length()
-
-
 def _check(engine: Engine, prompts, group_size: int, max_new_tokens: int, limits) -> None:
   if group_size > engine.max_concurrent_decodes:
     raise ValueError(f"group_size={group_size} > engine slots={engine.max_concurrent_decodes}")
@@ -132,13 +130,12 @@ def _narrow_width(engine: Engine, width: int, live: int) -> int:
   return width
 
 
-def _padded(prompts, chunk, pad_id: int, max_len: int):
-  """tokens `[b, T]` and lengths `[b]` of prompts `chunk`: b = next power of 2, T = the length
-  bucket of the longest (padding rows: one pad token)."""
-  b = _pow2_at_least(len(chunk))
+def _padded(prompts, chunk, pad_id: int, max_len: int, rows: int):
+  """tokens `[rows, T]` and lengths `[rows]` of prompts `chunk` (at most `rows`, one length
+  bucket T; padding rows: one pad token)."""
   t = _bucket(max(len(prompts[p]) for p in chunk), max_len)
-  tokens = np.full((b, t), pad_id, np.int32)
-  lengths = np.ones((b,), np.int32)
+  tokens = np.full((rows, t), pad_id, np.int32)
+  lengths = np.ones((rows,), np.int32)
   for j, p in enumerate(chunk):
     tokens[j, :len(prompts[p])] = prompts[p]
     lengths[j] = len(prompts[p])
@@ -156,14 +153,26 @@ def answer_keys(key: jax.Array, num_prompts: int, group_size: int) -> jax.Array:
   return jax.vmap(per_group, (0, None))(key, np.arange(group_size, dtype=np.uint32)).reshape(-1)
 
 
+def _prefill_chunks(prompts, batch, per_call: int, max_len: int) -> list[list[int]]:
+  """Prompts `batch` in prefill calls: by length (little padding), at most `per_call` per call,
+  and one length bucket per call."""
+  chunks: list[list[int]] = []
+  for p in sorted(batch, key=lambda p: len(prompts[p])):
+    last = chunks[-1] if chunks else None
+    if (last is None or len(last) == per_call
+        or _bucket(len(prompts[last[0]]), max_len) != _bucket(len(prompts[p]), max_len)):
+      chunks.append([])
+    chunks[-1].append(p)
+  return chunks
+
+
 def _start_groups(engine, params, state, prompts, batch, slots: _Slots, *, group_size, limits,
                   pad_id, stats, keys):
-  """Prefills prompts `batch`, up to `max_prefill_batch` per call (sorted by length, so
-  little padding), and inserts each prompt's prefix into G free slots."""
-  batch = sorted(batch, key=lambda p: len(prompts[p]))
-  for i in range(0, len(batch), engine.max_prefill_batch):
-    chunk = batch[i:i + engine.max_prefill_batch]
-    tokens, lengths = _padded(prompts, chunk, pad_id, engine.max_prefill_length)
+  """Prefills prompts `batch` (`_prefill_chunks`) and inserts each prompt's prefix into G free
+  slots."""
+  for chunk in _prefill_chunks(prompts, batch, engine.max_prefill_batch, engine.max_prefill_length):
+    tokens, lengths = _padded(prompts, chunk, pad_id, engine.max_prefill_length,
+                              engine.max_prefill_batch)
     prefix = engine.prefill_batch(params, tokens, lengths)
     n = tokens.shape[0] * group_size
     dst = np.full((n,), engine.max_concurrent_decodes, np.int32)  # padding rows: dropped
