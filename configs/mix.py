@@ -15,6 +15,7 @@ Its base's calibration: docs/reasoning_task.md, "The mixed task".
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from oapl_jax import config as config_lib
 
@@ -26,7 +27,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   task.min_digits = c.task.min_digits  # Fewest digits per operand (the multiplier: one digit, 2-9).
   task.max_digits = c.task.max_digits  # Most digits per operand: chains of up to 53 tokens with EOS.
   task.num_eval = c.task.num_eval  # Held-out problems (never drawn for training).
-  task.operations = "+-*"  # Operations drawn uniformly per problem: "+", "-", "*" (by one digit).
+  task.operations = "+-*"  # Operations drawn uniformly per problem: "+", "-", "*" (by one digit), "x" (by two digits).
+  task.noisy_operations = placeholder(str)  # Operations whose noisy warm-up demonstrations drop carries; None = all.
   c.task = task
   c.warmup.digit_noise = 0.5  # Chance each carry or borrow of a noisy demonstration is dropped.
   return c

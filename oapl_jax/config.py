@@ -652,6 +652,9 @@ def _validate_task(c) -> None:
     ops = task.operations
     _check(isinstance(ops, str) and ops and set(ops) <= set("+-*x") and len(set(ops)) == len(ops),
            "task.operations", ops, "distinct characters of '+-*x', at least one")
+    noisy = task.get("noisy_operations")
+    _check(noisy is None or (isinstance(noisy, str) and set(noisy) <= set(ops)), "task.noisy_operations",
+           noisy, f"None (all) or operations among task.operations={ops!r}")
   if "num_eval" in task:  # None (math, code: all eval problems) where the config allows it
     _int(c, "task.num_eval", 1, optional=task.name in FILE_TASKS)
   if "reward_workers" in task:

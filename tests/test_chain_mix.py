@@ -67,6 +67,17 @@ def test_held_out_problems_are_never_drawn_for_training():
   assert ops == set("+-*")  # every operation is drawn
 
 
+def test_noisy_operations_leave_the_others_clean():
+  task = chain_mix.ChainMixTask(5, 5, 40, seed=0, operations="+x", noisy_operations="+")
+  rng = np.random.default_rng(0)
+  right = {"+": [], "x": []}
+  for p in task.eval_problems():
+    right[chain_mix.parse(p)[1]].append(task.score(task.demonstration(p, rng, digit_noise=0.9), p))
+  assert np.mean(right["x"]) == 1.0 and np.mean(right["+"]) < 0.5
+  with pytest.raises(ValueError, match="noisy_operations"):
+    chain_mix.ChainMixTask(5, 5, 4, seed=0, operations="+", noisy_operations="x")
+
+
 def test_config_builds_it_and_refuses_bad_operations():
   c = config_lib.repo_config("mix.py")
   config_lib.validate(c)
@@ -77,6 +88,9 @@ def test_config_builds_it_and_refuses_bad_operations():
     c.task.operations = bad
     with pytest.raises(config_lib.ConfigError, match="config.task.operations="):
       config_lib.validate(c)
+  c.task.operations, c.task.noisy_operations = "+-", "x"
+  with pytest.raises(config_lib.ConfigError, match="config.task.noisy_operations="):
+    config_lib.validate(c)
 
 
 def test_a_smoke_run_trains_and_evaluates_it(tmp_path):

@@ -108,7 +108,7 @@ class ChainMixTask:
   held-out set of `num_eval` problems (by `seed`) that training never draws."""
 
   def __init__(self, min_digits: int, max_digits: int, num_eval: int, seed: int,
-               operations: str = DEFAULT_OPERATIONS) -> None:
+               operations: str = DEFAULT_OPERATIONS, noisy_operations: str | None = None) -> None:
     if not 1 <= min_digits <= max_digits <= 9:
       raise ValueError(f"need 1 <= min_digits <= max_digits <= 9, got {min_digits}, {max_digits}")
     if not operations or any(op not in OPERATIONS for op in operations) or len(set(operations)) != len(operations):
@@ -117,6 +117,10 @@ class ChainMixTask:
       raise ValueError(f"num_eval must be >= 1, got {num_eval}")
     self.min_digits, self.max_digits, self.num_eval, self.seed = min_digits, max_digits, num_eval, seed
     self.operations = operations
+    # the operations whose noisy demonstrations drop carries (the others' stay clean)
+    self.noisy_operations = operations if noisy_operations is None else noisy_operations
+    if any(op not in operations for op in self.noisy_operations):
+      raise ValueError(f"noisy_operations must be among operations={operations!r}, got {noisy_operations!r}")
     rng = np.random.default_rng(seed)
     held: list[tuple[int, str, int]] = []
     while len(held) < num_eval:
@@ -171,10 +175,12 @@ class ChainMixTask:
   def final_answer(response: str) -> str | None:
     return final_answer(response)
 
-  @staticmethod
-  def demonstration(problem: Problem, rng: np.random.Generator, *, digit_noise: float) -> str:
-    """The chain of `problem`, each carry or borrow dropped independently w.p. `digit_noise`."""
+  def demonstration(self, problem: Problem, rng: np.random.Generator, *, digit_noise: float) -> str:
+    """The chain of `problem`, each carry or borrow dropped independently w.p. `digit_noise`
+    (none for an operation outside `noisy_operations`)."""
     a, op, b = parse(problem)
+    if op not in self.noisy_operations:
+      digit_noise = 0.0
     columns = len(str(a)) if op in "*x" else max(len(str(a)), len(str(b)))
     return chain(a, op, b, chain_lib.dropped_columns(columns, rng, digit_noise))
 
@@ -185,7 +191,8 @@ def make_chain_mix_task(config) -> tuple[ChainMixTask, CharTokenizer]:
   `sampling.max_new_tokens` the longest chain does not fit in."""
   t = config.task
   try:
-    task = ChainMixTask(t.min_digits, t.max_digits, t.num_eval, config.seed, t.operations)
+    task = ChainMixTask(t.min_digits, t.max_digits, t.num_eval, config.seed, t.operations,
+                        t.get("noisy_operations"))
   except ValueError as e:
     raise ConfigError(f"config.task: {e}") from e
   tokenizer = CharTokenizer(extra=ANSWER_MARK + ("x" if "x" in task.operations else ""))
