@@ -19,9 +19,11 @@ the middle of the 73-82% the compiled programs' roofline gives configs/math.py o
 docs/performance.md); `--train-seconds` sets it.
 
     python benchmarks/window_rollouts.py [--k 16] [--reps 5] [--train-seconds T]
+    python benchmarks/window_rollouts.py --k 10 --prompts-per-step 32   # configs/code.py's shape
 
-Prints one JSON object. Window rollouts in the loop itself (sampling keys per answer, so the
-run's answers do not depend on the schedule) are not built yet: this measures the engine side.
+`--prompts-per-step 32` gives configs/code.py's shape (256 answers per step on 32 slots: 8 waves,
+refilled within the step, but each step ends in a drain). Prints one JSON object. This measures
+the engine side; the loop's `rl.window_rollouts` makes these same calls.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-PROMPTS_PER_STEP, GROUP, SLOTS, MAX_ANSWER, PROMPT_LEN = 4, 8, 32, 256, 32
+GROUP, SLOTS, MAX_ANSWER, PROMPT_LEN = 8, 32, 256, 32
+PROMPTS_PER_STEP = 4  # --prompts-per-step
 
 
 def budgets(k: int, seed: int):
-  """[k, 4 * 8] answer budgets: long-tailed, 1..256 tokens."""
+  """[k, prompts per step * 8] answer budgets: long-tailed, 1..256 tokens."""
   import numpy as np
   rng = np.random.default_rng(seed)
   return np.clip((rng.pareto(1.2, (k, PROMPTS_PER_STEP * GROUP)) + 1) * 12, 1, MAX_ANSWER).astype(int)
@@ -51,7 +54,10 @@ def main() -> None:
   p.add_argument("--k", type=int, default=16, help="steps per window")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--train-seconds", type=float, default=None)
+  p.add_argument("--prompts-per-step", type=int, default=4, help="x 8 answers per step")
   args = p.parse_args()
+  global PROMPTS_PER_STEP  # noqa: PLW0603 (budgets() and the report read it)
+  PROMPTS_PER_STEP = args.prompts_per_step
   import jax
   import numpy as np
   from flax import nnx
