@@ -248,7 +248,20 @@ def from_flag(holder) -> ml_collections.ConfigDict:
   spec = config_flags.get_config_filename(flags.FLAGS[holder.name])
   if not os.path.isfile(spec.partition(":")[0]):
     raise ConfigError(f"--{holder.name}={spec}: no such file")
-  return holder.value
+  config = holder.value
+  _nones(config)
+  return config
+
+
+def _nones(c: ml_collections.ConfigDict) -> None:
+  """`--config.x=None` reaches a string setting as the string 'None': no setting means that
+  string, so it becomes None (the setting's default-off value, or a clear refusal from
+  `validate` where None is not allowed)."""
+  for key, value in c.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      _nones(value)
+    elif isinstance(value, str) and value == "None":
+      c[key] = None
 
 
 def repo_config(name: str) -> ml_collections.ConfigDict:

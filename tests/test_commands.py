@@ -98,3 +98,15 @@ def test_a_config_file_or_override_that_cannot_load_is_one_line(config, override
   lines = [line for line in out.stderr.strip().splitlines() if line.startswith("error:")]
   assert len(lines) == 1 and lines[0].startswith(f"error: {why}"), out.stderr[-2000:]
   assert "Traceback" not in out.stderr
+
+
+def test_none_on_the_command_line_is_none():
+  """`--config.model.path=None` reaches the config as None (a random model), not the string
+  'None' (a folder that does not exist); where None is not allowed it is refused in one line."""
+  ok = _cmd_line("oapl_jax.main", "--config=configs/tiny.py:smoke", "--config.model.path=None",
+                 "--dry_run")
+  assert ok.returncode == 0, ok.stderr[-2000:]
+  bad = _cmd_line("oapl_jax.main", "--config=configs/tiny.py:smoke", "--config.rl.mode=None",
+                  "--dry_run")
+  assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+      "error: config.rl.mode=None: must be one of")

@@ -185,6 +185,23 @@ def test_kl_penalty():
     grpo(logp, prox, sampler, mask, rewards, group_size=G, kl_coef=0.1)
 
 
+def test_the_kl_term_is_capped_where_the_policy_left_the_reference_far_behind():
+  """A token 100 nats less likely than under the reference: k3 is capped (finite loss, finite
+  gradient, no gradient past the cap); small log-ratios keep the exact k3."""
+  logp = jnp.array([[-100.0, -0.5]])
+  ref, valid = jnp.zeros((1, 2)), jnp.ones((1, 2), bool)
+  k3, grad = jax.value_and_grad(lambda lp: losses.kl_k3(lp, ref, valid).sum())(logp)
+  assert float(k3) == pytest.approx(losses.KL_K3_CAP + math.exp(0.5) - 0.5 - 1.0, rel=1e-6)
+  assert np.all(np.isfinite(np.asarray(grad))) and float(grad[0, 0]) == 0.0
+  assert float(grad[0, 1]) == pytest.approx(-math.exp(0.5) + 1.0, rel=1e-6)  # d k3 / d logp
+  rewards, mask = jnp.array([1.0, 0.0]), jnp.ones((2, 2))
+  lp = jnp.array([[-100.0, -0.5], [-0.5, -0.5]])
+  f = lambda x: grpo(x, lp, lp, mask, rewards, group_size=2, ref_logprobs=jnp.zeros((2, 2)),  # noqa: E731
+                     kl_coef=0.1)[0]
+  loss, g = jax.value_and_grad(f)(lp)
+  assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(g)))
+
+
 def test_advantages_and_weights():
   r = jnp.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
   adv = np.asarray(group_advantages(r, group_size=4))

@@ -376,11 +376,19 @@ def clipped_surrogate(logp, prox, adv, w, *, eps_low: float, eps_high: float):
   return w * jnp.minimum(unclipped, clipped), ratio, unclipped, clipped
 
 
+KL_K3_CAP = 10.0  # per token: k3 above it is cut (no gradient there), as verl's low_var_kl
+
+
 def kl_k3(logp, ref_logprobs, valid):
   """``k3 = exp(ref - logp) - (ref - logp) - 1`` per token ``[B, T]``: the non-negative
-  estimator of KL(pi_theta || pi_ref); ``ref`` is stop-gradient and 0 outside ``valid``."""
+  estimator of KL(pi_theta || pi_ref); ``ref`` is stop-gradient and 0 outside ``valid``.
+
+  Capped at `KL_K3_CAP` per token: a token the policy has made far less likely than the
+  reference (ref - logp of tens of nats) would otherwise give an inf term and an inf or NaN
+  gradient. The log-ratio is clipped to +-20 before the exp so that neither side overflows."""
   ref = jax.lax.stop_gradient(jnp.where(valid, ref_logprobs, 0.0))  # [B, T]
-  return jnp.exp(ref - logp) - (ref - logp) - 1.0
+  d = jnp.clip(ref - logp, -20.0, 20.0)
+  return jnp.minimum(jnp.exp(d) - d - 1.0, KL_K3_CAP)
 
 
 def _grpo_metrics(m, valid, *, unclipped, clipped, raw_w, kept, ratio, adv) -> dict[str, jax.Array]:
