@@ -52,7 +52,7 @@ from oapl_jax.models.names import compiler_options
 from oapl_jax.rl.buffer import Rows
 from oapl_jax.rl.logprobs import make_batch, token_logprobs
 from oapl_jax.sampling.processing import SamplingParams
-from oapl_jax.sampling.rollout import Rollout
+from oapl_jax.sampling.rollout import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout
 from oapl_jax.tasks.base import Problem
 
 FORMAT = "oapl_jax.offline/1"
@@ -210,11 +210,17 @@ def read(path: str) -> OfflineData:
   return data
 
 
+INTEGER_ARRAYS = ("prompt_tokens", "prompt_offsets", "answer_tokens", "answer_offsets", "finish", "version")
+
+
 def _check_shapes(data: OfflineData) -> None:
   a, path, h = data.arrays, data.path, data.header
   flat = [k for k in ARRAYS if a[k].ndim != 1 or a[k].dtype.kind not in "iuf"]
   if flat:
     _fail(path, f"{', '.join(flat)}: not a 1-D array of numbers")
+  floats = [k for k in INTEGER_ARRAYS if a[k].dtype.kind not in "iu"]
+  if floats:  # token ids 3.7, offsets 2.5: no sampler writes them
+    _fail(path, f"{', '.join(floats)}: not an array of integers ({', '.join(str(a[k].dtype) for k in floats)})")
   if not (isinstance(h.get("problems"), list) and isinstance(h.get("group_size"), int)
           and not isinstance(h.get("group_size"), bool) and h["group_size"] >= 1):
     _fail(path, "its header has no list of problems or no group_size >= 1")
@@ -222,6 +228,7 @@ def _check_shapes(data: OfflineData) -> None:
   ok = (len(data.header["problems"]) == data.groups and data.groups > 0
         and all(len(a[k]) == n for k in ("finish", "rewards", "version"))
         and len(a["answer_offsets"]) == n + 1
+        and a["answer_offsets"][0] == 0 and a["prompt_offsets"][0] == 0
         and a["answer_offsets"][-1] == len(a["answer_tokens"]) == len(a["answer_logprobs"])
         and a["prompt_offsets"][-1] == len(a["prompt_tokens"])
         and (np.diff(a["answer_offsets"]) >= 1).all() and (np.diff(a["prompt_offsets"]) >= 1).all())
@@ -257,6 +264,11 @@ def check_matches(data: OfflineData, config, model_meta: dict) -> None:
 
 
 LOGPROB_SLACK = 1e-4  # a log-prob above 0 by more than this is not one (float rounding aside)
+# A sampled token has a positive probability under a float softmax: at least float64's smallest
+# positive number, e^-744.4 (float32's: e^-103.3). A finite log-prob below this (e.g. -1e9, a
+# masking constant) was not the sampler's log-prob of a token it sampled.
+LOGPROB_FLOOR = -745.0
+FINISH_CODES = (FINISH_EOS, FINISH_LENGTH, FINISH_STOP)
 
 
 def _check_values(data: OfflineData, *, vocab_size: int, max_prompt_len: int, max_new_tokens: int) -> None:
@@ -281,6 +293,10 @@ def _check_values(data: OfflineData, *, vocab_size: int, max_prompt_len: int, ma
        f"longer than sampling.max_new_tokens={max_new_tokens}"),
       (first_bad(np.isfinite(a["answer_logprobs"]), a["answer_offsets"]), answer, "a log-prob that is not finite"),
       (first_bad(a["answer_logprobs"] <= LOGPROB_SLACK, a["answer_offsets"]), answer, "a log-prob above 0"),
+      (first_bad(a["answer_logprobs"] >= LOGPROB_FLOOR, a["answer_offsets"]), answer,
+       f"a log-prob below {LOGPROB_FLOOR:g} (no float softmax gives a sampled token less)"),
+      (first_bad(np.isin(a["finish"], FINISH_CODES)), answer,
+       f"a finish code outside {sorted(FINISH_CODES)} (EOS, length, stop sequence)"),
       (first_bad(np.isfinite(a["rewards"])), answer, "a reward that is not finite"),
       (first_bad((a["prompt_tokens"] >= 0) & (a["prompt_tokens"] < vocab_size), a["prompt_offsets"]),
        lambda p: f"group {p}'s prompt", f"a token id outside [0, {vocab_size}) (model.vocab_size)"),
