@@ -233,11 +233,12 @@ PLACEMENT = SETUP + textwrap.dedent("""
     assert gaps and max(gaps) < 1e-5, gaps
     on = lambda w: {d for x in jax.tree.leaves(w) for d in x.devices()}
     assert [on(w) for w in run.engine_weights()] == [set(devices[0:2]), set(devices[2:4])]
-    # The loop's own refresh makes no trip through the host: an explicit host-to-device copy
-    # (what routing a shard through numpy takes) is refused here; jax.transfer_guard("disallow")
+    # The loop's own refresh, both halves (pi_old <- pi_theta on the trainer's mesh, then the
+    # engines' copy), makes no trip through the host: an explicit host-to-device copy (what
+    # routing a shard through numpy takes) is refused here; jax.transfer_guard("disallow")
     # would not catch it, and device-to-host guards do nothing on CPU.
-    run.refresh_engine()
     with jax.transfer_guard_host_to_device("disallow_explicit"):
+      run.refresh_engine()
       fresh = run.engine_weights()
       jax.block_until_ready(fresh)
     assert [int(w.version) for w in fresh] == [2, 2] and [on(w) for w in fresh] == [set(devices[0:2]), set(devices[2:4])]
