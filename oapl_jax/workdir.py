@@ -4,6 +4,7 @@ on SIGTERM / SIGINT (`StopSignals`).
 `Layout(workdir)` names every file and folder a run writes there; no other module spells them:
 
     run.lock          the lock (below), while a run holds the workdir
+    run.lock.mutex    on a local disk: the file whose flock guards every change of run.lock
     checkpoints/      orbax step folders (`checkpoint.Checkpointer`), written by every process
     metrics.jsonl     one JSON line per logged step (`metrics.MetricsLog`), process 0
     events.out.*      TensorBoard scalars of the same steps (metrics.EventsFile, in the workdir itself)
@@ -22,6 +23,15 @@ holder. The lock is a lease: one not renewed for `lease_s` seconds is taken over
 with a warning line (a preempted TPU slice, re-created with new host names, resumes on its
 own). Sooner, on this host: a lock whose process is gone (kill -9), or that names this very
 process (a restarted container that got the same pid back).
+
+A run whose renewal finds the lock taken over (it was paused past its lease, and another run
+took the workdir) stops at once: one line naming the new holder on stderr and exit code
+`LEASE_LOST_EXIT`, from the renewing thread, so nothing more is written (a checkpoint being
+written is abandoned; the new holder's restore removes its tmp folder). On a local disk every
+change of the lock (claim, take-over of a stale one, renewal) is made under an exclusive
+`flock` of `run.lock.mutex`, so of two runs that find the same stale lock exactly one takes it,
+and a renewal never overwrites a lock another run has just taken. In a bucket these are not
+atomic yet (no conditional writes here: the read-back of `_claim` only).
 
 `StopSignals` turns SIGTERM (what a TPU VM or a scheduler sends before preemption) and SIGINT
 into a request the training loop reads between steps (`requested`), so the run finishes its
@@ -54,6 +64,7 @@ from oapl_jax import storage
 from oapl_jax.errors import UserError
 
 LOCK_NAME = "run.lock"
+LEASE_LOST_EXIT = 76  # the run lost its workdir lease to another run (75: a lost process)
 SETTLE_S = 2.0  # object storage: seconds between writing the lock and reading it back (WorkdirLock._claim)
 
 
@@ -141,6 +152,21 @@ class WorkdirLock:
     self._stop = threading.Event()
     self._renewer: threading.Thread | None = None
 
+  @contextlib.contextmanager
+  def _mutex(self):
+    """Local disk: an exclusive flock of `run.lock.mutex` for a read-decide-write of the lock
+    (released when the block ends, or when the process dies). In a bucket: nothing."""
+    if storage.is_remote(self.path):
+      yield
+      return
+    import fcntl  # noqa: PLC0415 (POSIX; local workdirs only)
+    fd = os.open(self.path + ".mutex", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX)
+      yield
+    finally:
+      os.close(fd)  # releases the flock
+
   def holder(self) -> dict | None:
     """The lock file's contents (pid, host, started, heartbeat, token), {} if unreadable, None
     if there is none."""
@@ -169,22 +195,23 @@ class WorkdirLock:
     self._me = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started": datetime.datetime.now().isoformat(timespec="seconds"),
                 "heartbeat": time.time(), "token": uuid.uuid4().hex}
-    for _ in range(2):  # a second try after removing a stale lock
-      if not self._claim():
-        holder = self.holder()
-        if holder is None:
-          continue  # released between our two calls
-        why = self._stale(holder)
-        if why is None:
-          raise WorkdirBusy(self._busy_message(holder)) from None
-        logging.warning("workdir lock %s of process %s on %s: %s; taking it over", self.path,
-                        holder.get("pid"), holder.get("host"), why)
-        storage.remove(self.path)
-        continue
-      self.held = True
-      _HELD_HERE.add(self.path)
-      self._start_renewing()
-      return
+    with self._mutex():  # one starter at a time decides and claims (local disk)
+      for _ in range(2):  # a second try after removing a stale lock
+        if not self._claim():
+          holder = self.holder()
+          if holder is None:
+            continue  # released between our two calls
+          why = self._stale(holder)
+          if why is None:
+            raise WorkdirBusy(self._busy_message(holder)) from None
+          logging.warning("workdir lock %s of process %s on %s: %s; taking it over", self.path,
+                          holder.get("pid"), holder.get("host"), why)
+          storage.remove(self.path)
+          continue
+        self.held = True
+        _HELD_HERE.add(self.path)
+        self._start_renewing()
+        return
     raise WorkdirBusy(f"could not take the workdir lock {self.path}: another run is starting there")
 
   def _claim(self) -> bool:
@@ -237,15 +264,29 @@ class WorkdirLock:
 
   def _renew(self) -> None:
     """Rewrites the heartbeat every lease_s / 10 seconds while the lock is ours (written aside,
-    then renamed: a reader never sees half a file)."""
+    then renamed: a reader never sees half a file); if it is not ours any more, `_lost`."""
     while not self._stop.wait(max(self.lease_s / 10, 0.05)):
-      holder = self.holder() or {}
-      if holder.get("token") != self._me["token"]:
-        logging.error("workdir lock %s was taken over by process %s on %s", self.path,
-                      holder.get("pid"), holder.get("host"))
-        return
-      self._me["heartbeat"] = time.time()
-      storage.write_text(self.path, json.dumps(self._me))
+      with self._mutex():
+        if self._stop.is_set():
+          return
+        holder = self.holder() or {}
+        if holder.get("token") != self._me["token"]:
+          return self._lost(holder)
+        self._me["heartbeat"] = time.time()
+        storage.write_text(self.path, json.dumps(self._me))
+
+  def _lost(self, holder: dict) -> None:
+    """The lock was taken over: one line and out now (`LEASE_LOST_EXIT`), writing nothing more."""
+    who = (f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started')})"
+           if holder else "nobody (the lock was removed)")
+    print(f"error: lost the lease of --workdir={storage.dirname(self.path)}: it is now held by "
+          f"{who}; stopping at once without writing anything more", file=sys.stderr, flush=True)
+    self.on_lost()
+
+  @staticmethod
+  def on_lost() -> None:
+    """What a lost lease does after its line (tests replace it): exit now, as a kill would."""
+    os._exit(LEASE_LOST_EXIT)
 
   def release(self) -> None:
     if self.held:
@@ -254,7 +295,9 @@ class WorkdirLock:
       self._stop.set()
       if self._renewer is not None:
         self._renewer.join()
-      storage.remove(self.path)
+      with self._mutex():
+        if (self.holder() or {}).get("token") == self._me["token"]:  # not another run's
+          storage.remove(self.path)
 
   def __enter__(self) -> "WorkdirLock":
     self.acquire()

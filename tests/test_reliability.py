@@ -17,6 +17,7 @@ from oapl_jax import timing
 from oapl_jax import config as config_lib
 from oapl_jax import train
 from oapl_jax.tasks.arithmetic import AdditionTask
+from oapl_jax import workdir
 from oapl_jax.workdir import WorkdirBusy, WorkdirLock
 
 
@@ -101,6 +102,86 @@ def test_workdir_lock_waited_for_until_its_lease_runs_out(tmp_path, capsys):
     assert lock.held and 1.0 < time.monotonic() - t0 < 5.0
   err = capsys.readouterr().err
   assert "in use by process 1 on old-pod" in err and "waiting up to 10 s more" in err, err
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A starter that takes a stale lock slowly (0.5 s between finding it stale and taking it over:
+# the window in which a second starter could do the same), then holds it for 1.5 s.
+_SLOW_STARTER = """
+import sys, time
+from oapl_jax import workdir
+stale = workdir.WorkdirLock._stale
+def slow_stale(self, holder):
+  why = stale(self, holder)
+  time.sleep(0.5)
+  return why
+workdir.WorkdirLock._stale = slow_stale
+try:
+  with workdir.WorkdirLock(sys.argv[1], lease_s=60.0):
+    print("HELD", flush=True)
+    time.sleep(1.5)
+except workdir.WorkdirBusy:
+  print("BUSY", flush=True)
+"""
+
+
+def test_two_starters_on_one_stale_lock_exactly_one_takes_it(tmp_path):
+  (tmp_path / "run.lock").write_text(json.dumps(
+      {"pid": 1, "host": "old-pod", "started": "then", "heartbeat": time.time() - 600, "token": "old"}))
+  env = {**os.environ, "PYTHONPATH": _REPO}
+  starters = [subprocess.Popen([sys.executable, "-c", _SLOW_STARTER, str(tmp_path)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+  said = sorted(p.communicate(timeout=120)[0].strip() for p in starters)
+  assert said == ["BUSY", "HELD"], said
+
+
+# A run whose renewal stalls past its lease (a paused VM) while another run takes the workdir:
+# when the renewal wakes it stops at once, exit LEASE_LOST_EXIT, and the new holder's lock stays.
+_STALLED_HOLDER = """
+import sys, time
+from oapl_jax import workdir
+renew = workdir.WorkdirLock._renew
+def stalled(self):
+  time.sleep(2.5)
+  renew(self)
+workdir.WorkdirLock._renew = stalled
+with workdir.WorkdirLock(sys.argv[1], lease_s=1.0):
+  print("HELD", flush=True)
+  while True:  # the run's writes, until the lost lease stops it
+    with open(sys.argv[2], "a") as f:
+      f.write(f"{time.time()}\\n")
+    time.sleep(0.05)
+"""
+
+
+def test_a_run_that_lost_its_lease_stops_at_once_and_writes_nothing_more(tmp_path):
+  env = {**os.environ, "PYTHONPATH": _REPO}
+  writes = tmp_path / "writes.txt"
+  first = subprocess.Popen([sys.executable, "-c", _STALLED_HOLDER, str(tmp_path), str(writes)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    _takes_over_from(first, tmp_path, writes)
+  finally:
+    first.kill()
+
+
+def _takes_over_from(first, tmp_path, writes):
+  assert first.stdout.readline().strip() == "HELD"
+  time.sleep(1.3)  # past the 1 s lease, the first run not renewing
+  with WorkdirLock(str(tmp_path), lease_s=1.0) as second:  # takes it over (the same lease)
+    mine = json.loads((tmp_path / "run.lock").read_text())["token"]
+    _, err = first.communicate(timeout=30)
+    stopped = time.time()
+    assert first.returncode == workdir.LEASE_LOST_EXIT, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith(f"error: lost the lease of --workdir={tmp_path}: it is now held by "
+                                f"process {os.getpid()} on {socket.gethostname()}"), err
+    assert json.loads((tmp_path / "run.lock").read_text())["token"] == mine  # not overwritten
+    last_write = float(writes.read_text().split()[-1])
+    time.sleep(0.3)
+    assert float(writes.read_text().split()[-1]) == last_write <= stopped  # nothing after it stopped
+    assert second.held
 
 
 # --- non-finite steps -------------------------------------------------------------------------
