@@ -290,4 +290,6 @@ def test_smoke_run_on_fsdp4_tensor2_writes_the_one_device_losses(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     runs[name] = _losses(tmp_path / name)
   assert len(runs["one"]) == 6
-  np.testing.assert_allclose(runs["eight"], runs["one"], rtol=1e-4)
+  assert sum(abs(x) > 1e-6 for x in runs["one"]) >= 3  # steps with rewards to learn from
+  # atol: a step whose groups all scored alike has a loss of float noise (~1e-14) on both sides
+  np.testing.assert_allclose(runs["eight"], runs["one"], rtol=1e-4, atol=1e-9)
