@@ -377,18 +377,20 @@ def _zeros(meta):
                       is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
 
 
-def _check_same_run(multi, single, steps: int) -> float:
+def _check_same_run(multi, single, steps: int, starts: int = 1) -> float:
   """Process 0 alone writes (metrics.jsonl holds each step once; only process 0's log has the
   console lines and the summary), the same per-step losses and metrics; returns the largest
-  loss difference."""
+  loss difference. starts: how often the run was started (each start opens its own TensorBoard
+  events file, named by the start's time)."""
   logs = [open(os.path.join(multi, "logs", f"process_{i}.log")).read() for i in range(2)]
   assert "eval after:" in logs[0] and '"trainer_steps"' in logs[0]
   assert "eval after:" not in logs[1] and '"trainer_steps"' not in logs[1], logs[1][-2000:]
   assert os.path.isfile(os.path.join(multi, "summary.json"))
   assert not [f for f in os.listdir(multi) if f.endswith(".tmp")]
   written = [f for _, _, files in os.walk(multi) for f in files]  # the whole workdir tree
-  for name in ("metrics.jsonl", "summary.json", "eval_before.json", "events.out.tfevents"):
-    assert sum(f.startswith(name) for f in written) == 1, (name, sorted(written))
+  for name, count in (("metrics.jsonl", 1), ("summary.json", 1), ("eval_before.json", 1),
+                      ("events.out.tfevents", starts)):
+    assert sum(f.startswith(name) for f in written) == count, (name, sorted(written))
   got, want = _metrics(multi), _metrics(single)
   assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, steps + 1))
   worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(got, want))
@@ -451,6 +453,6 @@ def test_local_multihost_run_killed_and_resumed_ends_with_the_same_weights(tmp_p
   out = _finish(_launch(2, multi))
   assert "resumed from step" in out
   _finish(reference)
-  _check_same_run(multi, single, 6)
+  _check_same_run(multi, single, 6, starts=2)
   for x, y in zip(_saved(multi, 6, "params"), _saved(single, 6, "params")):
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
