@@ -27,6 +27,7 @@ from flax import nnx
 
 from oapl_jax import distributed
 from oapl_jax.metrics import say, write_json
+from oapl_jax.sampling.rollout import SAMPLING_KEYS
 
 
 def demo_batch(task, tokenizer, rng: np.random.Generator, *, batch_size: int, seq_len: int,
@@ -87,13 +88,14 @@ def _digest(key: dict) -> str:
 def eval_cache_path(config, seq_len: int) -> str | None:
   """`<base's cache>.eval-<hash>.json`: the base's "eval before", keyed by everything the
   evaluation adds to the base (the seed's held-out draws and sampling keys, `eval` and
-  `sampling` settings). Runs that share a base and these (a study's methods and lags) share
+  `sampling` settings, how the sampler derives its keys: `rollout.SAMPLING_KEYS`). Runs that share a base and these (a study's methods and lags) share
   the evaluation: it is a function of them alone (the same numbers in every run, checked on
   the reasoning study's runs)."""
   base = cache_path(config, seq_len)
   if base is None:
     return None
-  return f"{base}.eval-{_digest({'eval': config.eval.to_dict(), 'sampling': config.sampling.to_dict()})}.json"
+  key = {"eval": config.eval.to_dict(), "sampling": config.sampling.to_dict(), "keys": SAMPLING_KEYS}
+  return f"{base}.eval-{_digest(key)}.json"
 
 
 def cached_eval(config, seq_len: int, evaluate) -> dict:

@@ -38,6 +38,10 @@ from oapl_jax.sampling.engine import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Eng
 
 __all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rollout", "rollout"]
 
+# How answers' random numbers are derived (module docstring); caches of sampled results key on it
+# (`warmup.eval_cache_path`): "per-answer" since 2026-12-04 (before: per slot and decode step).
+SAMPLING_KEYS = "per-answer"
+
 
 @dataclasses.dataclass
 class Rollout:
