@@ -249,9 +249,14 @@ class WorkdirLock:
       return None if self.path in _HELD_HERE else "it names this process (a restart that got the same pid back)"
     return None if _alive(pid) else "that process is gone"
 
+  @staticmethod
+  def _who(holder: dict, nobody: str) -> str:
+    """The run a lock record names, `nobody` for an empty one."""
+    return (f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started')})"
+            if holder else nobody)
+
   def _busy_message(self, holder: dict) -> str:
-    who = (f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started')})"
-           if holder else "a run that is starting")
+    who = self._who(holder, "a run that is starting")
     workdir = storage.dirname(self.path)
     return (f"--workdir={workdir} is in use by {who}; use another --workdir, or stop that run "
             f"(a run that is gone is taken over once it has not renewed the lock for "
@@ -277,8 +282,7 @@ class WorkdirLock:
 
   def _lost(self, holder: dict) -> None:
     """The lock was taken over: one line and out now (`LEASE_LOST_EXIT`), writing nothing more."""
-    who = (f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started')})"
-           if holder else "nobody (the lock was removed)")
+    who = self._who(holder, "nobody (the lock was removed)")
     print(f"error: lost the lease of --workdir={storage.dirname(self.path)}: it is now held by "
           f"{who}; stopping at once without writing anything more", file=sys.stderr, flush=True)
     self.on_lost()

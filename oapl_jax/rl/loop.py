@@ -50,6 +50,7 @@ from oapl_jax.rl.step import Batch, make_optimizer, make_train_step, uses_refere
 from oapl_jax.sampling import SamplingParams
 from oapl_jax.placement import seq_len
 from oapl_jax.sampling.parallel import global_row_order
+from oapl_jax.sampling.rollout import prompt_keys
 from oapl_jax.sampling.sampler import Sampler, make_replicas
 from oapl_jax.tasks import make_task
 
@@ -109,8 +110,7 @@ def draw_rollouts(config, sampler: Sampler, weights, *, indices: list[int], vers
     rng = np.random.default_rng([config.seed, 1, index])
     key = jax.random.fold_in(jax.random.key(config.seed), index)
     problems += sampler.task.train_problems(rng, config.rl.groups_per_rollout)
-    keys.append(jax.vmap(jax.random.fold_in, (None, 0))(
-        key, np.arange(config.rl.groups_per_rollout, dtype=np.uint32)))  # prompt p: fold_in(key, p)
+    keys.append(prompt_keys(key, config.rl.groups_per_rollout))
   scored = sampler.sample(weights, problems, group_size=config.rl.group_size,
                           key=jnp.concatenate(keys))
   rows = make_batch(scored.rollout, scored.rewards, seq_len=seq_len(config),

@@ -72,18 +72,16 @@ class SyncSource:
 
   empties_buffer_at_refresh = True  # Algorithm 1: each window trains on its own pi_old's groups
 
-  def __init__(self, run=None, workdir: str | None = None):
+  def __init__(self, run, workdir: str | None = None):
     del workdir  # samples through the loop's jobs only
     self._run = run
-    self.window = 1 if run is None else run.config.rl.window_rollouts
+    self.window = run.config.rl.window_rollouts
 
   def refresh_due(self, step: int, lag: int) -> bool:
     """Whether pi_old <- pi_theta after trainer step `step` (steps taken): every rl.lag steps."""
     return step % lag == 0
 
   def next(self, make_job: MakeJob) -> Drawn:
-    if self.window == 1:
-      return make_job()()
     return make_job(self.window - self._run.counters.rollouts % self.window)()
 
   def pending(self) -> Drawn | None:
@@ -155,7 +153,7 @@ class OfflineSource:
 
   def __init__(self, run, workdir: str):
     self._run, self._dir = run, Layout(workdir).offline
-    self._online = SyncSource()
+    self._online = SyncSource(run)  # rl.window_rollouts is 1 outside sync mode (config.validate)
     config = run.config
     off = config.rl.offline
     if jax.process_count() > 1:

@@ -43,7 +43,7 @@ import numpy as np
 from oapl_jax.errors import ConfigError
 from oapl_jax.sampling.engine import Engine, EngineParams
 from oapl_jax.sampling.layout import engine_mesh, load_weights
-from oapl_jax.sampling.rollout import Rollout, rollout
+from oapl_jax.sampling.rollout import Rollout, prompt_keys, rollout
 
 
 class Replicas:
@@ -118,8 +118,7 @@ class Replicas:
     n, total = len(self.engines), self.total
     limits = kwargs.pop("answer_limits", None)
     ids = self.replica_ids()
-    if key.shape == ():  # one key per prompt of the whole list (global: alike on every process)
-      key = jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(len(prompts), dtype=np.uint32))
+    key = prompt_keys(key, len(prompts))  # of the whole list (global: alike on every process)
     results: list[Rollout | None] = [None] * n
     errors: list[BaseException] = []
 

@@ -146,11 +146,18 @@ def _padded(prompts, chunk, pad_id: int, max_len: int, rows: int):
   return tokens, lengths
 
 
+def prompt_keys(key: jax.Array, num_prompts: int) -> jax.Array:
+  """`[P]` keys of `num_prompts` prompts: prompt p's is `fold_in(key, p)`; `key` unchanged if it
+  already holds one key per prompt."""
+  if key.shape != ():
+    return key
+  return jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(num_prompts, dtype=np.uint32))
+
+
 def answer_keys(key: jax.Array, num_prompts: int, group_size: int) -> jax.Array:
-  """`[P * G]` keys of the answers, row p * G + g: `fold_in(prompt key p, g)`. key: one key
-  (prompt p's key: `fold_in(key, p)`) or `[P]` keys, one per prompt."""
-  if key.shape == ():
-    key = jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(num_prompts, dtype=np.uint32))
+  """`[P * G]` keys of the answers, row p * G + g: `fold_in(prompt key p, g)`. key: one key or
+  `[P]` keys, one per prompt (`prompt_keys`)."""
+  key = prompt_keys(key, num_prompts)
   if key.shape != (num_prompts,):
     raise ValueError(f"key: one key or one per prompt ({num_prompts}), got shape {key.shape}")
   per_group = jax.vmap(jax.random.fold_in, (None, 0))

@@ -81,14 +81,9 @@ def chain(a: int, op: str, b: int, dropped: frozenset[int] = frozenset()) -> str
       v = x - y - carry
       out, digit = (1, v + 10) if v < 0 else (0, v)
       steps.append(f"{x}-{y}-{carry}={out}{digit}")
-    elif op == "*":
-      v = x * y + carry
-      out, digit = v // 10, v % 10
-      steps.append(f"{x}*{y}+{carry}={out}{digit}")
-    else:
-      v = x * y + carry
-      out, digit = v // 10, v % 10
-      steps.append(f"{x}x{y}+{carry:02d}={out:02d}{digit}")
+    else:  # "*" one-digit fields, "x" two-digit carries
+      out, digit = divmod(x * y + carry, 10)
+      steps.append(f"{x}*{y}+{carry}={out}{digit}" if op == "*" else f"{x}x{y}+{carry:02d}={out:02d}{digit}")
     digits.append(str(digit))
     carry = 0 if i in dropped else out
   lead = str(carry) if carry and op != "-" else ""  # a >= b: no borrow out of the top column
