@@ -156,6 +156,16 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.rl.offline.epochs = 4  # Passes over a round's file (paper, code: 4); a round is epochs x (its groups // rl.groups_per_step) steps.
   c.rl.offline.check_rows = 16  # Answers of each file rescored with pi_old by the trainer's kernel before training on it.
   c.rl.offline.logprob_tol = 0.05  # Refuse a file whose stored log-probs differ from the rescored ones by more than this (mean nats per token; float32 ~1e-6, bfloat16 ~0.02: docs/design.md "Engine/trainer parity in bfloat16").
+  # Remote mode (rl.mode="remote"; docs/remote.md, oapl_jax/rl/remote.py): sampler jobs
+  # (`python -m oapl_jax.sample`, same config and --workdir, on devices of their own) sample
+  # rollouts into <workdir>/remote/ with the pi_old this trainer publishes at each refresh.
+  c.rl.remote = ml_collections.ConfigDict()
+  c.rl.remote.reproducible = False  # True: rollout i is sampled by pi_old version i // rl.lag (what sync mode uses), so the run is the sync run bit for bit; needs groups_per_rollout == groups_per_step. False: by the newest snapshot (stale rollouts used with their stamps, or dropped past rl.max_lag).
+  c.rl.remote.ahead = 4  # Rollouts a sampler job may sample beyond the trainer's next one (the samplers' queue).
+  c.rl.remote.claim_timeout_s = 1800.0  # A sampler's claim on a rollout not written after this long is a dead sampler's: another takes it over.
+  c.rl.remote.keep_snapshots = 2  # Published pi_old versions kept (newest first); older ones are removed.
+  c.rl.remote.poll_s = 0.5  # Seconds between looks for a file (trainer and samplers).
+  c.rl.remote.say_every_s = 30.0  # Longest gap between the trainer's "waiting for rollout" lines (the first is at once).
   # The baseline, selected with rl.loss = "grpo" (docs/algorithm.md; losses.grpo). Same loop, buffer and
   # lag; IS corrects from the engine's log-probs to pi_prox. rl.beta1/beta2/old_logprobs are OAPL-only.
   c.rl.grpo = ml_collections.ConfigDict()
@@ -271,7 +281,7 @@ def repo_config(name: str) -> ml_collections.ConfigDict:
 
 
 OLD_LOGPROB_SOURCES = ("sampler", "snapshot")
-MODES = ("sync", "async", "offline")
+MODES = ("sync", "async", "offline", "remote")
 REMAT_POLICIES = ("none", "dots", "full")  # train.remat
 
 
@@ -470,10 +480,11 @@ def validate(c, *, dry_run: bool = False) -> None:
   _check(g.norm in NORMS, "rl.grpo.norm", g.norm, f"must be one of {NORMS}")
   _number(c, "rl.grpo.kl_coef", 0, note="0 = off")
   _check(rl.mode in MODES, "rl.mode", rl.mode, f"must be one of {MODES}")
-  _check(rl.mode == "sync" or (rl.loss == "oapl" and rl.old_logprobs == "sampler"), "rl.mode",
-         rl.mode, "async needs rl.loss='oapl' with rl.old_logprobs='sampler': a rollout in flight "
-         "at a refresh lands after it, and only the engine's own log-probs anchor it (the "
-         "trainer's snapshot is already the next one)")
+  stale = rl.mode == "async" or (rl.mode == "remote" and not rl.remote.reproducible)
+  _check(not stale or (rl.loss == "oapl" and rl.old_logprobs == "sampler"), "rl.mode",
+         rl.mode, f"{rl.mode} needs rl.loss='oapl' with rl.old_logprobs='sampler' (or, remote, "
+         "rl.remote.reproducible=True): a rollout sampled before a refresh lands after it, and "
+         "only the engine's own log-probs anchor it (the trainer's snapshot is already the next one)")
   _int(c, "rl.groups_per_step", 1)
   _int(c, "rl.groups_per_rollout", 1)
   _int(c, "rl.window_rollouts", 1, note="1 = one rollout per step")
@@ -488,6 +499,15 @@ def validate(c, *, dry_run: bool = False) -> None:
            f"{rl.groups_per_step}): a window holds whole steps")
   if rl.mode == "offline":
     _validate_offline(c, dry_run)
+  if rl.mode == "remote":
+    _int(c, "rl.remote.ahead", 1)
+    _int(c, "rl.remote.keep_snapshots", 1)
+    _number(c, "rl.remote.claim_timeout_s", 0, lo_open=True)
+    _number(c, "rl.remote.poll_s", 0, lo_open=True)
+    _number(c, "rl.remote.say_every_s", 0, lo_open=True)
+    _check(not rl.remote.reproducible or rl.groups_per_rollout == rl.groups_per_step,
+           "rl.remote.reproducible", True, f"needs rl.groups_per_rollout == rl.groups_per_step (now "
+           f"{rl.groups_per_rollout} and {rl.groups_per_step}): rollout i is step i's, of version i // rl.lag")
 
   _int(c, "eval.samples_per_problem", 1)
   _int(c, "eval.every", 0, note="0 = before/after only")

@@ -75,6 +75,38 @@ def write_text(path: str, text: str) -> None:
   os.replace(tmp, path)
 
 
+def read_bytes(path: str) -> bytes:
+  """The whole file's bytes; FileNotFoundError if there is none."""
+  if is_remote(path):
+    p = _epath(path)
+    if not p.exists():
+      raise FileNotFoundError(path)
+    return p.read_bytes()
+  with open(path, "rb") as f:
+    return f.read()
+
+
+def write_bytes(path: str, data: bytes) -> None:
+  """Replaces the file with `data` at once, as `write_text` does (a reader never sees half)."""
+  if is_remote(path):
+    _epath(path).write_bytes(data)
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.{os.getpid()}.tmp"
+  with open(tmp, "wb") as f:
+    f.write(data)
+  os.replace(tmp, path)
+
+
+def listdir(path: str) -> list[str]:
+  """The names in a folder (a bucket prefix), sorted; [] if there is none."""
+  try:
+    names = [p.name for p in _epath(path).iterdir()] if is_remote(path) else os.listdir(path)
+  except FileNotFoundError:
+    return []
+  return sorted(names)
+
+
 def upload(local_path: str, path: str) -> None:
   """Copies the local file `local_path` (bytes) to `path` (a URL: one upload; local: a copy)."""
   with open(local_path, "rb") as f:

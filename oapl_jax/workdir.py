@@ -11,6 +11,7 @@ on SIGTERM / SIGINT (`StopSignals`).
     eval_before.json  the base's evaluation and warm-up record, before the first checkpoint
     summary.json      the finished run (`train.run`): evaluations, counters, config
     offline/          offline mode's round files (`rl.sources.OfflineSource`)
+    remote/           remote mode's snapshots, rollout files, claims (oapl_jax/rl/remote.py)
     eval_step<N>.json an evaluation of checkpoint N (`python -m oapl_jax.evaluate`)
 
 The workdir is a local folder or a bucket URL (`gs://bucket/run`): every file here goes through
@@ -100,6 +101,10 @@ class Layout:
   @property
   def offline(self) -> str:
     return self._path("offline")
+
+  @property
+  def remote(self) -> str:
+    return self._path("remote")
 
   def eval_step(self, step: int) -> str:
     return self._path(f"eval_step{step}.json")

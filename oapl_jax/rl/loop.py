@@ -94,6 +94,19 @@ def trainer_devices(config) -> list:
   return [local[i] for i in trainer]
 
 
+def rollout_problems(config, task, indices: list[int]) -> tuple[list, jax.Array]:
+  """(problems, per-prompt sampling keys) of rollouts number `indices`: each
+  `rl.groups_per_rollout` fresh training problems, functions of (seed, index) only (a remote
+  sampler job's rollout `index` is the sync run's: oapl_jax/rl/remote.py)."""
+  problems, keys = [], []
+  for index in indices:
+    rng = np.random.default_rng([config.seed, 1, index])
+    key = jax.random.fold_in(jax.random.key(config.seed), index)
+    problems += task.train_problems(rng, config.rl.groups_per_rollout)
+    keys.append(prompt_keys(key, config.rl.groups_per_rollout))
+  return problems, jnp.concatenate(keys)
+
+
 def draw_rollouts(config, sampler: Sampler, weights, *, indices: list[int], version: int,
                   snapshot_step: int) -> Drawn:
   """Rollouts number `indices` (consecutive), sampled in one continuous batch: each
@@ -105,14 +118,8 @@ def draw_rollouts(config, sampler: Sampler, weights, *, indices: list[int], vers
   (`sampling.rollout`): so the rows of rollout i are the same whether it is drawn alone or in a
   window of several (`rl.window_rollouts`).
   """
-  problems, keys = [], []
-  for index in indices:
-    rng = np.random.default_rng([config.seed, 1, index])
-    key = jax.random.fold_in(jax.random.key(config.seed), index)
-    problems += sampler.task.train_problems(rng, config.rl.groups_per_rollout)
-    keys.append(prompt_keys(key, config.rl.groups_per_rollout))
-  scored = sampler.sample(weights, problems, group_size=config.rl.group_size,
-                          key=jnp.concatenate(keys))
+  problems, keys = rollout_problems(config, sampler.task, indices)
+  scored = sampler.sample(weights, problems, group_size=config.rl.group_size, key=keys)
   rows = make_batch(scored.rollout, scored.rewards, seq_len=seq_len(config),
                     pad_id=sampler.tokenizer.pad_id, count_truncated=config.rl.count_truncated)
   stats = scored.rollout.stats
@@ -231,6 +238,7 @@ class Run:
     if pending is not None:
       state["inflight"], meta["inflight_tokens"] = pending.rows.as_dict(), pending.answer_tokens
     self.ckpt.save(self.counters.step, state, meta, wait=wait)
+    self.source.saved()
 
   def restore_latest(self) -> bool:
     """Restores the newest checkpoint that loads and verifies (damaged ones are skipped with a

@@ -39,14 +39,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
-import os
 import zipfile
 
 import jax
 import numpy as np
 from flax import nnx
 
+from oapl_jax import storage
 from oapl_jax.errors import UserError
 from oapl_jax.models.names import compiler_options
 from oapl_jax.rl.buffer import Rows
@@ -115,11 +116,9 @@ def write(path: str, header: dict, arrays: dict[str, np.ndarray]) -> None:
   """Writes the file aside and renames it into place: a reader never sees half a file."""
   header = {"format": FORMAT, **header}
   text = json.dumps(header, sort_keys=True)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "wb") as f:  # a file object: np.savez adds no ".npz" to the name
-    np.savez(f, header=np.array(text), sha256=np.array(_digest(text, arrays)), **arrays)
-  os.replace(tmp, path)
+  buf = io.BytesIO()  # a file object: np.savez adds no ".npz" to the name
+  np.savez(buf, header=np.array(text), sha256=np.array(_digest(text, arrays)), **arrays)
+  storage.write_bytes(path, buf.getvalue())  # local: written aside and renamed; a bucket: one upload
 
 
 def sample_round(config, sampler, weights, problems: list[Problem], *, round_index: int,
@@ -186,10 +185,12 @@ class OfflineData:
 def read(path: str) -> OfflineData:
   """Reads and checks a file on its own: it opens, its digest holds, its arrays agree with
   each other and with its header. `OfflineFileError` (naming the file) otherwise."""
-  if not os.path.isfile(path):
+  try:
+    data = storage.read_bytes(path)
+  except (FileNotFoundError, IsADirectoryError):
     _fail(path, "no such file")
   try:
-    with np.load(path, allow_pickle=False) as z:
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
       members = {name: z[name] for name in z.files}
   except (OSError, ValueError, EOFError, zipfile.BadZipFile, zipfile.LargeZipFile) as e:
     _fail(path, f"unreadable: truncated, corrupted or not an .npz file ({type(e).__name__}: {e})")

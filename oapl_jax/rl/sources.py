@@ -14,6 +14,8 @@ that samples them, together. Sources differ in when jobs run:
   holds it (`pending`, `resume`).
 * `OfflineSource` ("offline"): rounds of stored answers (`rl.offline`), each file sampled once
   by pi_old and trained on for several epochs (`rl.offline`'s module docstring), then sync.
+* `RemoteSource` ("remote"): rollout files written by sampler jobs beside the trainer
+  (`python -m oapl_jax.sample`; oapl_jax/rl/remote.py), taken in order, each once.
 
 Each source is made as `SOURCES[mode](run, workdir)` and says when the engines' snapshot is
 refreshed (`refresh_due`): every `rl.lag` steps online, at the end of each round offline.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from concurrent import futures
 from typing import Callable
 
@@ -30,10 +33,11 @@ import jax
 import numpy as np
 
 from oapl_jax.errors import ConfigError
+from oapl_jax import storage
 from oapl_jax.metrics import say
 from oapl_jax.placement import seq_len
-from oapl_jax.rl import offline
-from oapl_jax.rl.buffer import Rows
+from oapl_jax.rl import offline, remote
+from oapl_jax.rl.buffer import Rows, stamp
 from oapl_jax.workdir import Layout
 
 
@@ -92,6 +96,9 @@ class SyncSource:
     if drawn is not None:
       raise ValueError("a sync run has no rollout in flight to resume")
 
+  def saved(self) -> None:
+    """After each checkpoint (remote mode removes the rollout files it is done with)."""
+
   def wait(self) -> None:
     """Waits for the rollout in flight, if any (before the engines sample anything else)."""
 
@@ -122,6 +129,8 @@ class AsyncSource:
 
   def pending(self) -> Drawn | None:
     return None if self._inflight is None else self._inflight.result()
+
+  saved = SyncSource.saved
 
   def resume(self, drawn: Drawn | None) -> None:
     self._inflight = None
@@ -248,6 +257,8 @@ class OfflineSource:
   def pending(self) -> Drawn | None:
     return self._online.pending()
 
+  saved = SyncSource.saved
+
   def resume(self, drawn: Drawn | None) -> None:
     self._online.resume(drawn)
 
@@ -258,4 +269,123 @@ class OfflineSource:
     self._online.close()
 
 
-SOURCES = {"sync": SyncSource, "async": AsyncSource, "offline": OfflineSource}  # rl.mode -> source class
+class RemoteSource:
+  """Rollouts written by sampler jobs beside the trainer (`rl.remote`; oapl_jax/rl/remote.py
+  has the protocol): publishes pi_old at each refresh, takes rollout files in index order,
+  each once, and waits (saying so) while the next is not written.
+
+  Free mode: a file is sampled by whichever snapshot its sampler held (the newest when it
+  started), used with its own stamps, dropped and counted if older than `rl.max_lag` (as in
+  async mode). `rl.remote.reproducible`: rollout i must be sampled by version i // rl.lag
+  (one rollout per step), so the run is the sync run, bit for bit, whatever the samplers.
+  """
+
+  def __init__(self, run, workdir: str):
+    config = run.config
+    if jax.process_count() > 1:
+      raise ConfigError(f"config.rl.mode='remote': the trainer runs in one process (this is one of "
+                        f"{jax.process_count()}): it publishes pi_old from its own devices")
+    self._run, self._rc = run, config.rl.remote
+    self.root = Layout(workdir).remote
+    self.empties_buffer_at_refresh = bool(self._rc.reproducible)
+    self._published: int | None = None
+    self._saved_at = None  # counters.rollouts at the previous checkpoint: files below it are done with
+
+  refresh_due = SyncSource.refresh_due
+
+  def _publish(self) -> None:
+    """Publishes the engines' snapshot (once per version) and removes the ones no sampler needs."""
+    c = self._run.counters
+    if self._published == c.version:
+      return
+    if c.version not in remote.published_versions(self.root):  # a resumed run may have published it
+      remote.publish_snapshot(self.root, self._run.snapshot, version=c.version,
+                              snapshot_step=c.snapshot_step, model_meta=self._run.model_meta())
+    remote.remove_old_snapshots(self.root, c.version - self._rc.keep_snapshots + 1)
+    self._published = c.version
+    self._status(done=False)
+
+  def _status(self, done: bool) -> None:
+    c = self._run.counters
+    remote.write_status(self.root, {"next_rollout": c.rollouts, "version": c.version, "step": c.step,
+                                    "done": done, "reproducible": bool(self._rc.reproducible)})
+
+  def next(self, make_job: MakeJob) -> Drawn:
+    del make_job  # sampled by the sampler jobs
+    run, c, rc = self._run, self._run.counters, self._rc
+    self._publish()
+    self._status(done=False)
+    index, path = c.rollouts, remote.rollout_path(self.root, c.rollouts)
+    waited, said = time.perf_counter(), 0.0
+    while True:
+      if storage.exists(path):
+        data = self._read(index, path)
+        if data is not None:
+          break
+      waiting = time.perf_counter() - waited
+      if waiting >= said:
+        say(f"step {c.step + 1}: waiting for rollout {index} from the sampler jobs ({waiting:.0f}s; "
+            f"python -m oapl_jax.sample with this run's config and --workdir)")
+        said = max(2 * said, rc.say_every_s)
+      time.sleep(rc.poll_s)
+    policy = data.header["policy"]
+    rows = data.rows(np.arange(data.groups), seq_len=seq_len(run.config), pad_id=run.sampler.tokenizer.pad_id,
+                     count_truncated=run.config.rl.count_truncated)
+    c.rollouts += 1
+    return Drawn(stamp(rows, version=int(policy["version"]), snapshot_step=int(policy["snapshot_step"])),
+                 int(len(data.arrays["answer_tokens"])))
+
+  def _read(self, index: int, path: str) -> "offline.OfflineData | None":
+    """Rollout `index`'s file, checked; None (with one line, the file set aside to be sampled
+    again) if it is damaged or not this run's rollout."""
+    run, config = self._run, self._run.config
+    try:
+      data = offline.read(path)
+      offline.check_matches(data, config, run.model_meta())
+      offline.check_problems(data, run.sampler.tokenizer)
+      h, policy = data.header, data.header.get("policy") or {}
+      if (h.get("rollout"), h.get("seed"), data.groups) != (index, config.seed, config.rl.groups_per_rollout):
+        raise offline.OfflineFileError(
+            f"offline file {path}: rollout {h.get('rollout')} of seed {h.get('seed')} with {data.groups} groups; "
+            f"this run's rollout {index} of seed {config.seed} has rl.groups_per_rollout={config.rl.groups_per_rollout}")
+      want = remote.version_of(index, config.rl.lag)
+      if self._rc.reproducible and policy.get("version") != want:
+        raise offline.OfflineFileError(
+            f"offline file {path}: sampled by snapshot version {policy.get('version')}; "
+            f"rl.remote.reproducible takes rollout {index} from version {want} (a sampler job not in reproducible mode?)")
+    except offline.OfflineFileError as e:
+      say(f"rollout {index} set aside, to be sampled again: {e}")
+      if storage.exists(path):  # kept for a look, under a name no reader takes
+        storage.write_bytes(path + ".rejected", storage.read_bytes(path))
+        storage.remove(path)
+      remote.release(self.root, index)
+      return None
+    return data
+
+  def saved(self) -> None:
+    """After a checkpoint: the rollout files the checkpoint before it had used are removed."""
+    if self._saved_at is not None:
+      for index in remote.written_rollouts(self.root):
+        if index < self._saved_at:
+          storage.remove(remote.rollout_path(self.root, index))
+          remote.release(self.root, index)
+    self._saved_at = self._run.counters.rollouts
+
+  def pending(self) -> Drawn | None:
+    return None
+
+  def resume(self, drawn: Drawn | None) -> None:
+    if drawn is not None:
+      raise ValueError("a remote run has no rollout in flight to resume")
+
+  def wait(self) -> None:
+    pass
+
+  def close(self) -> None:
+    """Marks the run done once it has taken its last step: its sampler jobs stop."""
+    if self._run.counters.step >= self._run.config.train.steps:
+      self._status(done=True)
+
+
+SOURCES = {"sync": SyncSource, "async": AsyncSource, "offline": OfflineSource,
+           "remote": RemoteSource}  # rl.mode -> source class

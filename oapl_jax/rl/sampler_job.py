@@ -1,0 +1,141 @@
+"""A sampler job of remote mode (`python -m oapl_jax.sample`): samples rollouts for a trainer
+with the pi_old it publishes, into the workdir they share (oapl_jax/rl/remote.py has the files
+and the protocol).
+
+`serve` runs until the trainer marks its run done (or `max_rollouts` are written, or nothing
+was there to do for `max_idle_s`): it looks at the trainer's status, claims the next rollout
+that needs sampling, loads the snapshot it is to be sampled with (the newest; in reproducible
+mode version index // rl.lag), samples it with the engines on this job's devices at full
+slots, and writes it whole. A damaged snapshot is never loaded: one line, and the job keeps the
+snapshot it holds (in reproducible mode, where no other will do, it waits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+from oapl_jax import storage
+from oapl_jax.metrics import say
+from oapl_jax.models.build import abstract_model
+from oapl_jax.rl import offline, remote
+from oapl_jax.rl.loop import rollout_problems
+from oapl_jax.sampling import SamplingParams
+from oapl_jax.sampling.sampler import Sampler, make_replicas
+from oapl_jax.tasks import make_task
+from oapl_jax.workdir import Layout
+
+
+@dataclasses.dataclass
+class Loaded:
+  version: int
+  snapshot_step: int
+  weights: list  # in the engines' layout (`Sampler.load`)
+
+
+class SamplerJob:
+  """One sampler job's engines, its claims and the snapshot it holds."""
+
+  def __init__(self, config, workdir: str):
+    self.config, self.rc = config, config.rl.remote
+    self.root = Layout(workdir).remote
+    self.task, tokenizer = make_task(config)
+    self.model_cfg, graphdef, self.abstract = abstract_model(config, dtype=jnp.dtype(config.model.dtype))
+    self.meta = self.model_cfg.architecture()
+    replicas = make_replicas(config, self.model_cfg, graphdef, SamplingParams.from_config(config.sampling))
+    self.sampler = Sampler(replicas, self.task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
+    self.owner = remote.owner_id()
+    self.loaded: Loaded | None = None
+    self.damaged: set[int] = set()  # versions whose file failed its checks
+    self._said: set = set()
+
+  def _once(self, key, text: str) -> None:
+    if key not in self._said:
+      self._said.add(key)
+      say(text)
+
+  def _pick(self, first: int, versions: list[int]) -> tuple[int, int] | None:
+    """(rollout index, snapshot version) claimed for sampling now, or None."""
+    rc = self.rc
+    for index in range(first, first + rc.ahead):
+      if storage.exists(remote.rollout_path(self.root, index)) or remote.claimed(self.root, index, rc.claim_timeout_s):
+        continue
+      if rc.reproducible:
+        version = remote.version_of(index, self.config.rl.lag)
+        if version not in versions:  # not published yet (or damaged: no other will do)
+          return None
+      else:
+        version = max(versions)
+      if remote.claim(self.root, index, self.owner, rc.claim_timeout_s):
+        return index, version
+    return None
+
+  def _load(self, version: int) -> bool:
+    """Holds snapshot `version` (loaded on the engines); False, with one line, if it is damaged."""
+    if self.loaded is not None and self.loaded.version == version:
+      return True
+    try:
+      params, header = remote.read_snapshot(remote.snapshot_path(self.root, version), self.abstract, self.meta)
+    except remote.SnapshotError as e:
+      self.damaged.add(version)
+      keep = f"keeping version {self.loaded.version}" if self.loaded else "no snapshot held yet"
+      say(f"sampler: {e}; {keep}")
+      return False
+    params = jax.device_put(params)
+    self.loaded = Loaded(version, int(header["snapshot_step"]), self.sampler.load(params, version))
+    say(f"sampler: loaded pi_old version {version} (trainer step {header['snapshot_step']})")
+    return True
+
+  def sample(self, index: int) -> dict:
+    """Samples rollout `index` with the held snapshot and writes its file."""
+    config, held = self.config, self.loaded
+    t0 = time.perf_counter()
+    problems, keys = rollout_problems(config, self.task, [index])
+    scored = self.sampler.sample(held.weights, problems, group_size=config.rl.group_size, key=keys)
+    header = {**offline.expected_header(config, self.meta), "rollout": index, "seed": int(config.seed),
+              "policy": {"version": held.version, "snapshot_step": held.snapshot_step,
+                         "source": f"sampler job {self.owner}"},
+              "problems": [dataclasses.asdict(p) for p in problems]}
+    offline.write(remote.rollout_path(self.root, index), header, offline.arrays_of(scored.rollout, scored.rewards))
+    remote.release(self.root, index)
+    return {"rollout": index, "version": held.version, "reward_mean": float(scored.rewards.mean()),
+            "answer_tokens": int(scored.rollout.lengths.sum()), "seconds": time.perf_counter() - t0}
+
+  def serve(self, *, max_rollouts: int | None = None, max_idle_s: float = 3600.0) -> dict:
+    """Samples rollouts until the run is done; returns what this job wrote."""
+    written, tokens, idle_since = [], 0, time.perf_counter()
+    why = "the trainer marked its run done"
+    while True:
+      status = remote.read_status(self.root)
+      if status is not None and status.get("done"):
+        break
+      if max_rollouts is not None and len(written) >= max_rollouts:
+        why = f"{max_rollouts} rollouts written (--max_rollouts)"
+        break
+      if time.perf_counter() - idle_since > max_idle_s:
+        why = f"nothing to sample for {max_idle_s:.0f}s (--max_idle_s): is the trainer running?"
+        break
+      versions = [v for v in remote.published_versions(self.root) if v not in self.damaged]
+      if self.loaded is not None and self.loaded.version not in versions:
+        versions.append(self.loaded.version)  # held in memory: usable though its file is gone or damaged
+      picked = self._pick(status["next_rollout"] if status else 0, versions) if versions else None
+      if not versions:
+        self._once("first", f"sampler: waiting for the trainer's first snapshot in {self.root}")
+      if picked is None:
+        time.sleep(self.rc.poll_s)
+        continue
+      index, version = picked
+      if not self._load(version):
+        remote.release(self.root, index)
+        continue
+      out = self.sample(index)
+      written.append(index)
+      tokens += out["answer_tokens"]
+      idle_since = time.perf_counter()
+      say(f"sampler: rollout {index} (version {version}): reward mean {out['reward_mean']:.3f}, "
+          f"{out['answer_tokens']} answer tokens in {out['seconds']:.1f}s")
+    say(f"sampler: stopping: {why}")
+    return {"rollouts": written, "answer_tokens": tokens, "stopped": why}

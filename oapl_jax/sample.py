@@ -1,0 +1,47 @@
+"""A sampler job beside a remote-mode trainer (`rl.mode="remote"`; docs/remote.md).
+
+  python -m oapl_jax.main   --config=configs/tiny.py --config.rl.mode=remote --workdir=/tmp/oapl_remote &
+  python -m oapl_jax.sample --config=configs/tiny.py --config.rl.mode=remote --workdir=/tmp/oapl_remote
+
+Give it the trainer's config (every override too) and --workdir (a local or shared folder, or
+a bucket URL). It runs on this machine's devices (`sampling.engines` x `sampling.tensor`), any
+number of such jobs at once, each free to start and stop: it samples the rollouts the trainer
+will take next with the pi_old the trainer published (oapl_jax/rl/remote.py), and stops when
+the trainer's run is done. A refused setting is one line on stderr and exit code 2.
+"""
+
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from oapl_jax import config as config_lib  # noqa: E402
+from oapl_jax import errors, placement  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's --workdir.")
+_MAX_ROLLOUTS = flags.DEFINE_integer("max_rollouts", None, "Stop after writing this many rollouts.")
+_MAX_IDLE_S = flags.DEFINE_float("max_idle_s", 3600.0, "Stop after this long with nothing to sample.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  config = config_lib.from_flag(_CONFIG)
+  config_lib.validate(config)
+  if config.rl.mode != "remote":
+    raise errors.ConfigError(f"config.rl.mode={config.rl.mode!r}: a sampler job serves a trainer "
+                             "with rl.mode='remote' (give it the trainer's settings)")
+  placement.request_host_devices(placement.engine_device_count(config))
+  from oapl_jax.rl.sampler_job import SamplerJob  # noqa: PLC0415 (after validation: JAX starts here)
+  job = SamplerJob(config, _WORKDIR.value)
+  print(json.dumps(job.serve(max_rollouts=_MAX_ROLLOUTS.value, max_idle_s=_MAX_IDLE_S.value)))
+
+
+if __name__ == "__main__":
+  errors.run_command(main)
