@@ -353,7 +353,7 @@ class Run:
     metrics = {**m, "reward_mean": float(rewards.mean()),
                "answer_length": float(answer_lengths.mean()),
                "lag_mean": float(lags.mean()), "lag_hist": lag_histogram(lags),
-               "policy_version": c.version, "samples_generated": c.samples_generated,
+               "policy_version": c.version, "rollouts": c.rollouts, "samples_generated": c.samples_generated,
                "groups_dropped": c.groups_dropped, "groups_dropped_stale": c.groups_dropped_stale,
                "steps_skipped": c.steps_skipped,
                "train_seconds": c.train_seconds}

@@ -1,0 +1,206 @@
+"""Remote mode (issue 43): a trainer and sampler jobs joined through the workdir.
+
+The end-to-end tests run the real commands as separate processes (`python -m oapl_jax.main`
+and `python -m oapl_jax.sample`) on one machine, sharing a local folder or the fake bucket
+(tests/fake_bucket), and kill some of them."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oapl_jax import config as config_lib
+from oapl_jax import storage
+from oapl_jax.models.build import abstract_model, init_model
+from oapl_jax.rl import remote
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAKE = os.path.join(REPO, "tests", "fake_bucket")
+_spec = importlib.util.spec_from_file_location("fake_bucket", os.path.join(FAKE, "sitecustomize.py"))
+fake_bucket = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake_bucket)
+
+COMMON = ["--config=configs/tiny.py:smoke", "--config.rl.groups_per_rollout=4", "--config.log.progress=False",
+          "--config.log.every=1", "--config.rl.remote.poll_s=0.1"]
+
+
+# --- the files ----------------------------------------------------------------------------------
+
+
+def _config():
+  c = config_lib.repo_config("tiny.py:smoke")
+  c.model.dtype = "bfloat16"
+  return c
+
+
+def test_a_snapshot_reads_back_bit_for_bit_and_a_damaged_or_foreign_one_is_refused(tmp_path):
+  c = _config()
+  model_cfg, _, params = init_model(c)
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  root = str(tmp_path)
+  path = remote.publish_snapshot(root, params, version=3, snapshot_step=30, model_meta=model_cfg.architecture())
+  assert remote.published_versions(root) == [3]
+  _, _, abstract = abstract_model(c, dtype=jnp.bfloat16)
+  back, header = remote.read_snapshot(path, abstract, model_cfg.architecture())
+  assert header["version"] == 3 and header["snapshot_step"] == 30
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+    assert b.dtype == jnp.bfloat16 and np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+  # another model's: refused, naming the file
+  other = {**model_cfg.architecture(), "num_layers": 7}
+  with pytest.raises(remote.SnapshotError, match="v00000003.npz: written for another model"):
+    remote.read_snapshot(path, abstract, other)
+  # one flipped byte in a weight: refused by its checksum (or as unreadable, if it hit the zip's own)
+  data = bytearray(open(path, "rb").read())
+  data[len(data) // 2] ^= 0xFF
+  open(path, "wb").write(bytes(data))
+  with pytest.raises(remote.SnapshotError, match="checksum mismatch|unreadable"):
+    remote.read_snapshot(path, abstract, model_cfg.architecture())
+  # half a file (a copy cut short) is unreadable, and says so
+  open(path, "wb").write(bytes(data[:len(data) // 3]))
+  with pytest.raises(remote.SnapshotError, match="unreadable"):
+    remote.read_snapshot(path, abstract, model_cfg.architecture())
+
+
+def test_of_two_claims_one_wins_and_a_dead_samplers_claim_is_taken_over(tmp_path):
+  root = str(tmp_path)
+  assert remote.claim(root, 5, "a", timeout_s=60)
+  assert not remote.claim(root, 5, "b", timeout_s=60)
+  assert remote.claimed(root, 5, timeout_s=60)
+  old = time.time() - 120
+  os.utime(remote.claim_path(root, 5), (old, old))  # its sampler died two minutes ago
+  assert not remote.claimed(root, 5, timeout_s=60)
+  assert remote.claim(root, 5, "b", timeout_s=60)
+  assert json.loads(open(remote.claim_path(root, 5)).read())["owner"] == "b"
+  remote.release(root, 5)
+  assert not remote.claimed(root, 5, timeout_s=60)
+
+
+def test_settings_remote_mode_refuses():
+  c = config_lib.repo_config("tiny.py:smoke")
+  c.rl.mode, c.rl.remote.reproducible = "remote", True  # groups_per_rollout 6, per step 4
+  with pytest.raises(config_lib.ConfigError, match="rl.remote.reproducible=True: needs rl.groups_per_rollout == rl.groups_per_step"):
+    config_lib.validate(c)
+  c.rl.groups_per_rollout = c.rl.groups_per_step
+  config_lib.validate(c)
+  c.rl.loss = "grpo"
+  config_lib.validate(c)  # reproducible: the sync run's rollouts, so any loss
+  c.rl.remote.reproducible = False
+  with pytest.raises(config_lib.ConfigError, match="rl.mode='remote': remote needs rl.loss='oapl'"):
+    config_lib.validate(c)
+
+
+def test_a_sampler_job_of_a_run_not_in_remote_mode_is_one_line_and_exit_2(tmp_path):
+  p = subprocess.run([sys.executable, "-m", "oapl_jax.sample", "--config=configs/tiny.py:smoke",
+                      f"--workdir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert p.returncode == 2, p.stderr
+  assert p.stderr.strip().splitlines() == [
+      "error: config.rl.mode='sync': a sampler job serves a trainer with rl.mode='remote' (give it the trainer's settings)"]
+
+
+# --- end to end ---------------------------------------------------------------------------------
+
+
+def _env(bucket=None):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  if bucket is not None:
+    env |= {fake_bucket.ROOT_VAR: str(bucket), "PYTHONPATH": FAKE}
+  return env
+
+
+def _start(module, args, log, env):
+  return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=open(log, "w"),
+                          stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _losses(metrics_path):
+  rows = [json.loads(line) for line in open(metrics_path)]
+  return [(r["step"], r["loss"], r["reward_mean"], r["policy_version"]) for r in rows]
+
+
+def _wait(proc, log, timeout=420):
+  try:
+    rc = proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    raise AssertionError(f"{log} did not end:\n" + open(log).read()[-3000:])
+  assert rc == 0, open(log).read()[-3000:]
+
+
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_one_reproducible_sampler_job_gives_the_sync_runs_losses_bit_for_bit(tmp_path, where):
+  warm = [f"--config.warmup.cache_dir={tmp_path / 'warm'}"]
+  sync = tmp_path / "sync"
+  p = _start("oapl_jax.main", [*COMMON, *warm, f"--workdir={sync}"], tmp_path / "sync.log", _env())
+  _wait(p, tmp_path / "sync.log")
+  bucket = tmp_path / "bucket" if where == "bucket" else None
+  workdir = "gs://bkt/remote" if bucket else str(tmp_path / "remote")
+  args = [*COMMON, *warm, "--config.rl.mode=remote", "--config.rl.remote.reproducible=True", f"--workdir={workdir}"]
+  local = ([f"--config.checkpoint.directory={tmp_path / 'ckpt'}"] if bucket else [])  # orbax: local (tests/fake_bucket)
+  trainer = _start("oapl_jax.main", [*args, *local], tmp_path / "trainer.log", _env(bucket))
+  sampler = _start("oapl_jax.sample", args, tmp_path / "sampler.log", _env(bucket))
+  _wait(trainer, tmp_path / "trainer.log")
+  _wait(sampler, tmp_path / "sampler.log")  # it stops by itself: the run is done
+  assert "the trainer marked its run done" in open(tmp_path / "sampler.log").read()
+  metrics = (bucket / "bkt" / "remote" / "metrics.jsonl") if bucket else (tmp_path / "remote" / "metrics.jsonl")
+  assert _losses(metrics) == _losses(sync / "metrics.jsonl")
+  assert [v for *_, v in _losses(metrics)] == [0, 0, 0, 1, 1, 1]  # lag 3: a refresh was crossed
+
+
+def _claim_of(root, pid):
+  """The rollout a sampler process `pid` is sampling now (its claim), or None."""
+  for name in storage.listdir(os.path.join(root, "claims")):
+    try:
+      if f":{pid}:" in json.loads(open(os.path.join(root, "claims", name)).read())["owner"]:
+        return name
+    except (FileNotFoundError, json.JSONDecodeError):
+      pass
+  return None
+
+
+def test_two_sampler_jobs_one_killed_mid_rollout_then_the_trainer_killed_every_group_used_once(tmp_path):
+  c = config_lib.repo_config("tiny.py:smoke")
+  steps, gps, g = 10, c.rl.groups_per_step, c.rl.group_size
+  workdir = tmp_path / "run"
+  args = [*COMMON, f"--config.warmup.cache_dir={tmp_path / 'warm'}", f"--config.train.steps={steps}",
+          "--config.checkpoint.every=2", "--config.rl.mode=remote", "--config.rl.remote.claim_timeout_s=5",
+          "--config.rl.remote.ahead=3", f"--workdir={workdir}"]
+  root = str(workdir / "remote")
+  trainer = _start("oapl_jax.main", args, tmp_path / "trainer1.log", _env())
+  a = _start("oapl_jax.sample", args, tmp_path / "a.log", _env())
+  b = _start("oapl_jax.sample", args, tmp_path / "b.log", _env())
+  # b killed while it holds a claim: in the middle of a rollout (its file never appears whole)
+  deadline = time.time() + 300
+  while _claim_of(root, b.pid) is None or "rollout" not in open(tmp_path / "b.log").read():
+    assert time.time() < deadline and b.poll() is None, open(tmp_path / "b.log").read()[-2000:]
+    time.sleep(0.05)
+  os.killpg(b.pid, signal.SIGKILL)
+  b.wait()
+  # the trainer killed (no clean stop) once it has checkpointed step 4
+  metrics = workdir / "metrics.jsonl"
+  while not (metrics.exists() and any(json.loads(line)["step"] >= 5 for line in open(metrics))):
+    assert time.time() < deadline and trainer.poll() is None, open(tmp_path / "trainer1.log").read()[-2000:]
+    time.sleep(0.1)
+  os.killpg(trainer.pid, signal.SIGKILL)
+  trainer.wait()
+  trainer = _start("oapl_jax.main", args, tmp_path / "trainer2.log", _env())
+  _wait(trainer, tmp_path / "trainer2.log")
+  _wait(a, tmp_path / "a.log")
+  log = open(tmp_path / "trainer2.log").read()
+  assert "resumed from step" in log
+  summary = json.load(open(workdir / "summary.json"))
+  # every step took one rollout of gps groups x G answers: nothing read twice, nothing lost
+  assert summary["trainer_steps"] == steps and summary["samples_generated"] == steps * gps * g
+  rows = [json.loads(line) for line in open(metrics)]
+  last = {r["step"]: r for r in rows}  # the killed start's steps after its checkpoint were redone
+  assert sorted(last) == list(range(1, steps + 1))
+  # step s took rollout s - 1, whichever start took it: each rollout once, in order, none skipped
+  assert all(last[s]["rollouts"] == s and last[s]["samples_generated"] == s * gps * g for s in last)
+  assert not [n for n in os.listdir(os.path.join(root, "rollouts")) if ".tmp" in n]  # no half file left visible
