@@ -144,7 +144,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   # mode, where left-overs and rollouts in flight outlive a refresh. None = never drop (docs/design.md "Asynchronous mode":
   # stale samples are used).
   c.rl.max_lag = placeholder(int)
-  c.rl.mode = "sync"  # "sync": sample when the buffer runs short, then train. "async": the next rollout samples (engines on devices 1..N) while the trainer trains on device 0; OAPL with old_logprobs="sampler" only (docs/design.md "Asynchronous mode"). "offline": rounds of stored answers (rl.offline), then sync.
+  c.rl.mode = "sync"  # "sync": sample when the buffer runs short, then train. "async": the next rollout samples (engines on devices 1..N) while the trainer trains on device 0; OAPL with old_logprobs="sampler" only (docs/design.md "Asynchronous mode"). "offline": rounds of stored answers (rl.offline), then sync. "remote": rollouts from sampler jobs beside the trainer (rl.remote, python -m oapl_jax.sample).
   # Offline mode (rl.mode="offline"; docs/offline.md, oapl_jax/rl/offline.py): a round is
   # one file of G answers per problem sampled by pi_old at the round's start, trained on for
   # rl.offline.epochs passes (pi_old fixed: the round's length is its lag); after the rounds
