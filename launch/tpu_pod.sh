@@ -33,6 +33,16 @@
 # WATCH_SECONDS (600) until the run's summary.json exists, and re-creates, re-installs and
 # restarts it (the run resumes) whenever the slice was preempted or is gone.
 # --dry-run prints every command instead of running it; --delete deletes the slice.
+#
+# Sampler slices (remote mode, docs/remote.md): --samplers=N also creates N slices of
+# --sampler-accelerator (NAME-s1 .. NAME-sN), installs the same checkout on them and starts
+# `python -m oapl_jax.sample` with the same config, workdir and overrides on every worker of
+# each (one sampler job per host), plus the --sampler-set overrides (the job's own engines,
+# e.g. --sampler-set=--config.sampling.tensor=4); the trainer gets --config.rl.mode=remote
+# --config.rl.window_rollouts=1 (before the overrides after --).
+# Check a sampler slice's plan first (docs/remote.md): python -m oapl_jax.sample --config=configs/math.py
+#   --config.rl.mode=remote --config.rl.window_rollouts=1 --config.mesh.topology=TYPE --dry_run
+# --watch re-creates the trainer's slice only; --delete deletes the sampler slices too.
 # Options (defaults in brackets):
 #   --name NAME            TPU VM name [oapl]
 #   --zone ZONE            [us-east5-a]
@@ -47,13 +57,19 @@
 #   --run PATH             the workdir inside the bucket [runs/oapl]
 #   --config SPEC          config file and arg, e.g. configs/code.py [configs/math.py]
 #   --python PYTHON        python (>= 3.11) for the workers' venv [the newest python3.1x there]
+#   --samplers N           sampler slices beside the trainer's (remote mode) [0]
+#   --sampler-accelerator TYPE   their slice type, e.g. v6e-8, v5litepod-8 [v6e-8]
+#   --sampler-version RUNTIME  their TPU VM software [by generation: v2-alpha-tpuv6e, v2-alpha-tpuv5-lite, ...]
+#   --sampler-set OVERRIDE a setting of the sampler jobs only (repeatable), e.g.
+#                          --sampler-set=--config.sampling.max_slots=48
 #   --skip-create, --skip-copy, --skip-install, --skip-run, --dry-run, --delete
 set -euo pipefail
 
 name=oapl zone=us-east5-a accelerator=v5p-64 version=v2-alpha-tpuv5 project="" spot=""
 bucket="" mount=/mnt/bucket run=runs/oapl config=configs/math.py python=""
 dry_run=0 skip_create=0 skip_copy=0 skip_install=0 skip_run=0 delete=0 queued=0 watch=0
-overrides=()
+samplers=0 sampler_accelerator=v6e-8 sampler_version=""
+overrides=() sampler_overrides=()
 while (($#)); do
   case "$1" in
     --name=*) name=${1#*=} ;; --zone=*) zone=${1#*=} ;; --accelerator=*) accelerator=${1#*=} ;;
@@ -62,6 +78,8 @@ while (($#)); do
     --python=*) python=${1#*=} ;; --spot) spot=--spot ;; --dry-run) dry_run=1 ;;
     --skip-create) skip_create=1 ;; --skip-copy) skip_copy=1 ;; --skip-install) skip_install=1 ;;
     --skip-run) skip_run=1 ;; --delete) delete=1 ;; --queued) queued=1 ;; --watch) watch=1 ;;
+    --samplers=*) samplers=${1#*=} ;; --sampler-accelerator=*) sampler_accelerator=${1#*=} ;;
+    --sampler-set=*) sampler_overrides+=("${1#*=}") ;; --sampler-version=*) sampler_version=${1#*=} ;;
     --) shift; overrides=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "tpu_pod.sh: unknown option $1 (--help lists them; setting overrides go after --)" >&2; exit 2 ;;
@@ -74,6 +92,14 @@ if [[ -z "$bucket" ]]; then
 fi
 [[ "$bucket" == gs://* ]] || { echo "tpu_pod.sh: --bucket=$bucket: give a gs:// URL" >&2; exit 2; }
 [[ -f "${config%%:*}" ]] || { echo "tpu_pod.sh: --config=$config: no such file" >&2; exit 2; }
+[[ "$samplers" =~ ^[0-9]+$ ]] || { echo "tpu_pod.sh: --samplers=$samplers: give a count" >&2; exit 2; }
+((samplers == 0)) || overrides=(--config.rl.mode=remote --config.rl.window_rollouts=1 "${overrides[@]}")
+if [[ -z "$sampler_version" ]]; then  # the TPU VM software of the sampler slices' generation
+  case "$sampler_accelerator" in
+    v6e-*) sampler_version=v2-alpha-tpuv6e ;; v5litepod-*|v5e-*) sampler_version=v2-alpha-tpuv5-lite ;;
+    v4-*) sampler_version=tpu-ubuntu2204-base ;; *) sampler_version=$version ;;
+  esac
+fi
 
 gcloud_tpu=(gcloud compute tpus tpu-vm)
 where=(--zone="$zone")
@@ -98,12 +124,18 @@ on_all() {  # run a shell command on every worker of the slice
   do_ "${gcloud_tpu[@]}" ssh "$name" "${where[@]}" --worker=all --command="$1"
 }
 
+trainer_name=$name
+sampler_names=()
+for ((i = 1; i <= samplers; i++)); do sampler_names+=("$name-s$i"); done
+
 if ((delete)); then
-  if ((queued)); then
-    do_ gcloud compute tpus queued-resources delete "$name" "${where[@]}" --force --quiet
-  else
-    do_ "${gcloud_tpu[@]}" delete "$name" "${where[@]}" --quiet
-  fi
+  for name in "$trainer_name" "${sampler_names[@]}"; do
+    if ((queued)); then
+      do_ gcloud compute tpus queued-resources delete "$name" "${where[@]}" --force --quiet
+    else
+      do_ "${gcloud_tpu[@]}" delete "$name" "${where[@]}" --quiet
+    fi
+  done
   exit 0
 fi
 
@@ -136,18 +168,30 @@ install() {
   on_all "set -e; command -v bwrap >/dev/null || (sudo apt-get update -q && sudo apt-get install -y -q bubblewrap); command -v gcsfuse >/dev/null || ($gcsfuse_repo && sudo apt-get update -q && sudo apt-get install -y -q gcsfuse)"
 }
 
-start() {
+start() {  # $1: "trainer" (oapl_jax.main) or "sampler" (a sampler job per worker)
   on_all "sudo mkdir -p $mount && sudo chown \$USER $mount && (mountpoint -q $mount || gcsfuse --implicit-dirs -o ro ${bucket#gs://} $mount)"
-  cmd=(../oapl_venv/bin/python -m oapl_jax.main --config="$config" --workdir="$workdir" "${overrides[@]}")
+  if [[ "${1:-trainer}" == sampler ]]; then
+    cmd=(../oapl_venv/bin/python -m oapl_jax.sample --config="$config" --workdir="$workdir" "${overrides[@]}" "${sampler_overrides[@]}")
+  else
+    cmd=(../oapl_venv/bin/python -m oapl_jax.main --config="$config" --workdir="$workdir" "${overrides[@]}")
+  fi
   on_all "cd ~/oapl_jax && nohup $(printf '%q ' "${cmd[@]}") > ~/oapl_run.log 2>&1 &"
   say "# follow it: ${gcloud_tpu[*]} ssh $name ${where[*]} --worker=0 --command='tail -f ~/oapl_run.log'"
   say "# its metrics: gcloud storage cat $workdir/metrics.jsonl"
 }
 
-((skip_create)) || create
-((skip_copy)) || copy
-((skip_install)) || install
-((skip_run)) || start
+for name in "$trainer_name" "${sampler_names[@]}"; do
+  role=trainer slice_type=$accelerator slice_version=$version
+  [[ "$name" == "$trainer_name" ]] || role=sampler slice_type=$sampler_accelerator slice_version=$sampler_version
+  trainer_type=$accelerator trainer_version=$version accelerator=$slice_type version=$slice_version
+  say "# $role slice $name ($accelerator)"
+  ((skip_create)) || create
+  ((skip_copy)) || copy
+  ((skip_install)) || install
+  ((skip_run)) || start "$role"
+  accelerator=$trainer_type version=$trainer_version
+done
+name=$trainer_name
 
 # --watch: until the run's summary.json exists, re-create the slice and resume after a preemption.
 if ((watch)); then

@@ -334,6 +334,8 @@ class Report:
 
   @property
   def peak(self) -> int:
+    if self.plan.sampler_job:  # engines only: the largest engine program
+      return max(p.total for p in self.programs if p.where == "engine")
     return compiled_peak(self.programs, self.plan, losses.needs(self.plan_config).snapshot)
 
   @property
@@ -365,7 +367,7 @@ class Report:
     half = items["engine snapshot"] + items["KV cache"] / 2
     decode = next(p for p in self.programs if p.name == "decode step")
     per_chip = lambda b: slots / (b / bw) / s.tensor  # noqa: E731
-    return [
+    lines = [
         f"roofline on {name} ({flops_s / 1e12:.0f} TFLOP/s bf16, {bw / 1e9:.0f} GB/s HBM per device):",
         f"  train step: {self.flops['hardware'] / 1e15:.2f} PFLOP over {self.devices} devices "
         f"(analytic matmuls; useful {self.flops['useful'] / 1e15:.2f}) -> >= {step_s:.2f} s per step, "
@@ -376,6 +378,7 @@ class Report:
         f"{decode.bytes_accessed / GiB:.2f} GiB accessed, {decode.flops / 1e9:.1f} GFLOP "
         "(loop bodies counted once)",
     ]
+    return [lines[0], lines[2]] if self.plan.sampler_job else lines
 
   def format(self) -> str:
     """The programs' table (GiB per device), the compiled peak against the device and the
@@ -398,11 +401,15 @@ class Report:
     return "\n".join(lines + self.roofline())
 
 
-def compile_run(config, keep_hlo: bool = False, only: tuple[str, ...] | None = None) -> Report:
+def compile_run(config, keep_hlo: bool = False, only: tuple[str, ...] | None = None,
+                sampler_job: bool = False) -> Report:
   """Compiles every program of a validated `config` for `config.mesh.topology` (a TPU slice,
   through libtpu) or this machine's devices; nothing is allocated or read. only: some programs
-  (`programs`; the report's peak and format need the train step and the refresh)."""
-  plan = plan_lib.make_plan(config)
+  (`programs`; the report's peak and format need the train step and the refresh).
+  sampler_job: a remote sampler job's programs only (prefill and decode; `plan.make_sampler_plan`)."""
+  if sampler_job:
+    config, only = plan_lib.sampler_config(config), ("prefill", "decode")
+  plan = plan_lib.make_sampler_plan(config) if sampler_job else plan_lib.make_plan(config)
   name = config.mesh.topology
   if name in (None, LOCAL):
     devices, chip = jax.devices(), None

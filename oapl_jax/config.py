@@ -491,7 +491,7 @@ def validate(c, *, dry_run: bool = False) -> None:
   if rl.window_rollouts > 1:
     _check(rl.mode == "sync", "rl.window_rollouts", rl.window_rollouts,
            f"sync mode only (rl.mode={rl.mode!r}): async overlaps sampling with training instead, "
-           "offline reads rounds")
+           "offline reads rounds, remote's sampler jobs sample a rollout at a time; set it to 1")
     _check(rl.lag % rl.window_rollouts == 0, "rl.window_rollouts", rl.window_rollouts,
            f"must divide rl.lag={rl.lag}: a window of rollouts is sampled by one pi_old")
     _check(rl.groups_per_rollout == rl.groups_per_step, "rl.window_rollouts", rl.window_rollouts,

@@ -27,6 +27,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
 from oapl_jax import distributed, errors, placement  # noqa: E402
+from oapl_jax.dry_run_flag import DryRunParser  # noqa: E402
 from oapl_jax.topology import LOCAL  # noqa: E402
 from oapl_jax.workdir import Layout  # noqa: E402
 
@@ -35,26 +36,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and 
                                 "(required unless --dry_run).")
 
 
-class _DryRunParser(flags.ArgumentParser):
-  """`--dry_run` (or `--dry_run=plan`): the memory plan; `--dry_run=compile`: every program
-  compiled for the topology (oapl_jax/aot.py). A boolean flag, so that `--dry_run` alone works."""
-
-  def parse(self, argument):
-    value = str(argument).lower()
-    if value in ("true", "1", "plan"):
-      return "plan"
-    if value in ("false", "0", "none"):
-      return None
-    if value == "compile":
-      return "compile"
-    raise ValueError(f"{argument!r}: use --dry_run (the plan) or --dry_run=compile")
-
-  def flag_type(self):
-    return "plan | compile"
-
-
 _DRY_RUN = flags.DEFINE(
-    _DryRunParser(), "dry_run", None,
+    DryRunParser(), "dry_run", None,
     "Print the memory plan per device (config.mesh.topology, else this machine's devices) and "
     "exit: 0 if it fits. --dry_run=compile: compile every program of the run for that topology "
     "(a TPU slice: needs libtpu) and print XLA's bytes per device beside the plan's.",

@@ -350,6 +350,7 @@ class Plan:
   engine_slots: int = 0  # answers one engine replica decodes at once
   host_bytes: int = 0  # per process, host memory: the answers of a rollout window (`host_window_bytes`)
   host_note: str = ""
+  sampler_job: bool = False  # a remote sampler job's devices: engines only (`make_sampler_plan`)
 
   def _bytes(self, items) -> int:
     return sum(i.nbytes for i in items)
@@ -388,8 +389,12 @@ class Plan:
     """The plan as a table (item, bytes per device, GiB, where/phase, note) and the totals."""
     axes = " x ".join(f"{a} {n}" for a, n in self.mesh.items())
     layout = ("trainer and engines share devices" if self.shared else "engines on their own devices")
-    lines = [f"memory plan per device: {self.topology} ({self.devices} devices); trainer mesh {axes}; "
-             f"{self.engines} engine(s) x tensor {self.engine_tensor}; {layout}",
+    first = (f"memory plan per device of a sampler job (rl.mode=remote): {self.topology} ({self.devices} "
+             f"devices); {self.engines} engine(s) x tensor {self.engine_tensor}; no trainer"
+             if self.sampler_job else
+             f"memory plan per device: {self.topology} ({self.devices} devices); trainer mesh {axes}; "
+             f"{self.engines} engine(s) x tensor {self.engine_tensor}; {layout}")
+    lines = [first,
              f"hosts: {self.processes} (one process each) of {self.devices // self.processes} "
              f"devices; each runs {self.engines // self.processes} engine(s) of {self.engine_slots} "
              f"decode slots on {self.engine_tensor} device(s)",
@@ -399,7 +404,9 @@ class Plan:
       mark = "" if id(i) in counted else " (not at the peak)"
       lines.append(f"{i.name:<17} {i.nbytes:>17,} {i.nbytes / GiB:>8.2f}  "
                    f"{i.where + '/' + i.phase:<13}  {i.note}{mark}")
-    if not self.shared:
+    if self.sampler_job:
+      how = "an engine device: its state + sampling"
+    elif not self.shared:
       how = "the fuller of a trainer and an engine device"
     elif self.concurrent:
       how = "states + trainer step + engine step (async: at once)"
@@ -533,6 +540,30 @@ def make_plan(config) -> Plan:
   return Plan(where.name, where.devices, mesh, s.engines, s.tensor, shared,
               placement.overlaps_training(config), tuple(items), where.device_bytes,
               where.processes, slots, host, host_note)
+
+
+def sampler_config(config):
+  """`config` as a sampler job's devices see it: the trainer's mesh is elsewhere, so any mesh
+  (fsdp over the job's devices) stands in for it where the planner and the compiler ask."""
+  out = config.copy_and_resolve_references()
+  out.mesh.data, out.mesh.fsdp, out.mesh.tensor = 1, -1, 1
+  return out
+
+
+def make_sampler_plan(config) -> Plan:
+  """The plan of a remote sampler job (`python -m oapl_jax.sample --dry_run`) of `config` on
+  its topology: its engines' items only (the trainer is elsewhere); `sampling.engines` x
+  `sampling.tensor` must fit the job's devices. The job's host holds one rollout's answers."""
+  where = topology_of(config)
+  need = config.sampling.engines * config.sampling.tensor
+  if need > where.devices // where.processes:
+    raise ConfigError(f"config.sampling.engines={config.sampling.engines} x sampling.tensor="
+                      f"{config.sampling.tensor}: {need} devices, but a sampler job runs on one host "
+                      f"and {where.name} has {where.devices // where.processes} per host")
+  full = make_plan(sampler_config(config))
+  items = tuple(i for i in full.items if i.where == "engine")
+  return dataclasses.replace(full, items=items, shared=False, concurrent=False, sampler_job=True,
+                             host_bytes=0, host_note="one rollout's answers at a time")
 
 
 def loop_copies_cache(config, where: Devices, capacity: int | None = None) -> bool:

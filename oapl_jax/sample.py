@@ -8,6 +8,14 @@ a bucket URL). It runs on this machine's devices (`sampling.engines` x `sampling
 number of such jobs at once, each free to start and stop: it samples the rollouts the trainer
 will take next with the pi_old the trainer published (oapl_jax/rl/remote.py), and stops when
 the trainer's run is done. A refused setting is one line on stderr and exit code 2.
+
+`--dry_run` prints the job's memory plan on its own topology (its engines only) and exits, 0
+if it fits; `--dry_run=compile` compiles its prefill and decode programs too (a TPU slice:
+libtpu, as for the trainer's):
+
+  python -m oapl_jax.sample --config=configs/math.py --config.rl.mode=remote \
+      --config.rl.window_rollouts=1 --config.mesh.topology=v6e-8 --config.sampling.tensor=4 \
+      --config.sampling.engines=2 --dry_run
 """
 
 import json
@@ -20,12 +28,38 @@ from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
 from oapl_jax import errors, placement  # noqa: E402
+from oapl_jax.dry_run_flag import DryRunParser  # noqa: E402
+from oapl_jax.topology import LOCAL  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's --workdir.")
 _MAX_ROLLOUTS = flags.DEFINE_integer("max_rollouts", None, "Stop after writing this many rollouts.")
 _MAX_IDLE_S = flags.DEFINE_float("max_idle_s", 3600.0, "Stop after this long with nothing to sample.")
-flags.mark_flags_as_required(["config", "workdir"])
+_DRY_RUN = flags.DEFINE(
+    DryRunParser(), "dry_run", None,
+    "Print the sampler job's memory plan per device (its engines only; config.mesh.topology, "
+    "e.g. v6e-8, else this machine's devices) and exit: 0 if it fits. --dry_run=compile: "
+    "compile its prefill and decode programs for that topology and print XLA's bytes.",
+    boolean=True)
+flags.mark_flags_as_required(["config"])
+flags.register_validator("workdir", lambda v: v is not None or _DRY_RUN.value,
+                         "--workdir is required (except with --dry_run)")
+
+
+def dry_run(config) -> None:
+  """Prints the sampler job's plan (and compiled programs); PlanError (one line) if they do not fit."""
+  from oapl_jax import plan as plan_lib  # noqa: PLC0415
+  if config.mesh.topology in (None, LOCAL):
+    placement.request_host_devices(placement.engine_device_count(config))
+  plan = plan_lib.make_sampler_plan(config)
+  print(plan.format(), flush=True)
+  if not plan.fits:
+    raise plan_lib.PlanError(plan.advice())
+  if _DRY_RUN.value == "compile":
+    from oapl_jax import aot  # noqa: PLC0415
+    report = aot.compile_run(config, sampler_job=True)
+    print(report.format(), flush=True)
+    report.check()
 
 
 def main(argv):
@@ -33,10 +67,12 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   config = config_lib.from_flag(_CONFIG)
-  config_lib.validate(config)
+  config_lib.validate(config, dry_run=bool(_DRY_RUN.value))
   if config.rl.mode != "remote":
     raise errors.ConfigError(f"config.rl.mode={config.rl.mode!r}: a sampler job serves a trainer "
                              "with rl.mode='remote' (give it the trainer's settings)")
+  if _DRY_RUN.value:
+    return dry_run(config)
   placement.request_host_devices(placement.engine_device_count(config))
   from oapl_jax.rl.sampler_job import SamplerJob  # noqa: PLC0415 (after validation: JAX starts here)
   job = SamplerJob(config, _WORKDIR.value)

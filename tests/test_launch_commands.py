@@ -311,3 +311,33 @@ def test_the_mix_study_launcher_searches_every_method_and_runs_the_studys_lags_a
     assert f"--methods {' '.join(spec.methods)} " in l and f"--lags {' '.join(map(str, spec.lags))} " in l
     assert f"--seeds {' '.join(map(str, spec.seeds))}" in l
   assert lines[2].endswith("--report=docs/mix_study.md --seeds 0 1 2 --save-results")
+
+
+def test_the_launchers_start_sampler_slices_beside_the_trainer_in_remote_mode():
+  p = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run", "--name=t", "--run=runs/t", "--samplers=2",
+                      "--sampler-accelerator=v6e-8", "--sampler-set=--config.sampling.max_slots=48",
+                      "--", "--config.rl.lag=100"], cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert p.returncode == 0, p.stderr
+  n, problems = check_text(p.stdout, "tpu_pod.sh --samplers --dry-run")
+  assert n == 3 and not problems, (p.stdout, problems)  # one trainer, two sampler commands
+  assert "tpu-vm create t-s2 --zone=us-east5-a --accelerator-type=v6e-8 --version=v2-alpha-tpuv6e" in p.stdout
+  trainer = ("oapl_jax.main --config=configs/math.py --workdir=gs://BUCKET/runs/t --config.rl.mode=remote "
+             "--config.rl.window_rollouts=1 --config.rl.lag=100")
+  sampler = ("oapl_jax.sample --config=configs/math.py --workdir=gs://BUCKET/runs/t --config.rl.mode=remote "
+             "--config.rl.window_rollouts=1 --config.rl.lag=100 --config.sampling.max_slots=48")
+  assert p.stdout.count(trainer) == 1 and p.stdout.count(sampler) == 2, p.stdout
+  gone = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run", "--name=t", "--samplers=2", "--delete"],
+                        cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert [line for line in gone.stdout.splitlines() if " delete " in line] == [
+      f"+ gcloud compute tpus tpu-vm delete {n} --zone=us-east5-a --quiet" for n in ("t", "t-s1", "t-s2")]
+  g = subprocess.run(["bash", "launch/gke_xpk.sh", "--dry-run", "--workload=t", "--samplers=1",
+                      "--sampler-set=--config.sampling.max_slots=48"], cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert g.returncode == 0, g.stderr
+  n, problems = check_text(g.stdout, "gke_xpk.sh --samplers --dry-run")
+  assert n == 2 and not problems, (g.stdout, problems)
+  assert "xpk workload create --workload=t-s1 --cluster=CLUSTER --tpu-type=v6e-8" in g.stdout
+  assert "oapl_jax.sample --config=configs/math.py --workdir=gs://BUCKET/runs/oapl --config.rl.mode=remote" in g.stdout
+  for script in ("tpu_pod.sh", "gke_xpk.sh"):
+    bad = subprocess.run(["bash", f"launch/{script}", "--dry-run", "--samplers=two"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--samplers=two: give a count" in bad.stderr

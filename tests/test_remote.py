@@ -204,3 +204,34 @@ def test_two_sampler_jobs_one_killed_mid_rollout_then_the_trainer_killed_every_g
   # step s took rollout s - 1, whichever start took it: each rollout once, in order, none skipped
   assert all(last[s]["rollouts"] == s and last[s]["samples_generated"] == s * gps * g for s in last)
   assert not [n for n in os.listdir(os.path.join(root, "rollouts")) if ".tmp" in n]  # no half file left visible
+
+
+def test_a_sampler_jobs_dry_run_plans_its_engines_on_its_own_topology():
+  base = [sys.executable, "-m", "oapl_jax.sample", "--config=configs/math.py", "--config.rl.mode=remote",
+          "--config.rl.window_rollouts=1", "--config.mesh.topology=v6e-8", "--config.sampling.tensor=4",
+          "--config.sampling.engines=2", "--dry_run"]
+  fits = subprocess.run([*base, "--config.sampling.max_slots=48"], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert fits.returncode == 0, fits.stderr
+  assert fits.stdout.startswith("memory plan per device of a sampler job (rl.mode=remote): v6e-8 (8 devices); "
+                                "2 engine(s) x tensor 4; no trainer")
+  assert "master weights" not in fits.stdout and "KV cache" in fits.stdout and "fits" in fits.stdout
+  full = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=120)  # math.py's 256 slots
+  assert full.returncode == 2
+  assert full.stderr.strip().splitlines() == [
+      "error: the run needs 78.89 GiB per device but v6e-8 devices have 32.00 GiB (short by 46.89 GiB); the "
+      "biggest item is the KV cache (76.50 GiB per device): change sampling.max_slots (or spread the cache: "
+      "sampling.engines x sampling.tensor)"]
+  many = subprocess.run([*base[:-3], "--config.sampling.engines=4", "--config.sampling.tensor=4", "--dry_run"],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert many.returncode == 2 and "16 devices, but a sampler job runs on one host and v6e-8 has 8 per host" in many.stderr
+
+
+def test_a_sampler_jobs_compile_dry_run_compiles_its_prefill_and_decode_only():
+  p = subprocess.run([sys.executable, "-m", "oapl_jax.sample", "--config=configs/tiny.py", "--config.rl.mode=remote",
+                      "--dry_run=compile"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr
+  programs = [line.split()[0] for line in p.stdout.splitlines()[p.stdout.splitlines().index(
+      next(line for line in p.stdout.splitlines() if line.startswith("program"))) + 1:] if line.startswith(("prefill", "decode"))]
+  assert programs[0] == "prefill" and all(name == "decode" for name in programs[1:]) and len(programs) >= 2
+  assert "train step" not in p.stdout and "refresh" not in p.stdout
+  assert "peak per device: compiled" in p.stdout

@@ -325,7 +325,7 @@ class RemoteSource:
       waiting = time.perf_counter() - waited
       if waiting >= said:
         say(f"step {c.step + 1}: waiting for rollout {index} from the sampler jobs ({waiting:.0f}s; "
-            f"python -m oapl_jax.sample with this run's config and --workdir)")
+            f"start them with oapl_jax.sample, this run's config and workdir: docs/remote.md)")
         said = max(2 * said, rc.say_every_s)
       time.sleep(rc.poll_s)
     policy = data.header["policy"]
