@@ -198,3 +198,29 @@ print("REPORT " + json.dumps({"temp": p.temp, "planned": p.planned_temp}))
 def test_the_refresh_of_a_pod_config_holds_one_layer_in_transit():
   report = _run_with_libtpu(_REFRESH_SCRIPT)
   assert abs(report["temp"] / report["planned"] - 1) <= 0.1, report
+
+
+_SAMPLER_SCRIPT = r"""
+import json
+from configs import tiny
+from oapl_jax import aot
+c = tiny.get_config()
+c.model.vocab_size, c.model.hidden_size, c.model.mlp_dim = 1024, 128, 256
+c.rl.mode, c.mesh.topology, c.sampling.engines, c.sampling.tensor = "remote", "v6e-8", 2, 2
+report = aot.compile_run(c, sampler_job=True)
+print("REPORT " + json.dumps({"programs": [p.name for p in report.programs],
+                              "where": sorted({p.where for p in report.programs}), "peak": report.peak,
+                              "largest": max(p.total for p in report.programs), "fits": report.fits,
+                              "text": report.format()}))
+"""
+
+
+def test_a_sampler_jobs_programs_compile_for_its_own_slice_with_the_tpu_compiler():
+  """A remote sampler job on a v6e-8 (not the trainer's v5p): its prefill and decode programs,
+  compiled by libtpu for that slice, the peak being the largest of them."""
+  report = _run_with_libtpu(_SAMPLER_SCRIPT)
+  print(report["text"])
+  assert report["programs"][0] == "prefill" and report["programs"][-1] == "decode step"
+  assert all(name.startswith(("prefill", "decode")) for name in report["programs"])
+  assert report["where"] == ["engine"] and report["peak"] == report["largest"] > 0 and report["fits"]
+  assert "roofline on TPU v6e" in report["text"] and "train step" not in report["text"]
