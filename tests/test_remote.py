@@ -69,6 +69,33 @@ def test_a_snapshot_reads_back_bit_for_bit_and_a_damaged_or_foreign_one_is_refus
     remote.read_snapshot(path, abstract, model_cfg.architecture())
 
 
+def test_a_sampler_job_refuses_a_damaged_snapshot_in_one_line_and_samples_with_the_one_it_holds(tmp_path, capsys):
+  from oapl_jax.rl import offline  # noqa: PLC0415
+  from oapl_jax.rl.sampler_job import SamplerJob  # noqa: PLC0415
+  c = config_lib.repo_config("tiny.py:smoke")
+  c.rl.mode, c.rl.groups_per_rollout = "remote", c.rl.groups_per_step
+  config_lib.validate(c)
+  job = SamplerJob(c, str(tmp_path))
+  _, _, params = init_model(c)
+  for version in (0, 1):
+    remote.publish_snapshot(job.root, params, version=version, snapshot_step=3 * version, model_meta=job.meta)
+  assert job._load(0)
+  path = remote.snapshot_path(job.root, 1)
+  data = bytearray(open(path, "rb").read())
+  data[len(data) // 2] ^= 0xFF
+  open(path, "wb").write(bytes(data))
+  capsys.readouterr()
+  assert not job._load(1)
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f"sampler: snapshot {path}: ") and lines[0].endswith("; keeping version 0")
+  assert job.loaded.version == 0 and job.damaged == {1}
+  remote.write_status(job.root, {"next_rollout": 0, "version": 1, "step": 3, "done": False})
+  out = job.serve(max_rollouts=1)  # the newest good snapshot: version 0
+  assert out["rollouts"] == [0]
+  written = offline.read(remote.rollout_path(job.root, 0))
+  assert written.header["policy"]["version"] == 0 and written.header["rollout"] == 0 and written.groups == c.rl.groups_per_rollout
+
+
 def test_of_two_claims_one_wins_and_a_dead_samplers_claim_is_taken_over(tmp_path):
   root = str(tmp_path)
   assert remote.claim(root, 5, "a", timeout_s=60)
@@ -144,13 +171,22 @@ def test_one_reproducible_sampler_job_gives_the_sync_runs_losses_bit_for_bit(tmp
   workdir = "gs://bkt/remote" if bucket else str(tmp_path / "remote")
   args = [*COMMON, *warm, "--config.rl.mode=remote", "--config.rl.remote.reproducible=True", f"--workdir={workdir}"]
   local = ([f"--config.checkpoint.directory={tmp_path / 'ckpt'}"] if bucket else [])  # orbax: local (tests/fake_bucket)
+  files = (bucket / "bkt" / "remote") if bucket else (tmp_path / "remote")
+  # before any sampler: a damaged rollout 0 (someone's bad copy) and half of rollout 1 under the
+  # name a writer uses before its rename (a sampler killed mid-write)
+  (files / "remote" / "rollouts").mkdir(parents=True)
+  (files / "remote" / "rollouts" / "r000000000.npz").write_bytes(b"PK\x03\x04 not a whole file")
+  (files / "remote" / "rollouts" / "r000000001.npz.4242.tmp").write_bytes(b"PK\x03\x04 half")
   trainer = _start("oapl_jax.main", [*args, *local], tmp_path / "trainer.log", _env(bucket))
   sampler = _start("oapl_jax.sample", args, tmp_path / "sampler.log", _env(bucket))
   _wait(trainer, tmp_path / "trainer.log")
   _wait(sampler, tmp_path / "sampler.log")  # it stops by itself: the run is done
   assert "the trainer marked its run done" in open(tmp_path / "sampler.log").read()
-  metrics = (bucket / "bkt" / "remote" / "metrics.jsonl") if bucket else (tmp_path / "remote" / "metrics.jsonl")
-  assert _losses(metrics) == _losses(sync / "metrics.jsonl")
+  said = [line for line in open(tmp_path / "trainer.log") if "set aside" in line]
+  assert len(said) == 1 and said[0].startswith("rollout 0 set aside, to be sampled again: offline file ")
+  assert "unreadable" in said[0] and (files / "remote" / "rollouts" / "r000000000.npz.rejected").exists()
+  metrics = files / "metrics.jsonl"
+  assert _losses(metrics) == _losses(sync / "metrics.jsonl")  # rollout 0 sampled again, the same
   assert [v for *_, v in _losses(metrics)] == [0, 0, 0, 1, 1, 1]  # lag 3: a refresh was crossed
 
 
@@ -165,17 +201,21 @@ def _claim_of(root, pid):
   return None
 
 
-def test_two_sampler_jobs_one_killed_mid_rollout_then_the_trainer_killed_every_group_used_once(tmp_path):
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_two_sampler_jobs_one_killed_mid_rollout_then_the_trainer_killed_every_group_used_once(tmp_path, where):
   c = config_lib.repo_config("tiny.py:smoke")
   steps, gps, g = 10, c.rl.groups_per_step, c.rl.group_size
-  workdir = tmp_path / "run"
+  bucket = tmp_path / "bucket" if where == "bucket" else None
+  workdir = (bucket / "bkt" / "run") if bucket else (tmp_path / "run")  # where its files land
   args = [*COMMON, f"--config.warmup.cache_dir={tmp_path / 'warm'}", f"--config.train.steps={steps}",
           "--config.checkpoint.every=2", "--config.rl.mode=remote", "--config.rl.remote.claim_timeout_s=5",
-          "--config.rl.remote.ahead=3", f"--workdir={workdir}"]
+          "--config.rl.remote.ahead=3", f"--workdir={'gs://bkt/run' if bucket else workdir}"]
+  if bucket:
+    args.append(f"--config.checkpoint.directory={tmp_path / 'ckpt'}")  # orbax: local (tests/fake_bucket)
   root = str(workdir / "remote")
-  trainer = _start("oapl_jax.main", args, tmp_path / "trainer1.log", _env())
-  a = _start("oapl_jax.sample", args, tmp_path / "a.log", _env())
-  b = _start("oapl_jax.sample", args, tmp_path / "b.log", _env())
+  trainer = _start("oapl_jax.main", args, tmp_path / "trainer1.log", _env(bucket))
+  a = _start("oapl_jax.sample", args, tmp_path / "a.log", _env(bucket))
+  b = _start("oapl_jax.sample", args, tmp_path / "b.log", _env(bucket))
   # b killed while it holds a claim: in the middle of a rollout (its file never appears whole)
   deadline = time.time() + 300
   while _claim_of(root, b.pid) is None or "rollout" not in open(tmp_path / "b.log").read():
@@ -190,7 +230,7 @@ def test_two_sampler_jobs_one_killed_mid_rollout_then_the_trainer_killed_every_g
     time.sleep(0.1)
   os.killpg(trainer.pid, signal.SIGKILL)
   trainer.wait()
-  trainer = _start("oapl_jax.main", args, tmp_path / "trainer2.log", _env())
+  trainer = _start("oapl_jax.main", args, tmp_path / "trainer2.log", _env(bucket))
   _wait(trainer, tmp_path / "trainer2.log")
   _wait(a, tmp_path / "a.log")
   log = open(tmp_path / "trainer2.log").read()
