@@ -82,7 +82,7 @@ def test_config_builds_it_and_refuses_bad_operations():
   c = config_lib.repo_config("mix.py")
   config_lib.validate(c)
   task, tok = make_task(c)
-  assert isinstance(task, chain_mix.ChainMixTask) and task.operations == "+-*"
+  assert isinstance(task, chain_mix.ChainMixTask) and task.operations == "+-*x" and task.noisy_operations == "+-*"
   assert c.sampling.max_new_tokens >= task.longest_answer_tokens()
   for bad in ("", "+/", "++"):
     c.task.operations = bad

@@ -647,7 +647,7 @@ def test_a_reduced_mix_study_runs_the_mixed_task_with_both_grpo_variants(tmp_pat
   assert sorted(r.method for r in runs) == ["grpo_tis_async", "oapl_tied"]
   for r in runs:
     cfg = r.summary["config"]
-    assert cfg["task"]["name"] == "chain_mix" and cfg["task"]["operations"] == "+-*" and cfg["rl"]["lag"] == 2
+    assert cfg["task"]["name"] == "chain_mix" and cfg["task"]["operations"] == "+-*x" and cfg["rl"]["lag"] == 2
   text = open(os.path.join(out, "lag_study.md")).read()
   assert text.startswith("# Mixed-task study") and "configs/mix.py" in text
   assert "async GRPO+TIS (token TIS, C=2, clip 0.2/0.28) | 2 |" in text  # in the tables
