@@ -164,6 +164,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.rl.remote.ahead = 4  # Rollouts a sampler job may sample beyond the trainer's next one (the samplers' queue).
   c.rl.remote.claim_timeout_s = 1800.0  # A sampler's claim on a rollout not written after this long is a dead sampler's: another takes it over.
   c.rl.remote.keep_snapshots = 2  # Published pi_old versions kept (newest first); older ones are removed.
+  c.rl.remote.max_rejections = 3  # A rollout whose file is refused this many times (damaged, another run's, log-probs not pi_old's: rl.offline.check_rows of each sampler's first file of a version are rescored) stops the run in one line.
   c.rl.remote.poll_s = 0.5  # Seconds between looks for a file (trainer and samplers).
   c.rl.remote.say_every_s = 30.0  # Longest gap between the trainer's "waiting for rollout" lines (the first is at once).
   # The baseline, selected with rl.loss = "grpo" (docs/algorithm.md; losses.grpo). Same loop, buffer and
@@ -502,6 +503,7 @@ def validate(c, *, dry_run: bool = False) -> None:
   if rl.mode == "remote":
     _int(c, "rl.remote.ahead", 1)
     _int(c, "rl.remote.keep_snapshots", 1)
+    _int(c, "rl.remote.max_rejections", 1)
     _number(c, "rl.remote.claim_timeout_s", 0, lo_open=True)
     _number(c, "rl.remote.poll_s", 0, lo_open=True)
     _number(c, "rl.remote.say_every_s", 0, lo_open=True)

@@ -96,6 +96,30 @@ def test_a_sampler_job_refuses_a_damaged_snapshot_in_one_line_and_samples_with_t
   assert written.header["policy"]["version"] == 0 and written.header["rollout"] == 0 and written.groups == c.rl.groups_per_rollout
 
 
+def test_the_trainer_rescores_a_samplers_first_rollout_and_refuses_other_log_probs(tmp_path):
+  from oapl_jax import train  # noqa: PLC0415
+  from oapl_jax.rl import offline  # noqa: PLC0415
+  from oapl_jax.rl.sampler_job import SamplerJob  # noqa: PLC0415
+  c = config_lib.repo_config("tiny.py:smoke")
+  c.rl.mode, c.rl.groups_per_rollout, c.rl.remote.max_rejections = "remote", c.rl.groups_per_step, 1
+  config_lib.validate(c)
+  run = train.Run(c, str(tmp_path))
+  run.source._publish()  # version 0, as the first step does
+  SamplerJob(c, str(tmp_path)).serve(max_rollouts=1)
+  path = remote.rollout_path(run.source.root, 0)
+  good = offline.read(path)
+  header = {k: v for k, v in good.header.items() if k != "format"}
+  # another policy's log-probs (the tokens unchanged): a sampler job with other weights
+  offline.write(path, header, {**good.arrays, "answer_logprobs": good.arrays["answer_logprobs"] - 0.5})
+  with pytest.raises(offline.OfflineFileError, match=r"rollout 0 refused 1 times \(rl.remote.max_rejections\); "
+                     r"the last: offline file .*r000000000.npz: its log-probs are not those of this run's pi_old"):
+    run.source.next(None)
+  offline.write(path, header, good.arrays)
+  drawn = run.source.next(None)
+  assert len(drawn.rows) == c.rl.groups_per_rollout * c.rl.group_size and run.counters.rollouts == 1
+  assert run.source._checked == {(good.header["policy"]["source"], 0)}
+
+
 def test_of_two_claims_one_wins_and_a_dead_samplers_claim_is_taken_over(tmp_path):
   root = str(tmp_path)
   assert remote.claim(root, 5, "a", timeout_s=60)

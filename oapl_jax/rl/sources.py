@@ -290,6 +290,9 @@ class RemoteSource:
     self.empties_buffer_at_refresh = bool(self._rc.reproducible)
     self._published: int | None = None
     self._saved_at = None  # counters.rollouts at the previous checkpoint: files below it are done with
+    self._checked: set[tuple[str, int]] = set()  # (sampler, version) pairs whose log-probs were rescored
+    self._rejected: dict[int, int] = {}  # rollout index -> files of it set aside
+    self._recompute = None
 
   refresh_due = SyncSource.refresh_due
 
@@ -353,7 +356,12 @@ class RemoteSource:
         raise offline.OfflineFileError(
             f"offline file {path}: sampled by snapshot version {policy.get('version')}; "
             f"rl.remote.reproducible takes rollout {index} from version {want} (a sampler job not in reproducible mode?)")
+      self._check_logprobs(data, policy)
     except offline.OfflineFileError as e:
+      self._rejected[index] = self._rejected.get(index, 0) + 1
+      if self._rejected[index] >= self._rc.max_rejections:
+        raise offline.OfflineFileError(f"rollout {index} refused {self._rejected[index]} times "
+                                       f"(rl.remote.max_rejections); the last: {e}") from None
       say(f"rollout {index} set aside, to be sampled again: {e}")
       if storage.exists(path):  # kept for a look, under a name no reader takes
         storage.write_bytes(path + ".rejected", storage.read_bytes(path))
@@ -361,6 +369,22 @@ class RemoteSource:
       remote.release(self.root, index)
       return None
     return data
+
+  def _check_logprobs(self, data, policy: dict) -> None:
+    """Each sampler's first rollout of the engines' current version: `rl.offline.check_rows` of
+    its rows rescored with pi_old by the trainer's kernel (as offline mode checks a round's file),
+    so a sampler job with other weights or another engine is refused. Older versions' files are
+    not checked: the trainer no longer holds their pi_old."""
+    run = self._run
+    key = (str(policy.get("source")), int(policy.get("version", -1)))
+    if key[1] != run.counters.version or key in self._checked or not run.config.rl.offline.check_rows:
+      return
+    if self._recompute is None:
+      self._recompute = offline.logprob_fn(run.config, run.graphdef, run.mesh)
+    offline.check_logprobs(data, run.config, self._recompute, run.snapshot, seq_len=seq_len(run.config),
+                           pad_id=run.sampler.tokenizer.pad_id,
+                           what=f"this run's pi_old (version {run.counters.version})")
+    self._checked.add(key)
 
   def saved(self) -> None:
     """After a checkpoint: the rollout files the checkpoint before it had used are removed."""
