@@ -18,7 +18,8 @@ import pytest
 
 from conftest import in_ci
 from configs import tiny
-from oapl_jax import aot
+from oapl_jax import aot, plan
+from oapl_jax import config as config_lib
 from oapl_jax.errors import ConfigError, UserError
 from oapl_jax.topology import TOPOLOGIES
 
@@ -133,7 +134,8 @@ for p in report.programs:
   bad = [line.strip()[:200] for line in p.hlo.splitlines()
          if ("all-gather" in line or "all-reduce" in line) and full.search(line)]
   out[p.name] = {"argument": p.argument, "temp": p.temp, "output": p.output,
-                 "flops": p.flops, "full_table_collectives": bad}
+                 "flops": p.flops, "full_table_collectives": bad, "pallas_calls": p.pallas_calls,
+                 "outside_band": p.outside_band()}
 c.model.head_dim, c.sampling.max_new_tokens = 128, 120
 loops = {p.name: p.temp for p in aot.compile_run(c, only=("decode @",)).programs}
 print("REPORT " + json.dumps({"programs": out, "peak": report.peak, "fits": report.fits,
@@ -165,6 +167,13 @@ def test_compiles_for_a_tpu_slice_with_the_tpu_compiler():
   print(report["text"])
   programs = report["programs"]
   assert {"train step", "refresh", "prefill", "decode step"} <= set(programs)
+  # attention "auto" on a TPU slice: the Pallas kernels are in the compiled programs (splash
+  # attention forward and backward in the train step, the engine's prefill and decode kernels)
+  for name in ("train step", "prefill", "decode step"):
+    assert programs[name]["pallas_calls"] >= 1, (name, programs[name]["pallas_calls"])
+  assert "Pallas kernels per program: train step" in report["text"]
+  # every program within the plan's band, so `--dry_run=compile` passes its check
+  assert all(p["outside_band"] is None for p in programs.values()), programs
   for name, p in programs.items():
     assert p["argument"] > 0, (name, p)  # XLA's memory figures were read
   assert programs["train step"]["temp"] > 0 and programs["train step"]["flops"] > 0
@@ -224,3 +233,26 @@ def test_a_sampler_jobs_programs_compile_for_its_own_slice_with_the_tpu_compiler
   assert all(name.startswith(("prefill", "decode")) for name in report["programs"])
   assert report["where"] == ["engine"] and report["peak"] == report["largest"] > 0 and report["fits"]
   assert "roofline on TPU v6e" in report["text"] and "train step" not in report["text"]
+
+
+def test_a_program_outside_the_plans_band_fails_the_compile_check_in_one_line():
+  """`--dry_run=compile` refuses a run whose compiled programs the plan misjudges (aot.PLAN_BAND,
+  aot.PLAN_FLOOR; docs/memory.md): compiled here for this machine's CPU, then one program's temp
+  set past the band."""
+  import dataclasses  # noqa: PLC0415
+  c = config_lib.repo_config("tiny.py")
+  report = aot.compile_run(c)
+  report.check()  # as compiled: within the band
+  assert all(p.outside_band() is None for p in report.programs)
+  train = next(p for p in report.programs if p.name == "train step")
+  edge = int(aot.PLAN_BAND * train.planned + aot.PLAN_FLOOR)
+  inside = dataclasses.replace(train, argument=train.planned_argument, temp=train.planned_temp + edge - 1)
+  outside = dataclasses.replace(train, argument=train.planned_argument, temp=train.planned_temp + edge + 1)
+  assert inside.outside_band() is None and outside.outside_band() is not None
+  report.programs[report.programs.index(train)] = outside
+  with pytest.raises(plan.PlanError) as e:
+    report.check()
+  assert "\n" not in str(e.value)
+  assert str(e.value).startswith(f"compiled for {report.topology}, the train step compiles to ")
+  assert "outside the plan's band (+-15% + 64 MiB: docs/memory.md)" in str(e.value)
+  assert "1 program(s) OUTSIDE the plan's band" in report.format()
