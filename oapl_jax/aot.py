@@ -186,36 +186,61 @@ def capacities(config) -> list[int]:
     c *= 2
 
 
+@dataclasses.dataclass
+class _Build:
+  """What the programs of one run are built from: its config, devices, trainer mesh and train
+  step, the abstract weights, and the plan's figures by item."""
+
+  config: object
+  devices: list
+  processes: int
+  split: placement.Split
+  mesh: object
+  graphdef: object
+  model_cfg: object
+  abstract: object
+  snapshot: object  # pi_old's abstract leaves (model.dtype)
+  step: object  # the run's TrainStep
+  items: dict
+  keep_hlo: bool
+  only: tuple[str, ...] | None
+
+  def wanted(self, name: str) -> bool:
+    return self.only is None or name.startswith(tuple(self.only))
+
+  def compile(self, name: str, where: str, lowered, planned_argument=None, planned_temp=None) -> Program:
+    return _compile(name, where, lowered, planned_argument, planned_temp, self.keep_hlo)
+
+
 def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False,
              only: tuple[str, ...] | None = None) -> list[Program]:
   """Compiles every program of a run of `config` on `devices` (all processes'), the run's own
   code and shardings, abstract arguments; `plan` gives the planner's figures beside each.
   only: the programs whose names start with one of these (None: all); the others are neither
   lowered nor compiled (tests/test_aot.py compiles the decode loop of a second model so)."""
-  wanted = lambda name: only is None or name.startswith(tuple(only))  # noqa: E731
   from oapl_jax.models import build  # noqa: PLC0415
-  from oapl_jax.rl.step import Batch, make_optimizer, make_train_step, uses_reference  # noqa: PLC0415
-  from oapl_jax.sampling.layout import (EngineParams, engine_mesh, in_device_order,  # noqa: PLC0415
-                                        staging_mesh)
+  from oapl_jax.rl.step import make_optimizer, make_train_step  # noqa: PLC0415
   from oapl_jax.sampling.processing import SamplingParams  # noqa: PLC0415
-  from oapl_jax.sampling.sampler import make_engine  # noqa: PLC0415
 
   processes = len({d.process_index for d in devices})
   split = placement.split_devices(config, len(local_devices(devices, 0)), processes)
   trainer = (sorted(devices, key=lambda d: d.id) if len(split.trainer) == len(local_devices(devices, 0))
              else [local_devices(devices, 0)[i] for i in split.trainer])
   mesh = sharding.make_mesh(config.mesh, trainer)
-  m, s, tr = config.model, config.sampling, config.train
   model_cfg, graphdef, abstract = build.abstract_model(config)
-  sampling = SamplingParams.from_config(s)
-  items = {i.name: i.nbytes for i in plan.items}
-  out = []
+  step = make_train_step(config, graphdef, make_optimizer(config.train, config.train.steps),
+                         SamplingParams.from_config(config.sampling), mesh)
+  b = _Build(config, devices, processes, split, mesh, graphdef, model_cfg, abstract,
+             _sds(abstract, dtype=jnp.dtype(config.model.dtype)), step,
+             {i.name: i.nbytes for i in plan.items}, keep_hlo, only)
+  return _trainer_programs(b) + _engine_programs(b)
 
-  # the train step, arguments as the run holds them
-  optimizer = make_optimizer(tr, tr.steps)
-  step = make_train_step(config, graphdef, optimizer, sampling, mesh)
-  params = _sds(abstract)
-  snapshot = _sds(abstract, dtype=jnp.dtype(m.dtype))
+
+def _trainer_programs(b: _Build) -> list[Program]:
+  """The train step (arguments as the run holds them) and, offline, the rescoring kernel."""
+  from oapl_jax.rl.step import Batch, uses_reference  # noqa: PLC0415
+  config, tr, items, out = b.config, b.config.train, b.items, []
+  params = _sds(b.abstract)
   rows, t = config.rl.groups_per_step * config.rl.group_size, seq_len(config)
   micro = (tr.grad_accum, rows // tr.grad_accum)
   batch = Batch(tokens=jax.ShapeDtypeStruct((*micro, t), jnp.int32),
@@ -223,82 +248,83 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False,
                 sampler_logprobs=jax.ShapeDtypeStruct((*micro, t - 1), jnp.float32),
                 rewards=jax.ShapeDtypeStruct(micro, jnp.float32))
   reference = params if uses_reference(config) else None
-  opt_state = jax.eval_shape(optimizer.init, params)
+  opt_state = jax.eval_shape(b.step.optimizer.init, params)
   # pi_old is an argument only where the loss scores it (`losses.needs`): jit drops an argument
   # the program does not read, and the run keeps pi_old all the same (`compiled_peak` adds it)
   state_names = ("master weights", "optimizer state", "reference policy", "train batch",
                  *(("trainer snapshot",) if losses.needs(config).snapshot else ()))
-  if wanted("train step"):
-    with jax.set_mesh(mesh):
-      lowered = step.jitted.lower(params, opt_state, snapshot, batch, reference)
-    out.append(_compile("train step", "trainer", lowered,
-                        sum(items.get(n, 0) for n in state_names),
-                        sum(items[n] for n in ("gradients", "activations", "log-prob kernel")),
-                        keep_hlo))
-
-  if config.rl.mode == "offline" and wanted("offline log-probs"):
+  if b.wanted("train step"):
+    with jax.set_mesh(b.mesh):
+      lowered = b.step.jitted.lower(params, opt_state, b.snapshot, batch, reference)
+    out.append(b.compile("train step", "trainer", lowered, sum(items.get(n, 0) for n in state_names),
+                         sum(items[n] for n in ("gradients", "activations", "log-prob kernel"))))
+  if config.rl.mode == "offline" and b.wanted("offline log-probs"):
     from oapl_jax.rl.offline import logprob_kernel  # noqa: PLC0415
-    kernel = logprob_kernel(config, graphdef)
-    with jax.set_mesh(mesh):
-      lowered = kernel.lower(_sds(abstract, step.param_shardings),
-                             jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=step.replicated))
-    out.append(_compile("offline log-probs", "trainer", lowered, items["master weights"], None, keep_hlo))
+    kernel = logprob_kernel(config, b.graphdef)
+    with jax.set_mesh(b.mesh):
+      lowered = kernel.lower(_sds(b.abstract, b.step.param_shardings),
+                             jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=b.step.replicated))
+    out.append(b.compile("offline log-probs", "trainer", lowered, items["master weights"], None))
+  return out
 
-  # the engines: one replica's programs (every replica runs the same ones)
-  groups = [[local_devices(devices, p)[i] for i in split.engines[r * s.tensor:(r + 1) * s.tensor]]
-            for p in range(processes) for r in range(len(split.engines) // s.tensor)]
-  engine = make_engine(config, model_cfg, graphdef, sampling, engine_mesh(groups[0]))
+
+def _engine_programs(b: _Build) -> list[Program]:
+  """One replica's programs (every replica runs the same ones): the refresh into its layout,
+  prefill, the decode loop at every cache capacity and one decode step."""
+  from oapl_jax.sampling.layout import (EngineParams, engine_mesh, in_device_order,  # noqa: PLC0415
+                                        staging_mesh)
+  from oapl_jax.sampling.processing import SamplingParams  # noqa: PLC0415
+  from oapl_jax.sampling.sampler import make_engine  # noqa: PLC0415
+  config, s, items, out = b.config, b.config.sampling, b.items, []
+  groups = [[local_devices(b.devices, p)[i] for i in b.split.engines[r * s.tensor:(r + 1) * s.tensor]]
+            for p in range(b.processes) for r in range(len(b.split.engines) // s.tensor)]
+  engine = make_engine(config, b.model_cfg, b.graphdef, SamplingParams.from_config(s), engine_mesh(groups[0]))
   layout = engine.layout
-  shapes = jax.eval_shape(layout.relayout, snapshot)  # (rest, decode)
+  shapes = jax.eval_shape(layout.relayout, b.snapshot)  # (rest, decode)
   rep = NamedSharding(engine.mesh, PartitionSpec())
 
   # the refresh: pi_old from the trainer's shardings to the staging layout of every replica
-  source = list(mesh.devices.flat)  # `load_weights`: pi_old's devices in its mesh's order
+  source = list(b.mesh.devices.flat)  # `load_weights`: pi_old's devices in its mesh's order
   stage = staging_mesh(source, [engine_mesh(g) for g in groups], s.tensor,
-                       in_source_order=processes > 1)
+                       in_source_order=b.processes > 1)
   order = list(stage.devices.flat)  # where it differs, pi_old is first moved to this order (on device)
-  source_shardings = (step.param_shardings if order == source
-                      else in_device_order(step.param_shardings, order))
-  if wanted("refresh"):
-    relayout = layout.jitted_relayout(stage, layout.shardings(snapshot, stage), snapshot)  # the run's program
-    lowered = relayout.lower(_sds(snapshot, source_shardings))
-    out.append(_compile("refresh", "trainer", lowered, items["trainer snapshot"],
-                        plan_lib.refresh_bytes(config), keep_hlo))
+  source_shardings = (b.step.param_shardings if order == source
+                      else in_device_order(b.step.param_shardings, order))
+  if b.wanted("refresh"):
+    relayout = layout.jitted_relayout(stage, layout.shardings(b.snapshot, stage), b.snapshot)  # the run's program
+    lowered = relayout.lower(_sds(b.snapshot, source_shardings))
+    out.append(b.compile("refresh", "trainer", lowered, items["trainer snapshot"], plan_lib.refresh_bytes(config)))
 
-  rest_s, decode_s = layout.shardings(snapshot, engine.mesh)
+  rest_s, decode_s = layout.shardings(b.snapshot, engine.mesh)
   weights = EngineParams(_sds(shapes[0], rest_s), jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
                          _sds(shapes[1], decode_s))
   snap_bytes = items["engine snapshot"]
   embed = None
-  if model_cfg.tie_embeddings and wanted("prefill"):
+  if b.model_cfg.tie_embeddings and b.wanted("prefill"):
     head = weights.decode["head"]
     embed_compiled = engine._embedding.lower(head).compile()  # noqa: SLF001
     embed = jax.ShapeDtypeStruct(head.shape[::-1], head.dtype, sharding=embed_compiled.output_shardings)
   p = s.max_prefill_batch
-  if wanted("prefill"):
+  if b.wanted("prefill"):
     lowered = engine._prefill.lower(  # noqa: SLF001
         weights, embed, jax.ShapeDtypeStruct((p, s.max_prompt_len), jnp.int32, sharding=rep),
         jax.ShapeDtypeStruct((p,), jnp.int32, sharding=rep))
-    out.append(_compile("prefill", "engine", lowered, snap_bytes, items["engine prefill"], keep_hlo))
+    out.append(b.compile("prefill", "engine", lowered, snap_bytes, items["engine prefill"]))
 
-  caps, where = capacities(config), plan_lib.topology_of(config)
+  caps, where, t = capacities(config), plan_lib.topology_of(config), seq_len(config)
   stop = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
   for capacity in caps:
     state = jax.eval_shape(lambda c=capacity: engine.init_decode_state(capacity=c))
     state = _sds(state, engine._state_sharding)  # noqa: SLF001
     cache = plan_lib.kv_cache_bytes(config) * capacity // t
-    if wanted(f"decode @ {capacity}"):
+    if b.wanted(f"decode @ {capacity}"):
       lowered = engine._generate_steps.lower(weights, state, stop)  # noqa: SLF001
-      out.append(_compile(f"decode @ {capacity}", "engine", lowered, snap_bytes + cache,
-                          items["engine sampling"]
-                          + plan_lib.loop_copy_bytes(config, where, capacity),
-                          keep_hlo))
-  if wanted("decode step"):
+      out.append(b.compile(f"decode @ {capacity}", "engine", lowered, snap_bytes + cache,
+                           items["engine sampling"] + plan_lib.loop_copy_bytes(config, where, capacity)))
+  if b.wanted("decode step"):
     lowered = engine._generate.lower(weights, state)  # noqa: SLF001  (the largest capacity's)
-    out.append(_compile("decode step", "engine", lowered,
-                        snap_bytes + plan_lib.kv_cache_bytes(config),
-                        plan_lib.sampler_bytes(config, where, loop=False),
-                        keep_hlo))
+    out.append(b.compile("decode step", "engine", lowered, snap_bytes + plan_lib.kv_cache_bytes(config),
+                         plan_lib.sampler_bytes(config, where, loop=False)))
   return out
 
 
