@@ -43,6 +43,8 @@
 # Check a sampler slice's plan first (docs/remote.md): python -m oapl_jax.sample --config=configs/math.py
 #   --config.rl.mode=remote --config.rl.window_rollouts=1 --config.mesh.topology=TYPE --dry_run
 # --watch re-creates the trainer's slice only; --delete deletes the sampler slices too.
+# The trainer of remote mode is one process today: give --accelerator a single-host slice
+# (e.g. v5p-8); a multi-host trainer is refused at start (docs/remote.md, "What is not done yet").
 # Options (defaults in brackets):
 #   --name NAME            TPU VM name [oapl]
 #   --zone ZONE            [us-east5-a]
