@@ -33,7 +33,7 @@ LAYERS = (
     ("oapl_jax.config",),
     ("oapl_jax.train",),
     # the commands
-    ("oapl_jax.main", "oapl_jax.generate", "oapl_jax.evaluate", "oapl_jax.studies"),
+    ("oapl_jax.main", "oapl_jax.generate", "oapl_jax.evaluate", "oapl_jax.sample", "oapl_jax.studies"),
 )
 CONFIG = "oapl_jax.config"
 
