@@ -166,9 +166,26 @@ def _env(bucket=None):
   return env
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left():
+  """A test that fails midway leaves no trainer or sampler job running (a sampler waits for its
+  trainer up to --max_idle_s otherwise)."""
+  yield
+  while _STARTED:
+    proc = _STARTED.pop()
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+
+
 def _start(module, args, log, env):
-  return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=open(log, "w"),
+  proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=open(log, "w"),
                           stderr=subprocess.STDOUT, start_new_session=True)
+  _STARTED.append(proc)
+  return proc
 
 
 def _losses(metrics_path):
