@@ -492,6 +492,19 @@ def compile_run(config, keep_hlo: bool = False, only: tuple[str, ...] | None = N
   return Report(plan.topology, len(devices), plan, progs, chip, model_flops(config), config)
 
 
+def dry_run(config, mode: str, sampler_job: bool = False) -> None:
+  """`--dry_run` of the commands: prints the plan (a sampler job's: `plan.make_sampler_plan`)
+  and with mode "compile" the compiled programs; PlanError (one line) if they do not fit."""
+  plan = plan_lib.make_sampler_plan(config) if sampler_job else plan_lib.make_plan(config)
+  print(plan.format(), flush=True)
+  if not plan.fits:
+    raise plan_lib.PlanError(plan.advice())
+  if mode == "compile":
+    report = compile_run(config, sampler_job=sampler_job)
+    print(report.format(), flush=True)
+    report.check()
+
+
 def _for_platform(config, platform: str):
   """config as the run on `platform` builds its programs: `model.attention_kernel` "auto"
   resolves by the devices' platform, and this host's is not the one compiled for."""

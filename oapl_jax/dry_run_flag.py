@@ -21,3 +21,12 @@ class DryRunParser(flags.ArgumentParser):
 
   def flag_type(self):
     return "plan | compile"
+
+
+def define(help_text: str, workdir_flag: str = "workdir"):
+  """Defines `--dry_run` (`DryRunParser`) and makes `--<workdir_flag>` required unless it is
+  given. Returns the flag holder ("plan", "compile" or None)."""
+  holder = flags.DEFINE(DryRunParser(), "dry_run", None, help_text, boolean=True)
+  flags.register_validator(workdir_flag, lambda v: v is not None or holder.value,
+                           f"--{workdir_flag} is required (except with --dry_run)")
+  return holder

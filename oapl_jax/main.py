@@ -27,24 +27,18 @@ from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
 from oapl_jax import distributed, errors, placement  # noqa: E402
-from oapl_jax.dry_run_flag import DryRunParser  # noqa: E402
+from oapl_jax.dry_run_flag import define as define_dry_run  # noqa: E402
 from oapl_jax.topology import LOCAL  # noqa: E402
 from oapl_jax.workdir import Layout  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and summary.json go "
                                 "(required unless --dry_run).")
-
-
-_DRY_RUN = flags.DEFINE(
-    DryRunParser(), "dry_run", None,
+_DRY_RUN = define_dry_run(
     "Print the memory plan per device (config.mesh.topology, else this machine's devices) and "
     "exit: 0 if it fits. --dry_run=compile: compile every program of the run for that topology "
-    "(a TPU slice: needs libtpu) and print XLA's bytes per device beside the plan's.",
-    boolean=True)
+    "(a TPU slice: needs libtpu) and print XLA's bytes per device beside the plan's.")
 flags.mark_flags_as_required(["config"])
-flags.register_validator("workdir", lambda v: v is not None or _DRY_RUN.value,
-                         "--workdir is required (except with --dry_run)")
 
 
 def main(argv):
@@ -81,20 +75,12 @@ def main(argv):
 
 
 def dry_run(config) -> None:
-  """Prints the plan; a plan that does not fit raises PlanError (one line, exit 2)."""
-  from oapl_jax import plan as plan_lib  # noqa: PLC0415 (no TensorFlow, no weights)
+  """Prints the plan (and the compiled programs); PlanError (one line, exit 2) if they do not fit."""
+  from oapl_jax import aot  # noqa: PLC0415 (no TensorFlow, no weights)
   if config.mesh.topology in (None, LOCAL):  # this machine's devices, as many as the run would ask for
     placement.request_host_devices(placement.devices_wanted(
         config, distributed.processes_asked(config.distributed)))
-  plan = plan_lib.make_plan(config)
-  print(plan.format(), flush=True)
-  if not plan.fits:
-    raise plan_lib.PlanError(plan.advice())
-  if _DRY_RUN.value == "compile":
-    from oapl_jax import aot  # noqa: PLC0415
-    report = aot.compile_run(config)
-    print(report.format(), flush=True)
-    report.check()
+  aot.dry_run(config, _DRY_RUN.value)
 
 
 if __name__ == "__main__":

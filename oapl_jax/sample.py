@@ -28,38 +28,26 @@ from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
 from oapl_jax import errors, placement  # noqa: E402
-from oapl_jax.dry_run_flag import DryRunParser  # noqa: E402
+from oapl_jax.dry_run_flag import define as define_dry_run  # noqa: E402
 from oapl_jax.topology import LOCAL  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's --workdir.")
 _MAX_ROLLOUTS = flags.DEFINE_integer("max_rollouts", None, "Stop after writing this many rollouts.")
 _MAX_IDLE_S = flags.DEFINE_float("max_idle_s", 3600.0, "Stop after this long with nothing to sample.")
-_DRY_RUN = flags.DEFINE(
-    DryRunParser(), "dry_run", None,
+_DRY_RUN = define_dry_run(
     "Print the sampler job's memory plan per device (its engines only; config.mesh.topology, "
     "e.g. v6e-8, else this machine's devices) and exit: 0 if it fits. --dry_run=compile: "
-    "compile its prefill and decode programs for that topology and print XLA's bytes.",
-    boolean=True)
+    "compile its prefill and decode programs for that topology and print XLA's bytes.")
 flags.mark_flags_as_required(["config"])
-flags.register_validator("workdir", lambda v: v is not None or _DRY_RUN.value,
-                         "--workdir is required (except with --dry_run)")
 
 
 def dry_run(config) -> None:
   """Prints the sampler job's plan (and compiled programs); PlanError (one line) if they do not fit."""
-  from oapl_jax import plan as plan_lib  # noqa: PLC0415
+  from oapl_jax import aot  # noqa: PLC0415
   if config.mesh.topology in (None, LOCAL):
     placement.request_host_devices(placement.engine_device_count(config))
-  plan = plan_lib.make_sampler_plan(config)
-  print(plan.format(), flush=True)
-  if not plan.fits:
-    raise plan_lib.PlanError(plan.advice())
-  if _DRY_RUN.value == "compile":
-    from oapl_jax import aot  # noqa: PLC0415
-    report = aot.compile_run(config, sampler_job=True)
-    print(report.format(), flush=True)
-    report.check()
+  aot.dry_run(config, _DRY_RUN.value, sampler_job=True)
 
 
 def main(argv):

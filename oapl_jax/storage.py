@@ -54,25 +54,12 @@ def makedirs(path: str) -> None:
 
 def read_text(path: str) -> str:
   """The whole file; FileNotFoundError if there is none."""
-  if is_remote(path):
-    p = _epath(path)
-    if not p.exists():
-      raise FileNotFoundError(path)
-    return p.read_text()
-  with open(path, errors="replace") as f:  # a power loss may leave bytes that are not text
-    return f.read()
+  return read_bytes(path).decode(errors="replace")  # a power loss may leave bytes that are not text
 
 
 def write_text(path: str, text: str) -> None:
-  """Replaces the file with `text` at once: locally written aside, then renamed; in a bucket, one
-  upload (an object is never seen half-written)."""
-  if is_remote(path):
-    _epath(path).write_text(text)
-    return
-  tmp = f"{path}.{os.getpid()}.tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
+  """Replaces the file with `text` at once (`write_bytes`)."""
+  write_bytes(path, text.encode())
 
 
 def read_bytes(path: str) -> bytes:
@@ -87,7 +74,8 @@ def read_bytes(path: str) -> bytes:
 
 
 def write_bytes(path: str, data: bytes) -> None:
-  """Replaces the file with `data` at once, as `write_text` does (a reader never sees half)."""
+  """Replaces the file with `data` at once: locally written aside, then renamed; in a bucket, one
+  upload (an object is never seen half-written)."""
   if is_remote(path):
     _epath(path).write_bytes(data)
     return
@@ -110,13 +98,7 @@ def listdir(path: str) -> list[str]:
 def upload(local_path: str, path: str) -> None:
   """Copies the local file `local_path` (bytes) to `path` (a URL: one upload; local: a copy)."""
   with open(local_path, "rb") as f:
-    data = f.read()
-  if is_remote(path):
-    _epath(path).write_bytes(data)
-    return
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "wb") as f:
-    f.write(data)
+    write_bytes(path, f.read())
 
 
 def remove(path: str) -> None:

@@ -75,7 +75,7 @@ def _fail(path: str, why: str):
 # --- writing ------------------------------------------------------------------------------------
 
 
-def _digest(header_text: str, arrays: dict[str, np.ndarray]) -> str:
+def digest(header_text: str, arrays: dict[str, np.ndarray]) -> str:
   """sha256 of the header's text and of every array's name, dtype, shape and bytes."""
   h = hashlib.sha256(header_text.encode())
   for name in sorted(arrays):
@@ -117,7 +117,7 @@ def write(path: str, header: dict, arrays: dict[str, np.ndarray]) -> None:
   header = {"format": FORMAT, **header}
   text = json.dumps(header, sort_keys=True)
   buf = io.BytesIO()  # a file object: np.savez adds no ".npz" to the name
-  np.savez(buf, header=np.array(text), sha256=np.array(_digest(text, arrays)), **arrays)
+  np.savez(buf, header=np.array(text), sha256=np.array(digest(text, arrays)), **arrays)
   storage.write_bytes(path, buf.getvalue())  # local: written aside and renamed; a bucket: one upload
 
 
@@ -198,7 +198,7 @@ def read(path: str) -> OfflineData:
   if missing:
     _fail(path, f"not an offline file: no {', '.join(missing)}")
   text, arrays = str(members["header"]), {n: members[n] for n in ARRAYS}
-  if _digest(text, arrays) != str(members["sha256"]):
+  if digest(text, arrays) != str(members["sha256"]):
     _fail(path, "checksum mismatch: the file is corrupted or was edited")
   try:
     header = json.loads(text)

@@ -31,7 +31,6 @@ damaged rollout file is set aside by the trainer (renamed `.rejected`) and sampl
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -46,6 +45,7 @@ import numpy as np
 
 from oapl_jax import storage
 from oapl_jax.errors import UserError
+from oapl_jax.rl import offline
 
 SNAPSHOT_FORMAT = "oapl_jax.snapshot/1"
 _SNAPSHOT = re.compile(r"^v(\d{8})\.npz$")
@@ -92,15 +92,6 @@ def version_of(index: int, lag: int) -> int:
 # --- snapshots ----------------------------------------------------------------------------------
 
 
-def _digest(header_text: str, arrays: list[np.ndarray]) -> str:
-  h = hashlib.sha256(header_text.encode())
-  for a in arrays:
-    a = np.ascontiguousarray(a)
-    h.update(f"{a.dtype.str}:{a.shape}".encode())
-    h.update(a.tobytes())
-  return h.hexdigest()
-
-
 def _as_stored(x: np.ndarray) -> np.ndarray:
   """A weight's bytes as unsigned integers of its width: npz keeps those for every dtype
   (bfloat16 included); the header names the dtype to view them as."""
@@ -118,9 +109,9 @@ def publish_snapshot(root: str, params, *, version: int, snapshot_step: int, mod
             "model": model_meta,
             "leaves": [{"name": n, "dtype": v.dtype.name, "shape": list(v.shape)} for n, v in zip(names, values)]}
   text = json.dumps(header, sort_keys=True)
+  leaves = {f"leaf{i}": a for i, a in enumerate(stored)}
   buf = io.BytesIO()
-  np.savez(buf, header=np.array(text), sha256=np.array(_digest(text, stored)),
-           **{f"leaf{i}": a for i, a in enumerate(stored)})
+  np.savez(buf, header=np.array(text), sha256=np.array(offline.digest(text, leaves)), **leaves)
   path = snapshot_path(root, version)
   storage.write_bytes(path, buf.getvalue())
   return path
@@ -143,8 +134,9 @@ def read_snapshot(path: str, abstract, model_meta: dict):
   if "header" not in members or "sha256" not in members:
     fail("not a snapshot (no header or sha256)")
   text = str(members["header"])
-  stored = [members.get(f"leaf{i}") for i in range(len(members) - 2)]
-  if any(a is None for a in stored) or _digest(text, stored) != str(members["sha256"]):
+  leaves = {name: a for name, a in members.items() if name not in ("header", "sha256")}
+  stored = [leaves.get(f"leaf{i}") for i in range(len(leaves))]
+  if any(a is None for a in stored) or offline.digest(text, leaves) != str(members["sha256"]):
     fail("checksum mismatch: the file is damaged")
   header = json.loads(text)
   if header.get("format") != SNAPSHOT_FORMAT:

@@ -94,7 +94,7 @@ class SyncSource:
 
   def resume(self, drawn: Drawn | None) -> None:
     if drawn is not None:
-      raise ValueError("a sync run has no rollout in flight to resume")
+      raise ValueError(f"a {self._run.config.rl.mode} run has no rollout in flight to resume")
 
   def saved(self) -> None:
     """After each checkpoint (remote mode removes the rollout files it is done with)."""
@@ -306,7 +306,6 @@ class RemoteSource:
                               snapshot_step=c.snapshot_step, model_meta=self._run.model_meta())
     remote.remove_old_snapshots(self.root, c.version - self._rc.keep_snapshots + 1)
     self._published = c.version
-    self._status(done=False)
 
   def _status(self, done: bool) -> None:
     c = self._run.counters
@@ -395,15 +394,7 @@ class RemoteSource:
           remote.release(self.root, index)
     self._saved_at = self._run.counters.rollouts
 
-  def pending(self) -> Drawn | None:
-    return None
-
-  def resume(self, drawn: Drawn | None) -> None:
-    if drawn is not None:
-      raise ValueError("a remote run has no rollout in flight to resume")
-
-  def wait(self) -> None:
-    pass
+  pending, resume, wait = SyncSource.pending, SyncSource.resume, SyncSource.wait  # nothing in flight here
 
   def close(self) -> None:
     """Marks the run done once it has taken its last step: its sampler jobs stop."""
