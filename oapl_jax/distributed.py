@@ -278,6 +278,17 @@ def broadcast(x) -> np.ndarray:
   return allgather(x)[0] if process_count() > 1 else np.asarray(x)
 
 
+def fetch(tree):
+  """Every leaf of `tree` (jax arrays, which may span processes) whole, as numpy, on every
+  process: one leaf at a time (`multihost_utils.process_allgather`: at most one leaf's full copy
+  per device beside the weights), one collective per leaf. One process: `jax.device_get`."""
+  import jax  # noqa: PLC0415
+  if process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+
+
 def any_process(flag: bool) -> bool:
   """Whether `flag` is true on any process."""
   return bool(flag) if process_count() == 1 else bool(allgather(np.array(bool(flag))).any())

@@ -183,7 +183,7 @@ def test_async_mode_over_two_processes_is_refused_in_one_line(tmp_path):
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert p.returncode == 2 and "Traceback" not in err, err[-3000:]
     assert errors == ["error: config.rl.mode='async': multi-host runs (2 processes) support "
-                      "rl.mode='sync' only, for now"], err[-3000:]
+                      "rl.mode='sync' or 'remote', for now"], err[-3000:]
 
 
 @pytest.mark.parametrize("lost", [1, pytest.param(0, marks=pytest.mark.slow)],  # CI: one of them

@@ -231,6 +231,44 @@ def test_one_reproducible_sampler_job_gives_the_sync_runs_losses_bit_for_bit(tmp
   assert [v for *_, v in _losses(metrics)] == [0, 0, 0, 1, 1, 1]  # lag 3: a refresh was crossed
 
 
+def test_a_trainer_of_two_processes_with_one_sampler_job_gives_the_sync_runs_losses(tmp_path):
+  """launch/local_multihost.sh 2 in remote mode (each process trains on its share of every
+  rollout file's groups) beside one sampler job, vs one sync process with the same two engine
+  replicas: the same losses, rewards and rollouts; a damaged rollout 0 is set aside once, by
+  process 0 (the processes agree on it); snapshots published once each, from process 0."""
+  warm = [f"--config.warmup.cache_dir={tmp_path / 'warm'}"]
+  sync = tmp_path / "sync"
+  p = _start("oapl_jax.main", [*COMMON, *warm, "--config.sampling.engines=2", f"--workdir={sync}"],
+             tmp_path / "sync.log", {**_env(), "JAX_NUM_CPU_DEVICES": "2"})
+  _wait(p, tmp_path / "sync.log")
+  workdir = tmp_path / "remote"
+  args = [*COMMON, *warm, "--config.rl.mode=remote", "--config.rl.remote.reproducible=True", f"--workdir={workdir}"]
+  (workdir / "remote" / "rollouts").mkdir(parents=True)
+  (workdir / "remote" / "rollouts" / "r000000000.npz").write_bytes(b"PK\x03\x04 not a whole file")
+  assert args[0] == "--config=configs/tiny.py:smoke"  # the launcher takes the config bare
+  trainer = subprocess.Popen(["bash", os.path.join(REPO, "launch", "local_multihost.sh"), "2", "configs/tiny.py:smoke",
+                              *args[1:]], cwd=REPO,
+                             env={**_env(), "PYTHON": sys.executable}, stdout=open(tmp_path / "trainer.log", "w"),
+                             stderr=subprocess.STDOUT, start_new_session=True)
+  _STARTED.append(trainer)
+  sampler = _start("oapl_jax.sample", [*args, "--config.sampling.engines=2"], tmp_path / "sampler.log",
+                   {**_env(), "JAX_NUM_CPU_DEVICES": "2"})
+  _wait(trainer, tmp_path / "trainer.log")
+  _wait(sampler, tmp_path / "sampler.log")
+  logs = [open(workdir / "logs" / f"process_{i}.log").read() for i in range(2)]
+  assert [line for line in logs[0].splitlines() if "set aside" in line] == [
+      f"rollout 0 set aside, to be sampled again: offline file {workdir}/remote/rollouts/r000000000.npz: unreadable: "
+      "truncated, corrupted or not an .npz file (BadZipFile: File is not a zip file)"]
+  assert "set aside" not in logs[1]
+  got, want = _losses(workdir / "metrics.jsonl"), _losses(sync / "metrics.jsonl")
+  assert [(s, r, v) for s, _, r, v in got] == [(s, r, v) for s, _, r, v in want]
+  assert max(abs(a[1] - b[1]) for a, b in zip(got, want)) <= 1e-5  # the multi-host step's tolerance (test_multihost)
+  summary, ref = (json.load(open(w / "summary.json")) for w in (workdir, sync))
+  assert summary["samples_generated"] == ref["samples_generated"]
+  assert summary["eval_after"]["correct_per_problem"] == ref["eval_after"]["correct_per_problem"]
+  assert sorted(os.listdir(workdir / "remote" / "snapshots")) == ["v00000000.npz", "v00000001.npz"]
+
+
 def _claim_of(root, pid):
   """The rollout a sampler process `pid` is sampling now (its claim), or None."""
   for name in storage.listdir(os.path.join(root, "claims")):

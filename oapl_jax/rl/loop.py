@@ -135,9 +135,9 @@ def check_processes(config, n: int) -> int:
   every step."""
   if n == 1:
     return config.rl.groups_per_step
-  if config.rl.mode != "sync":
+  if config.rl.mode not in ("sync", "remote"):
     raise ConfigError(f"config.rl.mode={config.rl.mode!r}: multi-host runs ({n} processes) "
-                      "support rl.mode='sync' only, for now")
+                      "support rl.mode='sync' or 'remote', for now")
   placement.local_engines(config, n)  # the replicas divide over the processes
   replicas = config.sampling.engines
   for setting in ("rl.groups_per_step", "rl.groups_per_rollout"):

@@ -47,7 +47,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from oapl_jax import storage
+from oapl_jax import distributed, storage
 from oapl_jax.errors import UserError
 from oapl_jax.models.names import compiler_options
 from oapl_jax.rl.buffer import Rows
@@ -335,12 +335,15 @@ def logprob_kernel(config, graphdef):
 
 def logprob_fn(config, graphdef, mesh):
   """`(params, tokens [n, T]) -> [n, T-1]` log-probs by the trainer's kernel (`logprob_kernel`),
-  one row per call (one compile), on the trainer's mesh."""
+  one row per call (one compile), on the trainer's mesh (multi-host: a collective; every process
+  passes the same rows and gets all of them)."""
   kernel = logprob_kernel(config, graphdef)
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # multi-host: alike on every process
 
   def logprobs(params, tokens: np.ndarray) -> np.ndarray:
     with jax.set_mesh(mesh):
-      return np.concatenate([np.asarray(kernel(params, tokens[i:i + 1])) for i in range(len(tokens))])
+      return np.concatenate([distributed.fetch(kernel(params, jax.device_put(tokens[i:i + 1], whole)))
+                             for i in range(len(tokens))])
 
   return logprobs
 

@@ -24,6 +24,7 @@ refreshed (`refresh_due`): every `rl.lag` steps online, at the end of each round
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from concurrent import futures
@@ -33,11 +34,12 @@ import jax
 import numpy as np
 
 from oapl_jax.errors import ConfigError
-from oapl_jax import storage
+from oapl_jax import distributed, placement, storage
 from oapl_jax.metrics import say
 from oapl_jax.placement import seq_len
 from oapl_jax.rl import offline, remote
 from oapl_jax.rl.buffer import Rows, stamp
+from oapl_jax.sampling.parallel import process_share
 from oapl_jax.workdir import Layout
 
 
@@ -278,16 +280,24 @@ class RemoteSource:
   started), used with its own stamps, dropped and counted if older than `rl.max_lag` (as in
   async mode). `rl.remote.reproducible`: rollout i must be sampled by version i // rl.lag
   (one rollout per step), so the run is the sync run, bit for bit, whatever the samplers.
+
+  A trainer of several processes: each reads every rollout file whole and trains on its share
+  of the groups, those a sync run's engine replicas on this process would sample
+  (`parallel.process_share`), so the step's global batch is the file's groups in order
+  (`parallel.global_row_order`). Whether a file is there, reads and passes its checks is agreed
+  over the processes (one collective) before any acts on it; process 0 alone writes (the
+  snapshot, gathered from every process; the status; a set-aside file).
   """
 
   def __init__(self, run, workdir: str):
     config = run.config
-    if jax.process_count() > 1:
-      raise ConfigError(f"config.rl.mode='remote': the trainer runs in one process (this is one of "
-                        f"{jax.process_count()}): it publishes pi_old from its own devices")
     self._run, self._rc = run, config.rl.remote
     self.root = Layout(workdir).remote
     self.empties_buffer_at_refresh = bool(self._rc.reproducible)
+    self._writer = distributed.is_writer()
+    n = jax.process_count()
+    k = placement.local_engines(config, n) if n > 1 else 1
+    self._mine = process_share(config.rl.groups_per_rollout, n * k, jax.process_index() * k, k)
     self._published: int | None = None
     self._saved_at = None  # counters.rollouts at the previous checkpoint: files below it are done with
     self._checked: set[tuple[str, int]] = set()  # (sampler, version) pairs whose log-probs were rescored
@@ -301,16 +311,19 @@ class RemoteSource:
     c = self._run.counters
     if self._published == c.version:
       return
-    if c.version not in remote.published_versions(self.root):  # a resumed run may have published it
-      remote.publish_snapshot(self.root, self._run.snapshot, version=c.version,
-                              snapshot_step=c.snapshot_step, model_meta=self._run.model_meta())
-    remote.remove_old_snapshots(self.root, c.version - self._rc.keep_snapshots + 1)
+    weights = distributed.fetch(self._run.snapshot)  # multi-host: a collective, whole on every process
+    if self._writer:
+      if c.version not in remote.published_versions(self.root):  # a resumed run may have published it
+        remote.publish_snapshot(self.root, weights, version=c.version, snapshot_step=c.snapshot_step,
+                                model_meta=self._run.model_meta())
+      remote.remove_old_snapshots(self.root, c.version - self._rc.keep_snapshots + 1)
     self._published = c.version
 
   def _status(self, done: bool) -> None:
     c = self._run.counters
-    remote.write_status(self.root, {"next_rollout": c.rollouts, "version": c.version, "step": c.step,
-                                    "done": done, "reproducible": bool(self._rc.reproducible)})
+    if self._writer:
+      remote.write_status(self.root, {"next_rollout": c.rollouts, "version": c.version, "step": c.step,
+                                      "done": done, "reproducible": bool(self._rc.reproducible)})
 
   def next(self, make_job: MakeJob) -> Drawn:
     del make_job  # sampled by the sampler jobs
@@ -319,55 +332,81 @@ class RemoteSource:
     self._status(done=False)
     index, path = c.rollouts, remote.rollout_path(self.root, c.rollouts)
     waited, said = time.perf_counter(), 0.0
-    while True:
-      if storage.exists(path):
-        data = self._read(index, path)
-        if data is not None:
-          break
+    while (data := self._take(index, path)) is None:
       waiting = time.perf_counter() - waited
       if waiting >= said:
         say(f"step {c.step + 1}: waiting for rollout {index} from the sampler jobs ({waiting:.0f}s; "
             f"start them with oapl_jax.sample, this run's config and workdir: docs/remote.md)")
         said = max(2 * said, rc.say_every_s)
       time.sleep(rc.poll_s)
-    policy = data.header["policy"]
-    rows = data.rows(np.arange(data.groups), seq_len=seq_len(run.config), pad_id=run.sampler.tokenizer.pad_id,
+    policy, g = data.header["policy"], data.group_size
+    rows = data.rows(self._mine, seq_len=seq_len(run.config), pad_id=run.sampler.tokenizer.pad_id,
                      count_truncated=run.config.rl.count_truncated)
+    offsets = data.arrays["answer_offsets"]
+    answers = (self._mine[:, None] * g + np.arange(g)).ravel()
     c.rollouts += 1
     return Drawn(stamp(rows, version=int(policy["version"]), snapshot_step=int(policy["snapshot_step"])),
-                 int(len(data.arrays["answer_tokens"])))
+                 int((offsets[answers + 1] - offsets[answers]).sum()))
 
-  def _read(self, index: int, path: str) -> "offline.OfflineData | None":
-    """Rollout `index`'s file, checked; None (with one line, the file set aside to be sampled
-    again) if it is damaged or not this run's rollout."""
-    run, config = self._run, self._run.config
+  def _take(self, index: int, path: str) -> "offline.OfflineData | None":
+    """Rollout `index`'s file, checked; None if it is not written yet, or (with one line) if it
+    is damaged or not this run's rollout: then it is set aside, to be sampled again.
+    Multi-host: every step of it agreed over the processes, so all take the same file or none."""
+    if distributed.any_process(not storage.exists(path)):  # seen by every process first
+      return None
+    data, error = None, None
     try:
-      data = offline.read(path)
-      offline.check_matches(data, config, run.model_meta())
-      offline.check_problems(data, run.sampler.tokenizer)
-      h, policy = data.header, data.header.get("policy") or {}
-      if (h.get("rollout"), h.get("seed"), data.groups) != (index, config.seed, config.rl.groups_per_rollout):
-        raise offline.OfflineFileError(
-            f"offline file {path}: rollout {h.get('rollout')} of seed {h.get('seed')} with {data.groups} groups; "
-            f"this run's rollout {index} of seed {config.seed} has rl.groups_per_rollout={config.rl.groups_per_rollout}")
-      want = remote.version_of(index, config.rl.lag)
-      if self._rc.reproducible and policy.get("version") != want:
-        raise offline.OfflineFileError(
-            f"offline file {path}: sampled by snapshot version {policy.get('version')}; "
-            f"rl.remote.reproducible takes rollout {index} from version {want} (a sampler job not in reproducible mode?)")
-      self._check_logprobs(data, policy)
+      data = self._read(index, path)
     except offline.OfflineFileError as e:
-      self._rejected[index] = self._rejected.get(index, 0) + 1
-      if self._rejected[index] >= self._rc.max_rejections:
-        raise offline.OfflineFileError(f"rollout {index} refused {self._rejected[index]} times "
-                                       f"(rl.remote.max_rejections); the last: {e}") from None
-      say(f"rollout {index} set aside, to be sampled again: {e}")
+      error = e
+      if not self._writer:  # process 0 says the line; this one's own reason goes to its log
+        print(f"process {jax.process_index()}: {e}", flush=True)
+    failed = distributed.allgather(np.array(error is not None))
+    if not failed.any():
+      if distributed.any_process((_fingerprint(data) != distributed.broadcast(_fingerprint(data))).any()):
+        return None  # replaced while the processes read it (a sampler's late copy): read again
+      try:
+        self._check_logprobs(data, data.header.get("policy") or {})  # a collective
+        return data
+      except offline.OfflineFileError as e:
+        error = e
+    if not failed[0] and failed.any():  # process 0 read it well: it cannot say another's reason
+      error = f"process {int(np.argmax(failed))} of the trainer could not read or check it (its log says why)"
+    self._set_aside(index, path, error)
+    return None
+
+  def _read(self, index: int, path: str) -> offline.OfflineData:
+    """Rollout `index`'s file, if it opens and is this run's (`OfflineFileError` otherwise)."""
+    run, config = self._run, self._run.config
+    data = offline.read(path)
+    offline.check_matches(data, config, run.model_meta())
+    offline.check_problems(data, run.sampler.tokenizer)
+    h, policy = data.header, data.header.get("policy") or {}
+    if (h.get("rollout"), h.get("seed"), data.groups) != (index, config.seed, config.rl.groups_per_rollout):
+      raise offline.OfflineFileError(
+          f"offline file {path}: rollout {h.get('rollout')} of seed {h.get('seed')} with {data.groups} groups; "
+          f"this run's rollout {index} of seed {config.seed} has rl.groups_per_rollout={config.rl.groups_per_rollout}")
+    want = remote.version_of(index, config.rl.lag)
+    if self._rc.reproducible and policy.get("version") != want:
+      raise offline.OfflineFileError(
+          f"offline file {path}: sampled by snapshot version {policy.get('version')}; "
+          f"rl.remote.reproducible takes rollout {index} from version {want} (a sampler job not in reproducible mode?)")
+    return data
+
+  def _set_aside(self, index: int, path: str, why) -> None:
+    """Refuses rollout `index`'s file: kept as `.rejected` and its claim dropped, so a sampler
+    samples it again; the run stops after `rl.remote.max_rejections` files of one rollout."""
+    self._rejected[index] = self._rejected.get(index, 0) + 1
+    if self._rejected[index] >= self._rc.max_rejections:
+      raise offline.OfflineFileError(f"rollout {index} refused {self._rejected[index]} times "
+                                     f"(rl.remote.max_rejections); the last: {why}") from None
+    say(f"rollout {index} set aside, to be sampled again: {why}")
+    if self._writer:
       if storage.exists(path):  # kept for a look, under a name no reader takes
         storage.write_bytes(path + ".rejected", storage.read_bytes(path))
         storage.remove(path)
       remote.release(self.root, index)
-      return None
-    return data
+    distributed.barrier(f"remote_set_aside_{index}_{self._rejected[index]}")  # gone before anyone looks again
 
   def _check_logprobs(self, data, policy: dict) -> None:
     """Each sampler's first rollout of the engines' current version: `rl.offline.check_rows` of
@@ -387,7 +426,7 @@ class RemoteSource:
 
   def saved(self) -> None:
     """After a checkpoint: the rollout files the checkpoint before it had used are removed."""
-    if self._saved_at is not None:
+    if self._saved_at is not None and self._writer:
       for index in remote.written_rollouts(self.root):
         if index < self._saved_at:
           storage.remove(remote.rollout_path(self.root, index))
@@ -400,6 +439,15 @@ class RemoteSource:
     """Marks the run done once it has taken its last step: its sampler jobs stop."""
     if self._run.counters.step >= self._run.config.train.steps:
       self._status(done=True)
+
+
+def _fingerprint(data: offline.OfflineData) -> np.ndarray:
+  """A file's contents as 32 bytes (its sha256), for processes to agree they read the same;
+  one process: nothing to agree on (no hashing)."""
+  if jax.process_count() == 1:
+    return np.zeros(32, np.uint8)
+  return np.frombuffer(bytes.fromhex(offline.digest(json.dumps(data.header, sort_keys=True), data.arrays)),
+                       np.uint8)
 
 
 SOURCES = {"sync": SyncSource, "async": AsyncSource, "offline": OfflineSource,

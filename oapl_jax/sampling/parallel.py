@@ -102,7 +102,7 @@ class Replicas:
   def local_prompts(self, num_prompts: int) -> np.ndarray:
     """Indices (ascending) of the prompts of a `num_prompts` list that this process's replicas
     sample; all of them on one process."""
-    return np.sort(np.concatenate([np.arange(r, num_prompts, self.total) for r in self.replica_ids()]))
+    return process_share(num_prompts, self.total, self.first, len(self.engines))
 
   def rollout(self, weights, prompts: list[list[int]], *, group_size: int, key: jax.Array,
               **kwargs) -> Rollout:
@@ -150,6 +150,12 @@ class Replicas:
                      empty[:, 0])
     return _merge([res for _, res in done], [r for r, _ in done], total, prompts,
                   self.local_prompts(len(prompts)), group_size, kwargs["pad_id"])
+
+
+def process_share(num_prompts: int, total: int, first: int, count: int) -> np.ndarray:
+  """Indices (ascending) of the prompts of a `num_prompts` list that replicas first ..
+  first + count - 1 of `total` sample (replica r takes prompts r, r + total, ...)."""
+  return np.sort(np.concatenate([np.arange(r, num_prompts, total) for r in range(first, first + count)]))
 
 
 def global_row_order(groups_per_process: int, group_size: int, processes: int,
