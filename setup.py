@@ -9,6 +9,8 @@ TEST_TOOLS = [
     "nbclient>=0.10,<0.12",  # tests/test_notebooks.py executes notebooks/*.ipynb
     "nbformat>=5.10,<6",
     "ipykernel>=6.29,<8",  # the notebooks' python3 kernel
+    "gcsfs>=2025.3",  # tests/test_gcs_emulator.py: gs:// through fsspec's Cloud Storage client
+    "gcp-storage-emulator>=2024.8",  # ... against this local Cloud Storage emulator
 ]
 
 setup(

@@ -23,6 +23,7 @@ norm's or a projection's output), differently in the engine's programs and the t
 which on this model is most of the remaining gap.
 
   python benchmarks/bf16_parity.py [--answers 200] [--prompts 16]
+  python benchmarks/bf16_parity.py --check   # the log-prob check against rl.offline.logprob_tol
 """
 
 from __future__ import annotations
@@ -67,10 +68,12 @@ def random_params(cfg: ModelConfig, seed: int = 0):
 
 
 def measure(cfg: ModelConfig, *, prompts: int, answers: int, group: int = 4, seed: int = 0,
-            min_decode_width: int | None = None, exact_rounding: bool = True):
+            min_decode_width: int | None = None, exact_rounding: bool = True, rows_apart: bool = False):
   """Returns (gaps over answer tokens `[n]`, number of answer tokens). exact_rounding: the
   engine's and the trainer kernel's programs round to the compute dtype wherever they say
-  (`config.model.exact_rounding`); False: XLA's default."""
+  (`config.model.exact_rounding`); False: XLA's default. rows_apart: returns (the trainer's
+  log-probs of the batch in one call, the same one row per call, the engine's, the answer-token
+  mask) instead."""
   graphdef, master = random_params(cfg, seed)
   compute = jnp.dtype(cfg.dtype)
   snapshot = jax.tree.map(lambda x: x.astype(compute), master)  # the engine's copy
@@ -91,7 +94,33 @@ def measure(cfg: ModelConfig, *, prompts: int, answers: int, group: int = 4, see
                   compiler_options=compiler_options(exact_rounding))
   trainer = np.asarray(score(master, jnp.asarray(batch.tokens)))
   mask = batch.mask > 0
+  if rows_apart:
+    alone = np.concatenate([np.asarray(score(master, jnp.asarray(batch.tokens[i:i + 1])))
+                            for i in range(len(batch.tokens))])
+    return trainer, alone, batch.sampler_logprobs, mask
   return np.abs(trainer - batch.sampler_logprobs)[mask], int(mask.sum())
+
+
+def check_margin(cfg: ModelConfig, *, prompts: int, answers: int, check_rows: int = 16,
+                 draws: int = 2000, seed: int = 0) -> dict:
+  """What `rl.offline.logprob_tol` is compared with, on this workload: the offline / remote check
+  rescores `check_rows` answers one row per call (`offline.logprob_fn`) and takes the mean
+  |stored - recomputed| over their tokens, while the train step scores each row inside its batch.
+  Returns the in-batch vs one-row-per-call gap of the trainer kernel (mean, max per token), the
+  engine's gap to each, and the check's statistic over `draws` random sets of `check_rows`
+  answers (median, max)."""
+  batch_lp, alone, engine, mask = measure(cfg, prompts=prompts, answers=answers, seed=seed, rows_apart=True)
+  rng = np.random.default_rng(seed)
+  per_row = [(np.abs(alone[i] - engine[i])[mask[i]].sum(), mask[i].sum()) for i in range(len(mask))]
+  stats = []
+  for _ in range(draws):
+    pick = rng.choice(len(per_row), size=min(check_rows, len(per_row)), replace=False)
+    stats.append(sum(per_row[i][0] for i in pick) / sum(per_row[i][1] for i in pick))
+  apart = np.abs(batch_lp - alone)[mask]
+  return {"in_batch_vs_alone_mean": float(apart.mean()), "in_batch_vs_alone_max": float(apart.max()),
+          "engine_vs_in_batch_mean": float(np.abs(batch_lp - engine)[mask].mean()),
+          "engine_vs_alone_mean": float(np.abs(alone - engine)[mask].mean()),
+          "check_median": float(np.median(stats)), "check_max": float(np.max(stats)), "tokens": int(mask.sum())}
 
 
 def main():
@@ -99,8 +128,21 @@ def main():
   parser.add_argument("--prompts", type=int, default=16)
   parser.add_argument("--answers", type=int, default=200)
   parser.add_argument("--dtypes", default="bfloat16,float32")
+  parser.add_argument("--check", action="store_true",
+                      help="the log-prob check's statistic against rl.offline.logprob_tol (check_margin)")
+  parser.add_argument("--seeds", type=int, default=3, help="with --check: workloads (model and prompt seeds)")
   args = parser.parse_args()
   flags = os.environ.get("XLA_FLAGS", "")
+  if args.check:
+    tol = config_lib.defaults("tiny_addition").rl.offline.logprob_tol
+    for seed in range(args.seeds):
+      m = check_margin(MODEL, prompts=args.prompts, answers=args.answers, seed=seed)
+      print(f"seed {seed} ({m['tokens']} answer tokens, bfloat16, exact rounding): trainer in one call vs one row "
+            f"per call: mean {m['in_batch_vs_alone_mean']:.2e}, max {m['in_batch_vs_alone_max']:.2e}; engine vs "
+            f"trainer in batch {m['engine_vs_in_batch_mean']:.2e}, one row per call {m['engine_vs_alone_mean']:.2e}; "
+            f"the check's statistic (16 answers): median {m['check_median']:.2e}, max {m['check_max']:.2e} "
+            f"(logprob_tol {tol}: {tol / m['check_max']:.1f}x the max)", flush=True)
+    return
   for dtype in args.dtypes.split(","):
     cfg = dataclasses.replace(MODEL, dtype=dtype)
     gap, n = measure(cfg, prompts=args.prompts, answers=args.answers)

@@ -51,7 +51,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from oapl_jax import distributed
+from oapl_jax import distributed, storage
 from oapl_jax.errors import UserError
 from oapl_jax.workdir import Layout, check_usable
 
@@ -341,8 +341,9 @@ class Checkpointer:
 
   def _remove_dead_saves(self) -> None:
     """Removes orbax tmp directories left by saves that never finished (a killed process)."""
-    for path in epath.Path(self.directory).iterdir():
-      if _TMP.match(path.name):
+    for name in storage.listdir(self.directory):  # none yet: [] (a bucket has no empty folders)
+      if _TMP.match(name):
+        path = epath.Path(self.directory) / name
         log.info("removing %s, left by a save that never finished", path)
         path.rmtree(missing_ok=True)
 
