@@ -130,3 +130,72 @@ def create_exclusive(path: str, text: str) -> bool:
   with os.fdopen(fd, "w") as f:
     f.write(text)
   return True
+
+
+# --- Cloud Storage generations: conditional writes (the workdir lock) ----------------------------
+#
+# Every object in Cloud Storage has a generation that each write changes, and a write or delete
+# may be made conditional on it (https://cloud.google.com/storage/docs/request-preconditions):
+# generation 0 means "no such object", so a create conditional on 0 is an exclusive create. Of
+# two writers conditional on the same generation exactly one succeeds. These go through
+# google-cloud-storage (gcsfs's dependency; its own credentials, `STORAGE_EMULATOR_HOST` for an
+# emulator); other URL schemes have none of this (`has_generations`).
+
+
+def has_generations(path: str) -> bool:
+  """Whether `path` is in Cloud Storage, where writes can be conditional on generations."""
+  return str(path).startswith("gs://")
+
+
+def _blob(path: str):
+  try:
+    from google.cloud import storage as gcs  # noqa: PLC0415 (only gs:// needs it)
+  except ImportError as e:
+    from oapl_jax.errors import UserError  # noqa: PLC0415
+    raise UserError(f"{path}: a gs:// workdir's lock needs google-cloud-storage "
+                    f"(pip install google-cloud-storage; it comes with gcsfs)") from e
+  bucket, _, name = str(path)[len("gs://"):].partition("/")
+  return _client(gcs).bucket(bucket).blob(name)
+
+
+_CLIENTS: dict = {}
+
+
+def _client(gcs):
+  if "client" not in _CLIENTS:
+    _CLIENTS["client"] = gcs.Client()
+  return _CLIENTS["client"]
+
+
+def read_generation(path: str) -> tuple[bytes, int] | None:
+  """(the object's bytes, its generation), read together; None if there is no object."""
+  from google.api_core import exceptions  # noqa: PLC0415
+  blob = _blob(path)
+  try:
+    data = blob.download_as_bytes()  # sets blob.generation to the generation read
+  except exceptions.NotFound:
+    return None
+  return data, int(blob.generation)
+
+
+def write_if_generation(path: str, data: bytes, generation: int) -> int | None:
+  """Writes `data` if the object's generation is `generation` (0: if there is none); the new
+  generation, or None if the object had another (someone else wrote or removed it)."""
+  from google.api_core import exceptions  # noqa: PLC0415
+  blob = _blob(path)
+  try:
+    blob.upload_from_string(data, if_generation_match=generation)
+  except exceptions.PreconditionFailed:
+    return None
+  return int(blob.generation)
+
+
+def remove_if_generation(path: str, generation: int) -> bool:
+  """Removes the object if its generation is `generation`; False if it had another or was gone."""
+  from google.api_core import exceptions  # noqa: PLC0415
+  try:
+    _blob(path).delete(if_generation_match=generation)
+  except (exceptions.PreconditionFailed, exceptions.NotFound):
+    return False
+  return True
+

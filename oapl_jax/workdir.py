@@ -31,8 +31,11 @@ took the workdir) stops at once: one line naming the new holder on stderr and ex
 written is abandoned; the new holder's restore removes its tmp folder). On a local disk every
 change of the lock (claim, take-over of a stale one, renewal) is made under an exclusive
 `flock` of `run.lock.mutex`, so of two runs that find the same stale lock exactly one takes it,
-and a renewal never overwrites a lock another run has just taken. In a bucket these are not
-atomic yet (no conditional writes here: the read-back of `_claim` only).
+and a renewal never overwrites a lock another run has just taken. In Cloud Storage (gs://) each
+change is conditional on the lock object's generation (`storage.write_if_generation`): a claim
+creates it only if there is none, a take-over deletes only the stale record it read, a renewal
+rewrites only its own last write, with the same guarantees. Other object stores have no
+conditional writes here: the read-back of `_claim` only.
 
 `StopSignals` turns SIGTERM (what a TPU VM or a scheduler sends before preemption) and SIGINT
 into a request the training loop reads between steps (`requested`), so the run finishes its
@@ -142,6 +145,15 @@ def _alive(pid: int) -> bool:
 _HELD_HERE: set[str] = set()  # lock paths this process holds now (a second run in it is refused)
 
 
+def _record(text: str) -> dict:
+  """A lock file's record; {} if it does not parse (half-written by a holder that died)."""
+  try:
+    record = json.loads(text)
+  except ValueError:
+    return {}
+  return record if isinstance(record, dict) else {}
+
+
 class WorkdirLock:
   """`with WorkdirLock(workdir, lease_s):` holds `<workdir>/run.lock` for the block, renewing
   its heartbeat every `lease_s / 10` seconds (module docstring). `wait_s`: how long a lock that
@@ -153,6 +165,8 @@ class WorkdirLock:
     self.lease_s = float(lease_s)
     self.wait_s = float(wait_s)
     self.held = False
+    self._conditional = storage.has_generations(self.path)  # Cloud Storage: writes conditional on generations
+    self._generation: int | None = None  # there: the generation of our lock object
     self._me: dict = {}
     self._stop = threading.Event()
     self._renewer: threading.Thread | None = None
@@ -176,11 +190,19 @@ class WorkdirLock:
     """The lock file's contents (pid, host, started, heartbeat, token), {} if unreadable, None
     if there is none."""
     try:
-      return json.loads(storage.read_text(self.path))
+      return _record(storage.read_text(self.path))
     except FileNotFoundError:
       return None
-    except (OSError, ValueError):
-      return {}  # half-written by a holder that died while writing it
+    except OSError:
+      return {}
+
+  def _read(self) -> tuple[dict | None, int | None]:
+    """(`holder()`, the lock object's generation): in Cloud Storage read together, so a change
+    conditional on it fails if the lock changed since; elsewhere the generation is None."""
+    if not self._conditional:
+      return self.holder(), None
+    got = storage.read_generation(self.path)
+    return (None, None) if got is None else (_record(got[0].decode(errors="replace")), got[1])
 
   def acquire(self) -> None:
     deadline = time.monotonic() + self.wait_s
@@ -203,7 +225,7 @@ class WorkdirLock:
     with self._mutex():  # one starter at a time decides and claims (local disk)
       for _ in range(2):  # a second try after removing a stale lock
         if not self._claim():
-          holder = self.holder()
+          holder, generation = self._read()
           if holder is None:
             continue  # released between our two calls
           why = self._stale(holder)
@@ -211,7 +233,10 @@ class WorkdirLock:
             raise WorkdirBusy(self._busy_message(holder)) from None
           logging.warning("workdir lock %s of process %s on %s: %s; taking it over", self.path,
                           holder.get("pid"), holder.get("host"), why)
-          storage.remove(self.path)
+          if generation is None:
+            storage.remove(self.path)
+          else:  # only the record we read: if another starter took it over since, the claim finds it
+            storage.remove_if_generation(self.path, generation)
           continue
         self.held = True
         _HELD_HERE.add(self.path)
@@ -221,11 +246,15 @@ class WorkdirLock:
 
   def _claim(self) -> bool:
     """Writes our record if there is no lock; True if we then hold it. Locally an exclusive
-    create. Object storage has none: the record is written if no lock is there, and read back
+    create; in Cloud Storage a create conditional on there being no object (generation 0).
+    Other object stores have neither: the record is written if no lock is there, and read back
     after `SETTLE_S` seconds; of two runs that wrote at once, the last write stands and the
-    other run sees its record and is refused (two runs started on one bucket workdir within a
+    other run sees its record and is refused (two runs started on one such workdir within a
     second of each other are not told apart)."""
     text = json.dumps(self._me)
+    if self._conditional:
+      self._generation = storage.write_if_generation(self.path, text.encode(), 0)
+      return self._generation is not None
     if not storage.is_remote(self.path):
       return storage.create_exclusive(self.path, text)
     if storage.exists(self.path):
@@ -279,6 +308,13 @@ class WorkdirLock:
       with self._mutex():
         if self._stop.is_set():
           return
+        if self._conditional:  # rewritten only if no one wrote it since our last write
+          self._me["heartbeat"] = time.time()
+          renewed = storage.write_if_generation(self.path, json.dumps(self._me).encode(), self._generation)
+          if renewed is None:
+            return self._lost(self.holder() or {})
+          self._generation = renewed
+          continue
         holder = self.holder() or {}
         if holder.get("token") != self._me["token"]:
           return self._lost(holder)
@@ -305,7 +341,9 @@ class WorkdirLock:
       if self._renewer is not None:
         self._renewer.join()
       with self._mutex():
-        if (self.holder() or {}).get("token") == self._me["token"]:  # not another run's
+        if self._conditional:
+          storage.remove_if_generation(self.path, self._generation)  # not another run's
+        elif (self.holder() or {}).get("token") == self._me["token"]:  # not another run's
           storage.remove(self.path)
 
   def __enter__(self) -> "WorkdirLock":

@@ -36,6 +36,8 @@ def bucket(tmp_path, monkeypatch):
   root.mkdir()
   monkeypatch.setenv(fake_bucket.ROOT_VAR, str(root))
   monkeypatch.setattr(workdir, "SETTLE_S", 0.05)
+  for name in ("read_generation", "write_if_generation", "remove_if_generation"):
+    monkeypatch.setattr(storage, name, getattr(storage, name))  # restored after the test: install() replaces them
   fake_bucket.install()
   return root
 
@@ -74,8 +76,8 @@ def test_bucket_lock_refuses_a_second_run_takes_over_a_stale_lease_and_is_releas
 
 
 def test_bucket_lock_of_two_runs_writing_at_once_goes_to_the_last_writer(bucket, monkeypatch):
-  """No exclusive create in a bucket: a rival's record lands between our write and our read-back;
-  we are refused, naming it."""
+  """An object store without generations (no conditional create; here gs:// told it has none):
+  a rival's record lands between our write and our read-back; we are refused, naming it."""
   rival = {"pid": 99, "host": "rival", "started": "now", "heartbeat": time.time(), "token": "r"}
   real_sleep = time.sleep
 
@@ -84,6 +86,7 @@ def test_bucket_lock_of_two_runs_writing_at_once_goes_to_the_last_writer(bucket,
     real_sleep(s)
 
   monkeypatch.setattr(workdir.time, "sleep", rival_writes)
+  monkeypatch.setattr(storage, "has_generations", lambda path: False)
   with pytest.raises(WorkdirBusy, match="process 99 on rival"):
     WorkdirLock(URL).acquire()
 

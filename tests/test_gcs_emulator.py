@@ -162,3 +162,71 @@ def test_a_run_in_the_emulated_bucket_is_killed_resumes_and_is_the_straight_run(
   events = [n for n in fs.ls(run) if "events.out.tfevents" in n]
   assert len(events) == 2 and all(fs.size(n) > 0 for n in events)  # one per start (TensorBoard)
   assert not fs.exists(f"{run}/run.lock")
+
+
+# --- the workdir lock's races on gs:// (its writes conditional on the lock's generation) --------
+
+# A run that holds the lock; in `slow` mode every lock write of its own (claim or renewal) waits
+# `delay` seconds after it decided to write: the window in which another run may act.
+_LOCKER = """
+import sys, threading, time
+from oapl_jax import storage, workdir
+mode, delay, hold = sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+def slowed(real, renewals_only):
+  def write(*args, **kwargs):
+    if not renewals_only or threading.current_thread().name == "workdir-lease":
+      time.sleep(delay)
+    return real(*args, **kwargs)
+  return write
+if mode != "plain":
+  for name in ("write_text", "write_if_generation"):
+    setattr(storage, name, slowed(getattr(storage, name), renewals_only=mode == "slow_renewal"))
+print("STARTED", flush=True)
+try:
+  with workdir.WorkdirLock(sys.argv[1], lease_s=float(sys.argv[5])) as lock:
+    print("HELD", flush=True)
+    time.sleep(hold)
+    print("STILL HELD", lock.held, flush=True)
+except workdir.WorkdirBusy:
+  print("BUSY", flush=True)
+"""
+
+
+def _locker(env, url, mode, delay, hold, lease):
+  return subprocess.Popen([sys.executable, "-c", _LOCKER, url, mode, str(delay), str(hold), str(lease)], cwd=REPO,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_of_two_runs_starting_on_a_gs_workdir_exactly_one_holds_it(emulator, tmp_path):
+  """The second starter found no lock, then waits 3 s before writing its own (the first has
+  claimed it meanwhile): its create is conditional on there being none, so it is refused and
+  the first keeps the workdir. (A write then a read-back, as before, gave the workdir to
+  whichever wrote last, overwriting the first's claim, or to both when the late write landed
+  after the first's read-back.)"""
+  env, url = emulator
+  where = f"gs://{BUCKET}/lockrace/{tmp_path.name}"
+  slow = _locker(env, where, "slow_claim", 3.0, 6.0, 60.0)
+  assert slow.stdout.readline().strip() == "STARTED"
+  time.sleep(1.0)  # past its check for a lock
+  fast = _locker(env, where, "plain", 0.0, 6.0, 60.0)
+  said = [p.communicate(timeout=120)[0].split() for p in (slow, fast)]
+  assert said == [["BUSY"], ["STARTED", "HELD", "STILL", "HELD", "True"]], said  # the slow one's STARTED read above
+
+
+def test_a_gs_run_whose_renewal_was_slowed_past_its_lease_loses_it_and_the_new_holder_keeps_it(emulator, tmp_path):
+  """A holder decides to renew, then stalls 5 s (a paused VM) past its 1 s lease; another run
+  takes the workdir over. The renewal, conditional on the generation it last wrote, fails: the
+  stalled run stops with one line and LEASE_LOST_EXIT, and the new holder keeps the lock. (An
+  unconditional renewal overwrote the new holder's lock, which then stopped instead.)"""
+  from oapl_jax import workdir  # noqa: PLC0415
+  env, url = emulator
+  where = f"gs://{BUCKET}/lockrace/{tmp_path.name}"
+  stalled = _locker(env, where, "slow_renewal", 5.0, 30.0, 1.0)
+  assert stalled.stdout.readline().strip() == "STARTED" and stalled.stdout.readline().strip() == "HELD"
+  time.sleep(1.5)  # past its lease: it has not renewed
+  taker = _locker(env, where, "plain", 0.0, 8.0, 1.0)
+  out, err = taker.communicate(timeout=120)
+  assert taker.returncode == 0 and out.split() == ["STARTED", "HELD", "STILL", "HELD", "True"], out + err
+  _, err = stalled.communicate(timeout=60)
+  assert stalled.returncode == workdir.LEASE_LOST_EXIT, err[-3000:]
+  assert err.strip().splitlines()[-1].startswith(f"error: lost the lease of --workdir={where}: it is now held by "), err

@@ -6,8 +6,11 @@ Python runs this file at start-up in a process whose PYTHONPATH names this folde
 process. etils.epath then sends gs:// paths to fsspec (instead of tf.io.gfile), and fsspec's
 "gs" protocol to `FakeBucket`: a local file system that refuses what object storage lacks and a
 local disk has (appending to an object, renaming), so a workdir that leans on them fails here as
-it would on a bucket. What it does not fake: Cloud Storage's own client (tf.io.gfile or gcsfs)
-and orbax's writes to gs:// (tensorstore); the tests keep `checkpoint.directory` on local disk.
+it would on a bucket; and it keeps generations for the workdir lock's conditional writes
+(below). What it does not fake: Cloud Storage's own clients (tf.io.gfile, gcsfs,
+google-cloud-storage) and orbax's writes to gs:// (tensorstore); the tests keep
+`checkpoint.directory` on local disk. tests/test_gcs_emulator.py runs the real clients against
+an emulator.
 """
 
 import os
@@ -45,10 +48,72 @@ class FakeBucket(LocalFileSystem):
   rename = move = mv
 
 
+# Cloud Storage's generations (`oapl_jax.storage.read_generation` and the conditional writes,
+# which the real code sends through google-cloud-storage): an object's generation here is its
+# file's inode and modification time, and each check with the write it guards is made under one
+# flock of the fake bucket, so of two processes conditional on one generation one wins, as there.
+
+
+def _local(path: str) -> str:
+  return FakeBucket._strip_protocol(path)
+
+
+def _generation_of(local: str) -> int:
+  st = os.stat(local)
+  return st.st_mtime_ns * 1_000_003 + st.st_ino
+
+
+class _Guard:
+  def __enter__(self):
+    import fcntl  # noqa: PLC0415
+    os.makedirs(os.environ[ROOT_VAR], exist_ok=True)
+    self._fd = os.open(os.path.join(os.environ[ROOT_VAR], ".generations.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+  def __exit__(self, *exc):
+    os.close(self._fd)
+
+
+def _read_generation(path):
+  local = _local(path)
+  with _Guard():
+    if not os.path.exists(local):
+      return None
+    with open(local, "rb") as f:
+      return f.read(), _generation_of(local)
+
+
+def _write_if_generation(path, data, generation):
+  local = _local(path)
+  with _Guard():
+    have = _generation_of(local) if os.path.exists(local) else 0
+    if have != generation:
+      return None
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    tmp = f"{local}.{os.getpid()}.gen"
+    with open(tmp, "wb") as f:
+      f.write(data)
+    os.replace(tmp, local)  # a new inode: a new generation
+    return _generation_of(local)
+
+
+def _remove_if_generation(path, generation):
+  local = _local(path)
+  with _Guard():
+    if not os.path.exists(local) or _generation_of(local) != generation:
+      return False
+    os.remove(local)
+    return True
+
+
 def install() -> None:
   gpath._is_tf_installed = lambda: False  # gs:// through fsspec, not TensorFlow's GCS client
   fsspec.register_implementation("gs", FakeBucket, clobber=True)
   fsspec.register_implementation("gcs", FakeBucket, clobber=True)
+  from oapl_jax import storage  # noqa: PLC0415 (imports no JAX)
+  storage.read_generation = _read_generation
+  storage.write_if_generation = _write_if_generation
+  storage.remove_if_generation = _remove_if_generation
 
 
 if os.environ.get(ROOT_VAR):
