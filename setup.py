@@ -37,6 +37,7 @@ setup(
         "tensorflow-datasets>=4.9,<5",
         "math-verify>=0.7,<1",
         "reasoning-gym>=0.1.25,<0.2",  # procedural tasks (oapl_jax/tasks/reasoning_gym.py)
+        "google-cloud-storage>=2.14,<4",  # a gs:// workdir's lock: writes conditional on generations (oapl_jax/storage.py)
         "numpy>=1.26,<3",
         "matplotlib>=3.8,<4",
         "tqdm>=4.66,<5",
