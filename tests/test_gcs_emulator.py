@@ -230,3 +230,33 @@ def test_a_gs_run_whose_renewal_was_slowed_past_its_lease_loses_it_and_the_new_h
   _, err = stalled.communicate(timeout=60)
   assert stalled.returncode == workdir.LEASE_LOST_EXIT, err[-3000:]
   assert err.strip().splitlines()[-1].startswith(f"error: lost the lease of --workdir={where}: it is now held by "), err
+
+
+_CLAIMS = """
+import json, sys, time
+from oapl_jax import storage
+from oapl_jax.rl import remote
+root = sys.argv[1]
+said = [remote.claim(root, 5, "a", timeout_s=60), remote.claim(root, 5, "b", timeout_s=60),
+        remote.claimed(root, 5, timeout_s=60)]
+path = remote.claim_path(root, 5)
+record = json.loads(storage.read_text(path))
+storage.write_text(path, json.dumps({**record, "time": time.time() - 120}))  # its sampler died 2 min ago
+data, generation = storage.read_generation(path)
+said.append(remote.claim(root, 5, "b", timeout_s=60))
+said.append(json.loads(storage.read_text(path))["owner"])
+said.append(storage.write_if_generation(path, data, generation) is None)  # a second taker, on what it read
+remote.release(root, 5)
+said.append(storage.exists(path))
+print(json.dumps(said))
+"""
+
+
+def test_rollout_claims_in_gs_are_conditional_writes(emulator):
+  """remote.claim on gs://: of two samplers one wins; a dead sampler's claim is taken over once
+  (a second taker conditional on the record it read is refused); release removes it."""
+  env, _ = emulator
+  out = subprocess.run([sys.executable, "-c", _CLAIMS, f"gs://{BUCKET}/claims/remote"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, False, True, True, "b", True, False]

@@ -174,10 +174,25 @@ def claim(root: str, index: int, owner: str, timeout_s: float) -> bool:
   """Claims rollout `index` for `owner`: True if this sampler may sample it now.
 
   Local: an exclusive create (of two samplers, one wins); a claim older than `timeout_s`
-  whose rollout is not written is a dead sampler's and is replaced. In a bucket (no exclusive
-  create here yet): written, then read back after a moment, as the workdir lock does."""
+  whose rollout is not written is a dead sampler's and is replaced. In Cloud Storage the same,
+  by writes conditional on the claim's generation (a create only if there is none; a dead
+  claim replaced only as it was read: of two samplers taking it over, one wins). Other object
+  stores: written, then read back after a moment, as the workdir lock does there."""
   path = claim_path(root, index)
   text = json.dumps({"owner": owner, "time": time.time()})
+  if storage.has_generations(path):
+    if storage.write_if_generation(path, text.encode(), 0) is not None:
+      return True
+    got = storage.read_generation(path)
+    if got is None:  # released between the two calls: taken next time
+      return False
+    try:
+      since = float(json.loads(got[0]).get("time", 0.0))
+    except (ValueError, AttributeError):
+      since = 0.0  # not a claim record: as old as can be
+    if time.time() - since < timeout_s or storage.exists(rollout_path(root, index)):
+      return False
+    return storage.write_if_generation(path, text.encode(), got[1]) is not None
   if not storage.is_remote(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if storage.create_exclusive(path, text):
