@@ -198,33 +198,33 @@ def _locker(env, url, mode, delay, hold, lease):
 
 
 def test_of_two_runs_starting_on_a_gs_workdir_exactly_one_holds_it(emulator, tmp_path):
-  """The second starter found no lock, then waits 3 s before writing its own (the first has
+  """The second starter found no lock, then waits 8 s before writing its own (the first has
   claimed it meanwhile): its create is conditional on there being none, so it is refused and
   the first keeps the workdir. (A write then a read-back, as before, gave the workdir to
   whichever wrote last, overwriting the first's claim, or to both when the late write landed
   after the first's read-back.)"""
   env, url = emulator
   where = f"gs://{BUCKET}/lockrace/{tmp_path.name}"
-  slow = _locker(env, where, "slow_claim", 3.0, 6.0, 60.0)
+  slow = _locker(env, where, "slow_claim", 8.0, 6.0, 60.0)
   assert slow.stdout.readline().strip() == "STARTED"
   time.sleep(1.0)  # past its check for a lock
-  fast = _locker(env, where, "plain", 0.0, 6.0, 60.0)
+  fast = _locker(env, where, "plain", 0.0, 12.0, 60.0)  # holds past the slow write (~9 s)
   said = [p.communicate(timeout=120)[0].split() for p in (slow, fast)]
   assert said == [["BUSY"], ["STARTED", "HELD", "STILL", "HELD", "True"]], said  # the slow one's STARTED read above
 
 
 def test_a_gs_run_whose_renewal_was_slowed_past_its_lease_loses_it_and_the_new_holder_keeps_it(emulator, tmp_path):
-  """A holder decides to renew, then stalls 5 s (a paused VM) past its 1 s lease; another run
+  """A holder decides to renew, then stalls 10 s (a paused VM) past its 1 s lease; another run
   takes the workdir over. The renewal, conditional on the generation it last wrote, fails: the
   stalled run stops with one line and LEASE_LOST_EXIT, and the new holder keeps the lock. (An
   unconditional renewal overwrote the new holder's lock, which then stopped instead.)"""
   from oapl_jax import workdir  # noqa: PLC0415
   env, url = emulator
   where = f"gs://{BUCKET}/lockrace/{tmp_path.name}"
-  stalled = _locker(env, where, "slow_renewal", 5.0, 30.0, 1.0)
+  stalled = _locker(env, where, "slow_renewal", 10.0, 30.0, 1.0)
   assert stalled.stdout.readline().strip() == "STARTED" and stalled.stdout.readline().strip() == "HELD"
   time.sleep(1.5)  # past its lease: it has not renewed
-  taker = _locker(env, where, "plain", 0.0, 8.0, 1.0)
+  taker = _locker(env, where, "plain", 0.0, 14.0, 1.0)  # holds past the stalled write (~10 s)
   out, err = taker.communicate(timeout=120)
   assert taker.returncode == 0 and out.split() == ["STARTED", "HELD", "STILL", "HELD", "True"], out + err
   _, err = stalled.communicate(timeout=60)
