@@ -18,7 +18,7 @@ The workdir is a local folder or a bucket URL (`gs://bucket/run`): every file he
 `oapl_jax.storage`, which uses only what object storage has (whole-object reads and writes).
 
 `WorkdirLock(workdir, lease_s)` creates `<workdir>/run.lock` (pid, host, start time, heartbeat)
-atomically (in a bucket: written, then read back: `WorkdirLock._claim`), renews its heartbeat
+atomically (in Cloud Storage a conditional create: `WorkdirLock._claim`), renews its heartbeat
 every lease_s / 10 seconds from a background thread, and removes it on release; a second run on the same workdir is refused with a message naming the
 holder. The lock is a lease: one not renewed for `lease_s` seconds is taken over from any host,
 with a warning line (a preempted TPU slice, re-created with new host names, resumes on its
