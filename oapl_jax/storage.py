@@ -14,6 +14,7 @@ This module imports no JAX; etils is imported only for a URL.
 
 from __future__ import annotations
 
+import functools
 import os
 
 
@@ -158,13 +159,9 @@ def _blob(path: str):
   return _client(gcs).bucket(bucket).blob(name)
 
 
-_CLIENTS: dict = {}
-
-
+@functools.cache
 def _client(gcs):
-  if "client" not in _CLIENTS:
-    _CLIENTS["client"] = gcs.Client()
-  return _CLIENTS["client"]
+  return gcs.Client()
 
 
 def read_generation(path: str) -> tuple[bytes, int] | None:

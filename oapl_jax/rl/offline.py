@@ -149,6 +149,7 @@ class OfflineData:
   path: str
   header: dict
   arrays: dict[str, np.ndarray]
+  sha256: str = ""  # of the header's text and the arrays (`digest`), checked when read
 
   @property
   def groups(self) -> int:
@@ -206,7 +207,7 @@ def read(path: str) -> OfflineData:
     _fail(path, f"unreadable header ({e})")
   if header.get("format") != FORMAT:
     _fail(path, f"format {header.get('format')!r}, expected {FORMAT!r}")
-  data = OfflineData(path, header, arrays)
+  data = OfflineData(path, header, arrays, str(members["sha256"]))
   _check_shapes(data)
   return data
 
