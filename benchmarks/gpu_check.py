@@ -195,7 +195,7 @@ def train_step(config_lib, s: dict, peak_tflops: float) -> dict:
       rewards=rng.integers(0, 2, rows).astype(np.float32)))
   t0 = time.perf_counter()
   with jax.set_mesh(step.mesh):
-    compiled = step.jitted.lower(params, opt_state, snapshot, batch, None).compile()
+    compiled = step.jitted.lower(params, opt_state, snapshot, batch, None, None).compile()
   compile_s = time.perf_counter() - t0
   times, loss = [], None
   for _ in range(s["train_reps"] + 1):  # the first call is not timed

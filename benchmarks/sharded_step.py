@@ -122,7 +122,7 @@ def child(args) -> dict:
   batch = step.place_batch(_batch(c))
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):  # ahead of time: the compile apart, and XLA's memory figures
-    compiled = step.jitted.lower(params, opt_state, snapshot, batch, None).compile()
+    compiled = step.jitted.lower(params, opt_state, snapshot, batch, None, None).compile()
   compile_s = time.perf_counter() - t0
   _memory_phase("compile", phases)
   mem = compiled.memory_analysis()

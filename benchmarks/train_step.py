@@ -171,7 +171,7 @@ class Ours:
     batch = step.place_batch(Batch(**make_batch(rows, prompt, answer)))
     t0 = time.perf_counter()
     with jax.set_mesh(step.mesh):
-      compiled = step.jitted.lower(params, opt_state, snapshot, batch, None).compile()
+      compiled = step.jitted.lower(params, opt_state, snapshot, batch, None, None).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     state = {"step": step, "compiled": compiled, "params": params, "opt": opt_state,

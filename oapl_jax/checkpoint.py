@@ -148,6 +148,15 @@ def leaf_digests(state) -> dict[str, str]:
   return {jax.tree_util.keystr(path): d for (path, _), d in zip(leaves, digests)}
 
 
+def tree_digest(state) -> str:
+  """One sha256 of every array of `state` (a LoRA run's frozen base: what its checkpoints were
+  trained on). Multi-host, of every process's shards, so it is the same in every process (and
+  depends on the layout: resume on the same mesh)."""
+  digests = leaf_digests(state)
+  table = _all_processes(digests) if distributed.process_count() > 1 else digests
+  return hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()
+
+
 def _meta_digest(meta: dict) -> str:
   """sha256 of `meta` without its checksums, as it reads back from JSON."""
   rest = {k: v for k, v in meta.items() if k != CHECKSUMS}

@@ -16,7 +16,7 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 from oapl_jax.errors import ConfigError
-from oapl_jax.models.names import LOGICAL_AXES, ROPE_SCALING_TYPES, dtype_name
+from oapl_jax.models.names import LOGICAL_AXES, LORA_TARGETS, ROPE_SCALING_TYPES, dtype_name
 from oapl_jax.models.pallas_names import ATTENTION_KERNELS  # names only: no JAX
 from oapl_jax.models.presets import PRESETS  # names and numbers only: no JAX, no Flax
 from oapl_jax.rl.names import ADV_NORMS, BETA2_RULES, GRPO_PROX, IS_LEVELS, IS_MODES, LOSS_NAMES, NORMS
@@ -53,6 +53,15 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   # else the blockwise XLA code; "xla"; "pallas" (set it to compile for TPU ahead of time on a
   # CPU host, whose devices "auto" would read as CPU); "pallas_interpret" (CPU tests, slow).
   c.model.attention_kernel = "auto"
+  # Low-rank adapters (oapl_jax/models/lora.py, Flax NNX's nnx.LoRA): rank > 0 trains only an
+  # adapter beside each targeted projection (x W + alpha/rank x A B; B starts at zero); the base
+  # is frozen and held in model.dtype, the adapters and their AdamW state in model.param_dtype;
+  # pi_old is a copy of the adapters, which the engines see merged into the base. Checkpoints
+  # hold the adapters and the base's model.path and sha256 (another base is refused).
+  c.model.lora = ml_collections.ConfigDict()
+  c.model.lora.rank = 0  # Adapter rank r; 0 = full fine-tuning (every weight trained).
+  c.model.lora.alpha = 32.0  # Scale alpha: the adapter's output is multiplied by alpha / rank.
+  c.model.lora.targets = LORA_TARGETS  # Adapted projections: any of q/k/v/o_proj, gate/up/down_proj.
   c.model.exact_rounding = True  # Round to model.dtype wherever the program says, in the train step and the engines (XLA may otherwise keep float32 there, by shape: bfloat16 log-probs then depend on the batch; docs/design.md "Engine/trainer parity in bfloat16"). False: XLA's default (faster on CPU/GPU).
 
   # The device mesh of the trainer: axes ("data", "fsdp", "tensor"); their product is the number
@@ -621,6 +630,14 @@ def _validate_model(c) -> None:
   _dtype(c, "model.dtype")
   _check(c.model.get("attention_kernel", "auto") in ATTENTION_KERNELS, "model.attention_kernel",
          c.model.get("attention_kernel"), f"must be one of {ATTENTION_KERNELS}")
+  if "lora" in c.model:
+    _int(c, "model.lora.rank", 0, note="0 = full fine-tuning")
+    _number(c, "model.lora.alpha", 0, lo_open=True)
+    targets = c.model.lora.targets
+    _check(isinstance(targets, (tuple, list)) and bool(targets) and set(targets) <= set(LORA_TARGETS),
+           "model.lora.targets", targets, f"must be a non-empty tuple of {LORA_TARGETS}")
+    _check(not c.model.lora.rank or c.rl.mode in ("sync", "async"), "model.lora.rank",
+           c.model.lora.rank, f"adapters train in rl.mode 'sync' or 'async' (not {c.rl.mode!r}) for now")
 
 
 def _validate_sharding(c) -> None:

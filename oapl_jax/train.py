@@ -92,12 +92,16 @@ def _start(r: Run, config, workdir: str) -> tuple[dict, dict]:
 
   Returns (eval_before, warmup_info)."""
   before_path = Layout(workdir).eval_before
+  warmup_info = {}
+  if config.warmup.steps and r.lora:  # the frozen base first: a checkpoint is checked against it
+    base, warmup_info = warmup.base_model(config, r.engine_graphdef, r.base, r.sampler.task,
+                                          r.sampler.tokenizer, seq_len=seq_len(config))
+    r.set_base(base)
   if r.restore_latest():
     say(f"resumed from step {r.counters.step} in {r.ckpt.directory}")
     saved = read_json(before_path)
     return saved["eval"], saved["warmup"]
-  warmup_info = {}
-  if config.warmup.steps:
+  if config.warmup.steps and not r.lora:
     r.params, warmup_info = warmup.base_model(config, r.graphdef, r.params, r.sampler.task,
                                               r.sampler.tokenizer, seq_len=seq_len(config))
   r.start_from(r.params)  # optimizer state, snapshot and reference of the warmed-up base

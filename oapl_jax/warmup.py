@@ -75,7 +75,11 @@ def cache_path(config, seq_len: int) -> str | None:
   """`<warmup.cache_dir>/<hash>`, the hash of everything the warmed-up base depends on."""
   if not config.warmup.cache_dir:
     return None
-  key = {"seed": config.seed, "model": config.model.to_dict(), "task": config.task.to_dict(),
+  model = config.model.to_dict()
+  lora = model.pop("lora", None)  # adapters are trained after the warm-up: a LoRA run shares the base
+  if lora and lora["rank"] and config.model.dtype != config.model.param_dtype:
+    model["base_dtype"] = config.model.dtype  # ... unless it holds the base in another dtype
+  key = {"seed": config.seed, "model": model, "task": config.task.to_dict(),
          "warmup": {k: v for k, v in config.warmup.items() if k != "cache_dir"},
          "seq_len": seq_len}
   return os.path.join(os.path.abspath(config.warmup.cache_dir), f"seed{config.seed}-{_digest(key)}")

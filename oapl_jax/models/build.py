@@ -27,13 +27,15 @@ from jax.sharding import Mesh
 
 from oapl_jax import sharding
 from oapl_jax.errors import ConfigError
+from oapl_jax.models import lora as lora_lib
 from oapl_jax.models.hf import from_hf
+from oapl_jax.models.lora import LoraConfig
 from oapl_jax.models.presets import PRESETS
 from oapl_jax.models.transformer import ModelConfig, Transformer
 
 
-def init_model(config, *, mesh: Mesh | None = None, rules: sharding.Rules | None = None
-               ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+def init_model(config, *, mesh: Mesh | None = None, rules: sharding.Rules | None = None,
+               param_dtype: str | None = None) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
   """(model_cfg, graphdef, params) of `config.model`: loaded from `model.path` (weights in
   `model.param_dtype`; its architecture must match config.model's fields), else initialised
   from `config.seed`.
@@ -42,17 +44,20 @@ def init_model(config, *, mesh: Mesh | None = None, rules: sharding.Rules | None
   over `mesh` by `rules` (default: config.sharding.rules). A weight dimension that does not
   divide over its mesh axes is a ValueError naming the weight.
   model_cfg is config.model's ModelConfig; params is the `nnx.Param` State, in
-  `model.param_dtype` (master weights), and the graphdef computes in `model.dtype`, for a
-  checkpoint as for a random init (a checkpoint's own dtype is not used).
+  `model.param_dtype` (master weights; `param_dtype` overrides it: a frozen LoRA base is
+  held in `model.dtype`), and the graphdef computes in `model.dtype`, for a checkpoint as for
+  a random init (a checkpoint's own dtype is not used).
   """
   model_cfg = ModelConfig.from_config(config.model)
   if mesh is not None and rules is None:
     rules = config.sharding.rules
+  param_dtype = param_dtype or config.model.param_dtype
   if config.model.path is None:
-    graphdef, params = init_params(model_cfg, config.seed, mesh=mesh, rules=rules)
+    graphdef, params = init_params(dataclasses.replace(model_cfg, param_dtype=param_dtype),
+                                   config.seed, mesh=mesh, rules=rules)
   else:
     model = from_hf(config.model.path, dtype=config.model.dtype,
-                    param_dtype=config.model.param_dtype, mesh=mesh, rules=rules)
+                    param_dtype=param_dtype, mesh=mesh, rules=rules)
     check_same_architecture(model_cfg, model.cfg, config.model.path)
     params = nnx.state(model, nnx.Param)
     # the graphdef of config.model's ModelConfig: its attention_kernel, not the checkpoint's default
@@ -109,6 +114,40 @@ def param_shardings(config, mesh: Mesh, rules: sharding.Rules | None = None) -> 
   model_cfg = ModelConfig.from_config(config.model)
   abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(params=0)))
   return sharding.param_shardings(abstract, mesh, config.sharding.rules if rules is None else rules)
+
+
+def lora_of(config) -> LoraConfig | None:
+  """The run's low-rank adapters (`config.model.lora`), None for full fine-tuning."""
+  return LoraConfig.from_config(config.model)
+
+
+def _lora_model(config) -> Transformer:
+  """config.model's Transformer, its base in `model.dtype` (frozen), with the adapters attached
+  (`lora.attach`, from config.seed). Meant for `nnx.eval_shape` and jitted inits."""
+  model_cfg = ModelConfig.from_config(config.model)
+  base = Transformer(dataclasses.replace(model_cfg, param_dtype=model_cfg.dtype),
+                     rngs=nnx.Rngs(params=config.seed))
+  return lora_lib.attach(base, lora_of(config), config.seed)
+
+
+def lora_abstract(config) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+  """(graphdef, adapters, base) of the adapted model, abstract (nothing allocated): the
+  trainer merges `nnx.merge(graphdef, adapters, base)`."""
+  return nnx.split(nnx.eval_shape(lambda: _lora_model(config)), nnx.LoRAParam, nnx.Param)
+
+
+def init_adapters(config, *, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, adapters) of `config.model.lora`: the adapters (A random, B zero, from
+  config.seed) created straight into their shardings over `mesh`, the base not built."""
+  graphdef, abstract, _ = lora_abstract(config)
+  shardings = sharding.param_shardings(abstract, mesh, config.sharding.rules)
+
+  def make():
+    model = nnx.eval_shape(lambda: Transformer(ModelConfig.from_config(config.model), rngs=nnx.Rngs(0)))
+    return nnx.state(lora_lib.attach(model, lora_of(config), config.seed), nnx.LoRAParam)
+
+  with jax.set_mesh(mesh):
+    return graphdef, jax.jit(make, out_shardings=shardings)()
 
 
 def model_config(preset: str | Mapping[str, Any] | ModelConfig) -> ModelConfig:

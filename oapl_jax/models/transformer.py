@@ -198,6 +198,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
+ADAPTER_SUFFIX = "_lora"  # a projection's low-rank adapter: attribute `q_proj_lora` beside `q_proj`
+
+
+def adapted(module: nnx.Module, target: str, x: jax.Array, y: jax.Array) -> jax.Array:
+  """y, the projection `target` of x (any shape with x's leading dims), plus the output of its
+  low-rank adapter when `module` has one (`models/lora.py`); else y itself, no op added."""
+  adapter = getattr(module, target + ADAPTER_SUFFIX, None)
+  if adapter is None:
+    return y
+  return y + adapter(x).reshape(y.shape)
+
+
 class Attention(nnx.Module):
   """Grouped-query self-attention with RoPE, optional QK-norm and qkv bias."""
 
@@ -223,9 +235,9 @@ class Attention(nnx.Module):
     (The decode step's version over fused weights: `sampling.decode._project_qkv`.)
     """
     dt = x.dtype
-    q = jnp.einsum("bte,end->btnd", x, self.q_proj[...].astype(dt))
-    k = jnp.einsum("bte,ekd->btkd", x, self.k_proj[...].astype(dt))
-    v = jnp.einsum("bte,ekd->btkd", x, self.v_proj[...].astype(dt))
+    q = adapted(self, "q_proj", x, jnp.einsum("bte,end->btnd", x, self.q_proj[...].astype(dt)))
+    k = adapted(self, "k_proj", x, jnp.einsum("bte,ekd->btkd", x, self.k_proj[...].astype(dt)))
+    v = adapted(self, "v_proj", x, jnp.einsum("bte,ekd->btkd", x, self.v_proj[...].astype(dt)))
     if self.cfg.qkv_bias:
       q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
     if self.cfg.qk_norm:
@@ -236,7 +248,8 @@ class Attention(nnx.Module):
     """attn: `[B, T, N, D]` -> `[B, T, E]` (one `[N*D, E]` matmul)."""
     b, t, n, d = attn.shape
     w = self.o_proj[...].astype(attn.dtype).reshape(n * d, -1)  # [N*D, E]
-    return attn.reshape(b, t, n * d) @ w
+    attn = attn.reshape(b, t, n * d)
+    return adapted(self, "o_proj", attn, attn @ w)
 
 
 class MLP(nnx.Module):
@@ -259,8 +272,9 @@ class MLP(nnx.Module):
     dt = x.dtype
     w = jnp.stack([self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt)], axis=1)  # [E, 2, F]
     gate_up = jnp.einsum("bte,eaf->btaf", x, w)  # [B, T, 2, F]
-    h = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]  # [B, T, F]
-    return h @ self.down_proj[...].astype(dt)
+    gate, up = adapted(self, "gate_proj", x, gate_up[..., 0, :]), adapted(self, "up_proj", x, gate_up[..., 1, :])
+    h = jax.nn.silu(gate) * up  # [B, T, F]
+    return adapted(self, "down_proj", h, h @ self.down_proj[...].astype(dt))
 
 
 class Block(nnx.Module):
@@ -313,8 +327,9 @@ def _scan_blocks(layers: list[Block], x, rope_cs, attn_block: int, remat: str, r
   """
   graphdef = nnx.graphdef(layers[0])
   if remat == "full" and not return_kv:  # the trainer's memory-lean path (below)
-    return _full_remat_scan((graphdef, attn_block, rows), x, [nnx.state(l) for l in layers],
-                            rope_cs), []
+    splits = [_split_trainable(layer) for layer in layers]
+    return _full_remat_scan((splits[0][0], attn_block, rows), x, [s[1] for s in splits],
+                            [s[2] for s in splits], rope_cs), []
   states = [jax.tree.map(lambda w: w.astype(x.dtype), nnx.state(layer)) for layer in layers]
   stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *states)  # [L, ...] per weight
 
@@ -351,41 +366,56 @@ def _from_bits(bits, dtype) -> Any:
   return jax.tree.map(lambda b: jax.lax.bitcast_convert_type(b, dtype), bits)
 
 
-def _apply_block(static, x, state, rope_cs):
+def _split_trainable(layer: Block):
+  """(graphdef, trained, frozen) weight states of a block: with low-rank adapters
+  (`models/lora.py`) the adapters and the frozen base, else every weight and nothing."""
+  graphdef, adapters, weights = nnx.split(layer, nnx.LoRAParam, ...)
+  if jax.tree.leaves(adapters):
+    return graphdef, adapters, weights
+  return graphdef, weights, adapters
+
+
+def _apply_block(static, x, state, frozen, rope_cs):
   graphdef, attn_block, rows = static
-  return nnx.merge(graphdef, state)(x, rope_cs, attn_block, rows)[0]
+  return nnx.merge(graphdef, state, frozen)(x, rope_cs, attn_block, rows)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _full_remat_scan(static, x, states, rope_cs):
-  """x `[B, T, E]` through the blocks `states` (a list over layers of weight states, any dtype,
-  used in x's dtype); static: (graphdef, attn_block, rows). Returns x after the last block."""
-  return _full_remat_fwd(static, x, states, rope_cs)[0]
+def _full_remat_scan(static, x, states, frozen, rope_cs):
+  """x `[B, T, E]` through the blocks `states` + `frozen` (lists over layers of weight states,
+  any dtype, used in x's dtype; `_split_trainable`: the backward computes gradients of `states`
+  only, `frozen`'s are zeros); static: (graphdef, attn_block, rows). Returns x after the last
+  block."""
+  return _full_remat_fwd(static, x, states, frozen, rope_cs)[0]
 
 
-def _full_remat_fwd(static, x, states, rope_cs):
-  bits = _stack_bits(states, x.dtype)
-  step = lambda x, b: (_apply_block(static, x, _from_bits(b, x.dtype), rope_cs), x)  # noqa: E731
-  y, inputs = jax.lax.scan(step, x, bits)  # inputs: [L, B, T, E], each block's input
+def _full_remat_fwd(static, x, states, frozen, rope_cs):
+  bits, frozen_bits = _stack_bits(states, x.dtype), _stack_bits(frozen, x.dtype)
+  step = lambda x, b: (_apply_block(static, x, *_from_bits(b, x.dtype), rope_cs), x)  # noqa: E731
+  y, inputs = jax.lax.scan(step, x, (bits, frozen_bits))  # inputs: [L, B, T, E], each block's input
   dtypes = jax.tree.map(lambda w: jnp.zeros((), w.dtype), states[0])  # the master dtypes
-  return y, (bits, inputs, rope_cs, dtypes)
+  zeros = jax.tree.map(lambda w: jnp.zeros((), w.dtype), frozen)  # the frozen weights' (no) gradients
+  return y, (bits, frozen_bits, inputs, rope_cs, dtypes, zeros)
 
 
 def _full_remat_bwd(static, residuals, dy):
-  bits, inputs, rope_cs, dtypes = residuals
+  bits, frozen_bits, inputs, rope_cs, dtypes, zeros = residuals
   dtype = inputs.dtype
 
   def step(dy, xs):
-    b, x = xs
-    _, vjp = jax.vjp(lambda x, w: _apply_block(static, x, w, rope_cs), x, _from_bits(b, dtype))
+    b, f, x = xs
+    frozen = _from_bits(f, dtype)
+    _, vjp = jax.vjp(lambda x, w: _apply_block(static, x, w, frozen, rope_cs), x, _from_bits(b, dtype))
     dx, dw = vjp(dy)
     return dx, jax.tree.map(_as_bits, dw)
 
-  dx, dbits = jax.lax.scan(step, dy, (bits, inputs), reverse=True)
+  dx, dbits = jax.lax.scan(step, dy, (bits, frozen_bits, inputs), reverse=True)
   grads = _from_bits(dbits, dtype)  # [L, ...] per weight, in the compute dtype
   dstates = [jax.tree.map(lambda g, z: g[i].astype(z.dtype), grads, dtypes)
              for i in range(inputs.shape[0])]
-  return dx, dstates, jax.tree.map(jnp.zeros_like, rope_cs)
+  dfrozen = [jax.tree.map(lambda z, w: jnp.broadcast_to(z, w.shape[1:]), z, frozen_bits)
+             for z in zeros]
+  return dx, dstates, dfrozen, jax.tree.map(jnp.zeros_like, rope_cs)
 
 
 _full_remat_scan.defvjp(_full_remat_fwd, _full_remat_bwd)

@@ -42,6 +42,7 @@ from oapl_jax.checkpoint import Checkpointer
 from oapl_jax.errors import ConfigError
 from oapl_jax.eval.evaluate import eval_key, evaluate
 from oapl_jax.metrics import say
+from oapl_jax.models import build
 from oapl_jax.models.build import init_model
 from oapl_jax.rl.buffer import GroupBuffer, Rows, stamp
 from oapl_jax.rl.logprobs import make_batch
@@ -192,10 +193,17 @@ class Run:
           f"config.model.vocab_size={config.model.vocab_size}: must be >= the tokenizer's "
           f"{tokenizer.vocab_size}")
     self.mesh = sharding.make_mesh(config.mesh, trainer_devices(config))  # the trainer's
-    self.model_cfg, self.graphdef, params = init_model(config, mesh=self.mesh)  # created sharded
+    # model.lora: pi_theta is the adapters, over a frozen base held in model.dtype (`set_base`)
+    self.lora = build.lora_of(config)
+    self.model_cfg, self.engine_graphdef, params = init_model(  # created sharded
+        config, mesh=self.mesh, param_dtype=config.model.dtype if self.lora else None)
+    self.graphdef = self.engine_graphdef  # the trainer's model (with the adapters under model.lora)
+    self.base, self.base_record, self._merged = None, None, (None, None)
+    if self.lora:
+      self.graphdef, adapters = build.init_adapters(config, mesh=self.mesh)
     self.optimizer = make_optimizer(config.train, config.train.steps)
     sampling = SamplingParams.from_config(config.sampling)  # the engine's and the trainer's
-    replicas = make_replicas(config, self.model_cfg, self.graphdef, sampling, engine_devices(config))
+    replicas = make_replicas(config, self.model_cfg, self.engine_graphdef, sampling, engine_devices(config))
     self.sampler = Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
     self.source = SOURCES[config.rl.mode](self, workdir)  # offline: may refuse its file here
     self.train_step = make_train_step(config, self.graphdef, self.optimizer, sampling, self.mesh)
@@ -205,8 +213,18 @@ class Run:
     self.engine_device_count = max(distributed.total(len(engine_devices(config))), 1)
     self.useful_flops = 0.0  # the train step's useful FLOPs (aot.model_flops): set by train.py; 0: no MFU
     self.peak_flops, self.peak_source = timing.device_peak(self.mesh.devices.flat[0], config.log.peak_flops)
+    if self.lora:
+      self.set_base(params)
+      params = adapters
     self.start_from(params)
     self.ckpt = Checkpointer(checkpoint.directory_of(config, workdir), keep=config.checkpoint.keep)
+
+  def set_base(self, params) -> None:
+    """model.lora: the frozen base <- `params` in model.dtype (the trainer's shardings), and
+    the record a checkpoint is checked against: model.path and the weights' sha256."""
+    self.base = self.train_step.base_of(params)
+    self.base_record = {"path": self.config.model.path, "sha256": checkpoint.tree_digest(self.base)}
+    self._merged = (None, None)
 
   def start_from(self, params) -> None:
     """pi_theta <- `params` (placed in the trainer's shardings, in model.param_dtype), a fresh
@@ -219,7 +237,11 @@ class Run:
 
   # checkpoints
   def model_meta(self) -> dict:
-    return self.model_cfg.architecture()
+    """What a checkpoint is checked against: the architecture; with model.lora, the adapters'
+    settings and the base's record too (a checkpoint of adapters on another base is refused)."""
+    if self.lora is None:
+      return self.model_cfg.architecture()
+    return {**self.model_cfg.architecture(), "lora": self.lora.record(), "base": self.base_record}
 
   def _trees(self) -> dict:
     """The device pytrees of the run state, by checkpoint name."""
@@ -258,7 +280,16 @@ class Run:
   # the loop
   def engine_weights(self) -> list:
     """The snapshot on every engine's device, stamped with the version (placed once per snapshot)."""
-    return self.sampler.load(self.snapshot, self.counters.version)
+    return self.sampler.load(self._engine_snapshot(), self.counters.version)
+
+  def _engine_snapshot(self):
+    """pi_old as the engines hold it: the snapshot, or under model.lora the base merged with
+    the snapshot's adapters (merged once per snapshot)."""
+    if self.lora is None:
+      return self.snapshot
+    if self._merged[0] is not self.snapshot:
+      self._merged = (self.snapshot, self.train_step.merged(self.snapshot, self.base))
+    return self._merged[1]
 
   def _next_job(self, count: int = 1):
     """Fixes the next `count` rollouts, numbers `counters.rollouts` on (the engines' current
@@ -341,7 +372,7 @@ class Run:
     rows = self.buffer.take(self.groups_per_step)
     lags = c.step - rows.snapshot_step
     self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, self.snapshot,
-                                                     Batch.from_rows(rows), self.reference)
+                                                     Batch.from_rows(rows), self.reference, self.base)
     m = jax.device_get(m)
     t2 = time.perf_counter()
     c.step += 1
@@ -397,7 +428,9 @@ class Run:
 
   def engine_copy(self, params):
     """`params` as the engines compute with them: cast to model.dtype (pi_theta's master
-    weights are model.param_dtype)."""
+    weights are model.param_dtype); under model.lora, adapters cast so and merged into the base."""
+    if self.lora is not None:
+      return self.train_step.merged(self.train_step.snapshot_of(params), self.base)
     if all(x.dtype == self.train_step.dtype for x in jax.tree.leaves(params)):
       return params
     return self.train_step.snapshot_of(params)

@@ -32,6 +32,7 @@ from oapl_jax import placement
 from oapl_jax import sharding as sharding_lib
 from oapl_jax.errors import ConfigError
 from oapl_jax.models import build
+from oapl_jax.models import lora as lora_lib
 from oapl_jax.models.names import compiler_options
 from oapl_jax.rl import losses
 from oapl_jax.rl.buffer import Rows
@@ -136,8 +137,14 @@ class TrainStep:
   def __init__(self, config, mesh: Mesh, fn, optimizer):
     self.config, self.mesh, self.optimizer = config, mesh, optimizer
     self.accum = config.train.grad_accum
-    _, _, abstract = build.abstract_model(config)
-    self.param_shardings = build.param_shardings(config, mesh)
+    self.lora = build.lora_of(config)
+    if self.lora is None:  # pi_theta: every weight
+      _, _, abstract = build.abstract_model(config)
+      self.param_shardings, self.base_shardings = build.param_shardings(config, mesh), None
+    else:  # pi_theta: the adapters; the frozen base is the step's last argument
+      _, abstract, _ = build.lora_abstract(config)
+      self.param_shardings = sharding_lib.param_shardings(abstract, mesh, config.sharding.rules)
+      self.base_shardings = build.param_shardings(config, mesh)
     self.opt_shardings = opt_state_shardings(optimizer, abstract, self.param_shardings, mesh)
     self.replicated = NamedSharding(mesh, PartitionSpec())
     self.batch_sharding = NamedSharding(
@@ -147,23 +154,27 @@ class TrainStep:
     self.jitted = jax.jit(
         fn, donate_argnums=(0, 1),
         in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings, batch,
-                      reference),
+                      reference, self.base_shardings),
         out_shardings=(self.param_shardings, self.opt_shardings, self.replicated),
         compiler_options=compiler_options(config.model.exact_rounding))
     self.dtype = jnp.dtype(config.model.dtype)
     self._snapshot = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p),
                              out_shardings=self.param_shardings)
     self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)
+    self._merge = None  # model.lora: jitted on first use (`merged`)
     self.rows_sharding = NamedSharding(mesh, PartitionSpec(sharding_lib.batch_axes(config.sharding.rules)))
     self._orders = {}  # multi-host: rows -> jitted shuffle into the global order
     self._relayout = jax.jit(lambda b: jax.tree.map(
         lambda x: x.reshape(self.accum, x.shape[0] // self.accum, *x.shape[1:]), b),
         out_shardings=self.batch_sharding)
 
-  def __call__(self, params, opt_state, snapshot, batch: "Batch", reference=None):
-    """(params, opt_state, metrics) after one step on `batch` (params, opt_state donated)."""
+  def __call__(self, params, opt_state, snapshot, batch: "Batch", reference=None, base=None):
+    """(params, opt_state, metrics) after one step on `batch` (params, opt_state donated).
+    base: the frozen base weights when params are low-rank adapters (`model.lora`), else None."""
+    if (base is None) != (self.lora is None):
+      raise ValueError("the step takes the frozen base exactly when model.lora is on")
     with jax.set_mesh(self.mesh):
-      return self.jitted(params, opt_state, snapshot, self.place_batch(batch), reference)
+      return self.jitted(params, opt_state, snapshot, self.place_batch(batch), reference, base)
 
   def place_batch(self, batch: "Batch") -> "Batch":
     """`batch` `[B, ...]` as `[accum, B / accum, ...]` on the mesh, rows split over the batch
@@ -216,9 +227,26 @@ class TrainStep:
       return self._copy(params)
 
   def snapshot_of(self, params):
-    """pi_old: a copy of `params` cast to `model.dtype` (the engines' weights), same shardings."""
+    """pi_old: a copy of `params` cast to `model.dtype` (the engines' weights; with `model.lora`
+    the adapters, which the engines see merged: `merged`), same shardings."""
     with jax.set_mesh(self.mesh):
       return self._snapshot(params)
+
+  def base_of(self, params):
+    """model.lora: `params` (a model's weights, any dtype and layout; donated) as the frozen
+    base, in model.dtype and the weights' shardings."""
+    with jax.set_mesh(self.mesh):
+      return jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p), donate_argnums=0,
+                     out_shardings=self.base_shardings)(params)
+
+  def merged(self, adapters, base):
+    """The weights the engines sample with under `model.lora`: base + scale * A B, merged on
+    the trainer's devices in the base's shardings and dtype (`lora.merged`)."""
+    if self._merge is None:
+      scale = self.lora.scale
+      self._merge = jax.jit(lambda b, a: lora_lib.merged(b, a, scale), out_shardings=self.base_shardings)
+    with jax.set_mesh(self.mesh):
+      return self._merge(base, adapters)
 
 
 def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
@@ -248,9 +276,10 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
   accum = config.train.grad_accum
   by_rows = lambda x: jax.lax.with_sharding_constraint(x, rows)  # noqa: E731  [b, ...] rows split
 
-  def train_step(params, opt_state, snapshot, micro, reference=None):
-    """micro: the batch as `[accum, B / accum, ...]` (`TrainStep.place_batch`)."""
-    grads, loss, m = _accumulate(grad_fn, accum, by_rows, params, snapshot, reference, micro)
+  def train_step(params, opt_state, snapshot, micro, reference=None, base=None):
+    """micro: the batch as `[accum, B / accum, ...]` (`TrainStep.place_batch`); base: the
+    frozen base under `model.lora` (params, snapshot, reference: adapters), else None."""
+    grads, loss, m = _accumulate(grad_fn, accum, by_rows, params, snapshot, reference, base, micro)
     params, opt_state, grad_norm, finite = _update_if_finite(optimizer, grads, loss, params,
                                                              opt_state)
     return params, opt_state, _step_metrics(loss, grad_norm, finite, m)
@@ -259,7 +288,7 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
 
 
 def _micro_loss_fn(config, graphdef, sampling: SamplingParams, rows: NamedSharding | None):
-  """`(params, snapshot, reference, mb, num_tokens, num_answers) -> (loss, metrics)` on one
+  """`(params, snapshot, reference, base, mb, num_tokens, num_answers) -> (loss, metrics)` on one
   micro-batch `mb` (`[b, ...]`): the trainer's log-probs (gradient), the snapshot's and the
   reference's as the loss's spec declares (stop-gradient), the loss through `LossInputs`.
 
@@ -273,23 +302,25 @@ def _micro_loss_fn(config, graphdef, sampling: SamplingParams, rows: NamedShardi
   kernel = dict(tile=config.train.logprob_tile, attn_block=config.train.attn_block, rows=rows,
                 vocab_split=None if rows is None else vocab_split(config, rows.mesh))
 
-  def frozen_logprobs(params, tokens):
-    return jax.lax.stop_gradient(token_logprobs(nnx.merge(graphdef, params), tokens, sampling,
-                                                **kernel)[0])
+  def model(params, base):  # base: the frozen base under model.lora, else None
+    return nnx.merge(graphdef, params) if base is None else nnx.merge(graphdef, params, base)
 
-  def micro_loss(params, snapshot, reference, mb, num_tokens, num_answers):
-    logp, ent = token_logprobs(nnx.merge(graphdef, params), mb.tokens, sampling,
+  def frozen_logprobs(params, base, tokens):
+    return jax.lax.stop_gradient(token_logprobs(model(params, base), tokens, sampling, **kernel)[0])
+
+  def micro_loss(params, snapshot, reference, base, mb, num_tokens, num_answers):
+    logp, ent = token_logprobs(model(params, base), mb.tokens, sampling,
                                remat=config.train.remat, **kernel)  # [b, T-1]
     mask, sampler = mb.mask, mb.sampler_logprobs
     m, snap, ref = {}, None, None
     if needs.snapshot:
-      snap = frozen_logprobs(snapshot, mb.tokens)  # [b, T-1]
+      snap = frozen_logprobs(snapshot, base, mb.tokens)  # [b, T-1]
       m["snapshot_vs_sampler_abs"] = _token_mean(jnp.abs(snap - sampler), mask)
     if needs.reference:
       if reference is None:
         raise ValueError(f"rl.loss={config.rl.loss!r} needs the reference policy "
                          "(uses_reference): pass `reference` to the step")
-      ref = frozen_logprobs(reference, mb.tokens)  # [b, T-1]
+      ref = frozen_logprobs(reference, base, mb.tokens)  # [b, T-1]
     loss, loss_metrics = loss_fn(losses.LossInputs(
         logprobs=logp, sampler_logprobs=sampler, snapshot_logprobs=snap, reference_logprobs=ref,
         mask=mask, rewards=mb.rewards, num_tokens=num_tokens, num_answers=num_answers))
@@ -314,7 +345,7 @@ def vocab_split(config, mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
   return NamedSharding(mesh, head), NamedSharding(mesh, logits)
 
 
-def _accumulate(grad_fn, accum: int, by_rows, params, snapshot, reference, micro):
+def _accumulate(grad_fn, accum: int, by_rows, params, snapshot, reference, base, micro):
   """`(grads, loss [accum], (metrics {name: [accum]}, counts {kind: [accum]}))`: the mean
   gradient over the `accum` micro-batches of `micro` (`[accum, b, ...]`), each micro-batch's
   loss dividing by its share of the full batch's counted tokens and answers."""
@@ -323,7 +354,7 @@ def _accumulate(grad_fn, accum: int, by_rows, params, snapshot, reference, micro
 
   def body(grads, mb):
     mb = jax.tree.map(by_rows, mb)  # [b, ...]: rows over the batch shards
-    (loss, m), g = grad_fn(params, snapshot, reference, mb, num_tokens, num_answers)
+    (loss, m), g = grad_fn(params, snapshot, reference, base, mb, num_tokens, num_answers)
     return (g if grads is None else jax.tree.map(jnp.add, grads, g)), (loss, m)
 
   if accum == 1:  # no accumulator: one weight-sized float32 buffer less at the peak

@@ -1,0 +1,182 @@
+"""Low-rank adapters (LoRA) on the transformer's projections, built on Flax NNX's `nnx.LoRA`.
+
+    lora = LoraConfig(rank=16, alpha=32.0, targets=TARGETS)
+    model = attach(Transformer(cfg, rngs=nnx.Rngs(params=0)), lora, seed=0)
+    graphdef, adapters, base = nnx.split(model, nnx.LoRAParam, nnx.Param)
+
+Each targeted projection W of every block gets an `Adapter` (an `nnx.LoRA`: `lora_a` `[in, r]`
+from a variance-scaling init, `lora_b` `[r, out]` zeros, both `nnx.LoRAParam`) and computes
+`x W + (alpha / r) (x A) B`; `in` and `out` are W's input and output dimensions flattened (q_proj
+`[E, N, D]`: E -> N*D, head-major as Hugging Face's q_proj rows). The adapters are attached after
+the base is built, from their own random stream, so the base is the same weights with or
+without them, and at init (B = 0) every output is the base's, bit for bit. `nnx.LoRAParam` is
+a subclass of `nnx.Param`: split the adapters first (`nnx.split(model, nnx.LoRAParam,
+nnx.Param)`). The trainer differentiates the adapters only; the base is frozen.
+
+Why Flax NNX's LoRA and not qwix: the projections here are multi-axis einsums over weights that
+the engine re-lays out (`sampling/layout.py`), and the remat path stacks each block's weights into
+one scan; an adapter module beside each weight keeps both as they are, where qwix intercepts
+the einsum calls by module path (its quantised bases are not needed for a bf16 base).
+
+The engine never sees adapters: at a refresh it samples from `merged(base, adapters)`, the base
+weights plus the scaled product, computed in float32 and rounded once to the base's dtype
+(docs/design.md "Low-rank adapters" for why merge and not apply). `to_peft` writes the adapters
+in PEFT's format (loaded by `peft.PeftModel.from_pretrained` onto the Hugging Face model);
+`to_hf(nnx.merge(base_graphdef, merged(...)))` writes merged weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from oapl_jax.models.names import LORA_TARGETS
+from oapl_jax.models.transformer import ADAPTER_SUFFIX as SUFFIX
+from oapl_jax.models.transformer import ModelConfig, Transformer
+
+TARGETS = LORA_TARGETS  # every projection of a block
+ATTENTION_TARGETS = TARGETS[:4]  # q, k, v, o: in `Attention`; the rest in `MLP`
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Rank, scale and targets of the adapters (config.model.lora)."""
+
+  rank: int
+  alpha: float
+  targets: tuple[str, ...] = TARGETS
+  param_dtype: str = "float32"  # the adapters' (and their AdamW state's) dtype
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+  def __post_init__(self):
+    object.__setattr__(self, "targets", tuple(self.targets))
+    unknown = [t for t in self.targets if t not in TARGETS]
+    if unknown or not self.targets:
+      raise ValueError(f"model.lora.targets={self.targets!r}: each must be one of {TARGETS}")
+    if self.rank < 1:
+      raise ValueError(f"model.lora.rank={self.rank} must be >= 1")
+
+  @classmethod
+  def from_config(cls, model) -> "LoraConfig | None":
+    """The adapters of an ml_collections `config.model` section; None when `model.lora.rank`
+    is 0 (full fine-tuning)."""
+    lora = model.get("lora")
+    if lora is None or not lora.rank:
+      return None
+    return cls(rank=int(lora.rank), alpha=float(lora.alpha), targets=tuple(lora.targets),
+               param_dtype=model.param_dtype)
+
+  def record(self) -> dict:
+    """What a checkpoint records of the adapters."""
+    return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
+            "param_dtype": self.param_dtype}
+
+
+class Adapter(nnx.LoRA):
+  """`nnx.LoRA` without a base module, its output scaled by alpha / rank (in the compute dtype)."""
+
+  def __init__(self, *args, scale: float, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.scale = scale
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return super().__call__(x) * jnp.asarray(self.scale, self.dtype)
+
+
+def _shape(cfg: ModelConfig, target: str) -> tuple[int, int, str, str]:
+  """(in_features, out_features, in logical axis, out logical axis) of a target's W flattened."""
+  e, f = cfg.hidden_size, cfg.mlp_dim
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  return {"q_proj": (e, q, "embed", "q_heads"), "k_proj": (e, kv, "embed", "kv_heads"),
+          "v_proj": (e, kv, "embed", "kv_heads"), "o_proj": (q, e, "q_heads", "embed"),
+          "gate_proj": (e, f, "embed", "mlp"), "up_proj": (e, f, "embed", "mlp"),
+          "down_proj": (f, e, "mlp", "embed")}[target]
+
+
+def attach(model: Transformer, lora: LoraConfig, seed: int) -> Transformer:
+  """`model` with an `Adapter` beside each targeted projection of every block (attributes
+  `<target>_lora` of the block's `attn` / `mlp`), initialised from `seed` alone: the base's
+  weights are not touched and its random stream not consumed."""
+  cfg = model.cfg
+  rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), 0x10A))  # the adapters' own stream
+  for layer in model.layers:
+    for target in lora.targets:
+      n_in, n_out, in_axis, out_axis = _shape(cfg, target)
+      module = layer.attn if target in ATTENTION_TARGETS else layer.mlp
+      setattr(module, target + SUFFIX, Adapter(
+          n_in, lora.rank, n_out, scale=lora.scale, dtype=cfg.dtype, param_dtype=lora.param_dtype,
+          rngs=rngs, a_metadata={"logical_axes": (in_axis, None)},
+          b_metadata={"logical_axes": (None, out_axis)}))
+  return model
+
+
+def _targets_of(adapters) -> dict[tuple, tuple[jax.Array, jax.Array]]:
+  """{base weight path: (A, B)} of an adapters State (paths `.../q_proj_lora/lora_a`)."""
+  flat = dict(nnx.to_flat_state(adapters))
+  out = {}
+  for path in flat:
+    if path[-1] == "lora_a":
+      owner, name = path[:-2], path[-2][:-len(SUFFIX)]
+      out[(*owner, name)] = (flat[path].get_value(), flat[(*path[:-1], "lora_b")].get_value())
+  return out
+
+
+def delta(a: jax.Array, b: jax.Array, scale: float, shape) -> jax.Array:
+  """scale * A B in float32, shaped as the base weight `shape`."""
+  return (scale * jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))).reshape(shape)
+
+
+def merged(base, adapters, scale: float):
+  """The base weights State with each adapted weight replaced by W + scale * A B, computed in
+  float32 and rounded once to W's dtype (the engine's weights; at B = 0 exactly W). Jit it
+  with the base's shardings to merge on the devices."""
+  targets = _targets_of(adapters)
+  out = []
+  for path, var in nnx.to_flat_state(base):
+    w = var.get_value()
+    if tuple(path) in targets:
+      a, b = targets[tuple(path)]
+      w = (w.astype(jnp.float32) + delta(a, b, scale, w.shape)).astype(w.dtype)
+    out.append((path, var.replace(w)))
+  return nnx.from_flat_state(out)
+
+
+# --- PEFT export -------------------------------------------------------------------------------
+
+_HF_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+              "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
+              "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
+
+
+def to_peft(adapters, lora: LoraConfig, out_dir: str | os.PathLike, *,
+            base_model: str | None = None) -> None:
+  """Writes `adapters` as a PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors)
+  for the Hugging Face model of the base: `peft.PeftModel.from_pretrained(hf_model, out_dir)`.
+  PEFT's lora_A.weight is `[r, in]` and lora_B.weight `[out, r]` (torch Linear layout), so A and
+  B are written transposed, in float32; its scale is lora_alpha / r, as here."""
+  from safetensors.numpy import save_file  # noqa: PLC0415
+
+  os.makedirs(out_dir, exist_ok=True)
+  tensors = {}
+  for path, (a, b) in _targets_of(adapters).items():
+    if path[0] != "layers":
+      raise ValueError(f"adapter at {'/'.join(map(str, path))} is not in a block")
+    prefix = f"base_model.model.model.layers.{path[1]}.{_HF_MODULE[path[-1]]}"
+    tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(a), np.float32).T)
+    tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(b), np.float32).T)
+  save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+  config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
+            "lora_alpha": lora.alpha, "target_modules": sorted(lora.targets), "lora_dropout": 0.0,
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+            "base_model_name_or_path": base_model}
+  with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+    json.dump(config, f, indent=2)
