@@ -7,8 +7,10 @@ The run: supervised warm-up (clean, then noisy demonstrations: the base model, p
   python -m oapl_jax.main --config=configs/tiny.py --workdir=/tmp/oapl_tiny_s3 \
       --config.seed=3 --config.rl.lag=20
   python -m oapl_jax.main --config=configs/tiny.py:smoke --workdir=/tmp/oapl_smoke  # seconds; CI
+  python -m oapl_jax.main --config=configs/tiny.py:lora --workdir=/tmp/oapl_tiny_lora
 
-Variants through the arg string: `smoke` (a few steps, for tests and CI).
+Variants through the arg string: `smoke` (a few steps, for tests and CI); `lora` (rank-8
+adapters on the warmed-up base, which stays frozen: docs/real_model.md "Low-rank adapters").
 Every setting and its comment: oapl_jax/config.py `defaults`; this file overrides a few.
 """
 
@@ -18,7 +20,7 @@ from oapl_jax import config as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = config_lib.parse_arg(arg, smoke=bool)
+  args = config_lib.parse_arg(arg, smoke=bool, lora=bool)
   c = config_lib.defaults("tiny_addition")  # model: 2 layers, width 128, 18-token vocabulary
 
   c.task = config_lib.task_section("addition")  # Embedded procedural task (oapl_jax/tasks/arithmetic.py).
@@ -38,6 +40,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.groups_per_rollout = 32
   c.train.steps = 300
   c.train.lr = 3e-4  # A tiny model trained in minutes, not a 4B one over days.
+
+  if args["lora"]:
+    c.model.lora.rank = 8  # Adapters on every projection; the warmed-up base is frozen.
+    c.model.lora.alpha = 16.0
+    c.train.lr = 2e-3  # Adapters start at zero and move through a rank-8 product: a larger step.
 
   if args["smoke"]:
     c.warmup.steps = 30
