@@ -28,7 +28,8 @@
   python launch/make_tiny_hf.py --preset=tiny_qwen3
   python -m oapl_jax.main --config=configs/gsm8k.py:tiny --workdir=/tmp/oapl_gsm8k_tiny
 
-Arg string: comma-separated `tiny`, `large` and/or `lag=N`. Reading this file downloads nothing.
+Arg string: comma-separated `tiny`, `large`, `lora`, `lora_4b` and/or `lag=N`. Reading this file
+downloads nothing.
 
 Rows are GSM8K's: `question` and `answer`, the answer a worked solution ending in `#### N`
 (or only the number). The math reward (oapl_jax/rewards/math.py, math-verify) compares the
@@ -45,6 +46,12 @@ estimate is 14.5 GiB per device (`--dry_run` above; tests/test_gsm8k.py keeps it
 That is too tight for a T4 (15 GB, about 14.5 GiB usable after CUDA's own). The `large` variant
 (40 GB and up) takes 8 questions per step, 1024-token answers and 64 decode slots (30.4 GiB).
 Wall times on Colab runtimes are not measured.
+
+Low-rank adapters (`lora`: rank 16 on every projection, config.model.lora): the base stays frozen
+in bfloat16, only the adapters and their AdamW state are float32, so Qwen3-0.6B fits a T4 or a
+v5e-1 with two questions per step (8.8 GiB planned), and `lora_4b` puts Qwen3-4B on a 40 GB
+A100 (28.2 GiB; a 24 GB L4 is 5.8 GiB short). Planned bytes: docs/real_model.md; `--dry_run` with
+--config.mesh.topology=t4x1, v5e-1 or a100-40gx1.
 """
 
 import glob
@@ -88,8 +95,9 @@ def hub_files() -> tuple[str, str, str]:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = config_lib.parse_arg(arg, tiny=bool, large=bool, lag=int)
-  c = config_lib.defaults("tiny_qwen3" if args["tiny"] else "qwen3_0_6b")
+  args = config_lib.parse_arg(arg, tiny=bool, large=bool, lora=bool, lora_4b=bool, lag=int)
+  preset = "tiny_qwen3" if args["tiny"] else "qwen3_4b" if args["lora_4b"] else "qwen3_0_6b"
+  c = config_lib.defaults(preset)
   c.model.param_dtype = "float32"  # Master weights and AdamW state (bfloat16 would lose lr-1e-6 updates).
   c.model.dtype = "bfloat16"  # Compute, and the engine's copy of pi_old.
   c.train.remat = "full"  # Recompute each block in the backward pass: 512-token answers in 16 GB.
@@ -130,6 +138,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.grad_accum = 4  # Micro-batches of 2 groups (16 rows x 1344 tokens).
     c.train.logprob_tile = 64
     c.eval.samples_per_problem = 16
+
+  if args["lora"] or args["lora_4b"]:  # low-rank adapters: a frozen bfloat16 base (docs/real_model.md)
+    c.model.lora.rank = 16  # Adapters on every projection of every block.
+    c.model.lora.alpha = 32.0  # Their output scaled by alpha / rank = 2.
+    c.train.lr = 1e-5  # Adapters start at zero and move through a rank-16 product: larger steps than full training's 1e-6.
+    c.rl.groups_per_step = 2  # Two questions' 16 answers per step: the memory full training spends on AdamW.
+    c.rl.groups_per_rollout = 2  # The engine's 16 slots hold one step's groups.
+  if args["lora_4b"]:  # Qwen3-4B on a 40 GB device (A100 40 GB; 28.2 GiB planned): --config.model.path=/data/Qwen3-4B
+    c.rl.groups_per_step = 1  # One question's 8 answers per step.
+    c.sampling.max_slots = 8  # One group decoded at once (a 36-layer KV cache).
+    c.rl.groups_per_rollout = 1
 
   if args["tiny"]:
     config_lib.shrink_for_cpu(c, TINY_MODEL)  # float32, 4 RL steps, lag 2, 2 groups per step

@@ -228,7 +228,8 @@ def programs(config, devices: list, plan: plan_lib.Plan, keep_hlo: bool = False,
              else [local_devices(devices, 0)[i] for i in split.trainer])
   mesh = sharding.make_mesh(config.mesh, trainer)
   model_cfg, graphdef, abstract = build.abstract_model(config)
-  step = make_train_step(config, graphdef, make_optimizer(config.train, config.train.steps),
+  trainer_graphdef = graphdef if build.lora_of(config) is None else build.lora_abstract(config)[0]
+  step = make_train_step(config, trainer_graphdef, make_optimizer(config.train, config.train.steps),
                          SamplingParams.from_config(config.sampling), mesh)
   b = _Build(config, devices, processes, split, mesh, graphdef, model_cfg, abstract,
              _sds(abstract, dtype=jnp.dtype(config.model.dtype)), step,
@@ -240,7 +241,13 @@ def _trainer_programs(b: _Build) -> list[Program]:
   """The train step (arguments as the run holds them) and, offline, the rescoring kernel."""
   from oapl_jax.rl.step import Batch, uses_reference  # noqa: PLC0415
   config, tr, items, out = b.config, b.config.train, b.items, []
-  params = _sds(b.abstract)
+  params, base, snapshot = _sds(b.abstract), None, b.snapshot
+  if b.step.lora is not None:  # pi_theta, pi_old and the reference: the adapters, over the frozen base
+    from oapl_jax.models import build  # noqa: PLC0415
+    base = _sds(b.abstract, b.step.base_shardings, jnp.dtype(config.model.dtype))
+    adapters = build.lora_abstract(config)[1]
+    params = _sds(adapters, b.step.param_shardings)
+    snapshot = _sds(adapters, b.step.param_shardings, jnp.dtype(config.model.dtype))
   rows, t = config.rl.groups_per_step * config.rl.group_size, seq_len(config)
   micro = (tr.grad_accum, rows // tr.grad_accum)
   batch = Batch(tokens=jax.ShapeDtypeStruct((*micro, t), jnp.int32),
@@ -251,11 +258,11 @@ def _trainer_programs(b: _Build) -> list[Program]:
   opt_state = jax.eval_shape(b.step.optimizer.init, params)
   # pi_old is an argument only where the loss scores it (`losses.needs`): jit drops an argument
   # the program does not read, and the run keeps pi_old all the same (`compiled_peak` adds it)
-  state_names = ("master weights", "optimizer state", "reference policy", "train batch",
+  state_names = ("master weights", "optimizer state", "reference policy", "train batch", "frozen base",
                  *(("trainer snapshot",) if losses.needs(config).snapshot else ()))
   if b.wanted("train step"):
     with jax.set_mesh(b.mesh):
-      lowered = b.step.jitted.lower(params, opt_state, b.snapshot, batch, reference)
+      lowered = b.step.jitted.lower(params, opt_state, snapshot, batch, reference, base)
     out.append(b.compile("train step", "trainer", lowered, sum(items.get(n, 0) for n in state_names),
                          sum(items[n] for n in ("gradients", "activations", "log-prob kernel"))))
   if config.rl.mode == "offline" and b.wanted("offline log-probs"):
@@ -288,8 +295,8 @@ def _engine_programs(b: _Build) -> list[Program]:
   stage = staging_mesh(source, [engine_mesh(g) for g in groups], s.tensor,
                        in_source_order=b.processes > 1)
   order = list(stage.devices.flat)  # where it differs, pi_old is first moved to this order (on device)
-  source_shardings = (b.step.param_shardings if order == source
-                      else in_device_order(b.step.param_shardings, order))
+  weights = b.step.param_shardings if b.step.lora is None else b.step.base_shardings  # model.lora: merged
+  source_shardings = weights if order == source else in_device_order(weights, order)
   if b.wanted("refresh"):
     relayout = layout.jitted_relayout(stage, layout.shardings(b.snapshot, stage), b.snapshot)  # the run's program
     lowered = relayout.lower(_sds(b.snapshot, source_shardings))

@@ -116,6 +116,15 @@ def _abstract_params(cfg: ModelConfig) -> nnx.State:
   return nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0))), nnx.Param)
 
 
+def trained_params(config) -> nnx.State:
+  """The weights the trainer differentiates, abstract: every weight (`abstract_params`), or
+  under model.lora the adapters (`build.lora_abstract`), in model.param_dtype."""
+  if not config.model.lora.rank:
+    return abstract_params(config)
+  from oapl_jax.models.build import lora_abstract  # noqa: PLC0415
+  return lora_abstract(config)[1]
+
+
 def param_specs(params: nnx.State, rules) -> dict[tuple[str, ...], tuple[tuple[int, ...], PartitionSpec]]:
   """{weight path as strings: (shape, PartitionSpec through `rules`)}."""
   return {tuple(str(k) for k in path): (tuple(var.get_value().shape), sharding.logical_to_spec(
@@ -302,6 +311,8 @@ SETTINGS = {
     "gradients": "mesh.fsdp (more devices: mesh.topology)",
     "trainer snapshot": "mesh.fsdp (more devices: mesh.topology)",
     "reference policy": "mesh.fsdp (more devices: mesh.topology)",
+    "frozen base": "mesh.fsdp (more devices: mesh.topology)",
+    "merged weights": "mesh.fsdp (more devices: mesh.topology)",
     "train batch": "rl.groups_per_step (or more devices: mesh.topology)",
     "activations": "train.grad_accum, train.remat or train.attn_block",  # see activation_settings
     "log-prob kernel": "train.logprob_tile or train.grad_accum",
@@ -446,7 +457,7 @@ def train_temp_bytes(config, mesh: dict) -> dict[str, int]:
   """Per device, what a train step allocates beyond its arguments (the compiled step's temp
   memory): "gradients" (model.param_dtype like the weights; with train.grad_accum > 1 the
   running sum and one micro-batch's), "activations" and "log-prob kernel" of one micro-batch."""
-  specs = param_specs(abstract_params(config), config.sharding.rules)
+  specs = param_specs(trained_params(config), config.sharding.rules)
   grads = weights_bytes(specs, config.model.param_dtype, mesh) * (2 if config.train.grad_accum > 1 else 1)
   x = train_dims(config, mesh)
   return {"gradients": grads, "activations": activation_bytes(x, config.train.remat, config.train.attn_block),
@@ -489,30 +500,39 @@ def make_plan(config) -> Plan:
   mesh = resolve_mesh(config.mesh, trainer_devices)
   from oapl_jax.rl.step import check_batch_divides  # noqa: PLC0415 (see abstract opt state)
   check_batch_divides(config, mesh)  # the trainer refuses these micro-batches too
-  params = abstract_params(config)
+  base_specs = param_specs(abstract_params(config), config.sharding.rules)
+  engine_specs = param_specs(abstract_params(config), engine_rules(config.sharding.rules))
+  params = trained_params(config)  # every weight, or the adapters (model.lora)
   specs = param_specs(params, config.sharding.rules)
-  engine_specs = param_specs(params, engine_rules(config.sharding.rules))
   count = sum(math.prod(shape) for shape, _ in specs.values())
   pd, cd = np.dtype(m.param_dtype), np.dtype(m.dtype)
   master = weights_bytes(specs, pd, mesh)
   x = train_dims(config, mesh)
   rows, slots = micro_batch_rows(config), placement.engine_slots(config)
+  lora = bool(m.lora.rank)
+  what = f"adapters (rank {m.lora.rank})" if lora else "params"
   items = [
       Item("master weights", master, "trainer", "state",
-           (f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count:,}") + f" params in {pd.name}, "
+           (f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count:,}") + f" {what} in {pd.name}, "
            "trainer layout"),
       Item("optimizer state", optimizer_bytes(config, params, specs, mesh), "trainer", "state",
-           "jax.eval_shape(optimizer.init): AdamW mu + nu like the weights"),
+           f"jax.eval_shape(optimizer.init): AdamW mu + nu like the {what}"),
       Item("trainer snapshot", weights_bytes(specs, cd, mesh), "trainer", "state",
-           f"pi_old in {cd.name}, trainer layout (refresh source, checkpoints)"),
+           f"pi_old ({what}) in {cd.name}, trainer layout (refresh source, checkpoints)"),
   ]
+  if lora:
+    base = weights_bytes(base_specs, cd, mesh)
+    items += [Item("frozen base", base, "trainer", "state",
+                   f"model.lora: the base's weights in {cd.name}, frozen, trainer layout"),
+              Item("merged weights", base, "trainer", "state",
+                   f"base + adapters in {cd.name}, merged at a refresh (the engines load them)")]
   from oapl_jax.rl.step import uses_reference  # noqa: PLC0415 (optax: only for a plan)
   if uses_reference(config):
     items.append(Item("reference policy", master, "trainer", "state", "frozen RL start (GRPO's KL)"))
   temp = train_temp_bytes(config, mesh)
   items += [
       Item("gradients", temp["gradients"], "trainer", "step",
-           f"{pd.name} like the weights" + (": running sum + a micro-batch's" if tr.grad_accum > 1 else "")),
+           f"{pd.name} like the {what}" + (": running sum + a micro-batch's" if tr.grad_accum > 1 else "")),
       Item("train batch", _ceil(rows * tr.grad_accum, sharding.batch_shards(mesh, config.sharding.rules)) * seq_len(config) * 12,
            "trainer", "step", "the step's tokens, mask and sampler log-probs (int32, f32, f32)"),
       Item("activations", temp["activations"], "trainer", "step",

@@ -261,3 +261,24 @@ def test_peft_and_merged_exports_reload_in_transformers_with_the_same_logits(tmp
     theirs = merged(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
   assert np.abs(ours - np.asarray(model(jnp.asarray(tokens)))).max() > 1e-3  # the adapters matter
+
+
+@pytest.mark.parametrize("arg, topology, most_gib", [("lora", "t4x1", 9.0), ("lora", "v5e-1", 9.0),
+                                                     ("lora_4b", "a100-40gx1", 28.5)])
+def test_gsm8k_lora_variants_fit_their_devices(arg, topology, most_gib):
+  """The planner counts the frozen base, the merged weights and the adapters' state: Qwen3-0.6B
+  with adapters fits a T4 / v5e-1 (full training does not fit a T4 with margin), Qwen3-4B a
+  40 GB A100."""
+  from configs import gsm8k  # noqa: PLC0415
+  from oapl_jax import plan  # noqa: PLC0415
+  c = gsm8k.get_config(arg)
+  c.mesh.topology = topology
+  p = plan.make_plan(c)
+  names = {i.name: i.nbytes for i in p.items}
+  assert names["frozen base"] == names["merged weights"] > 20 * names["master weights"]
+  assert names["optimizer state"] == 2 * names["master weights"] + 8  # mu, nu (+ step counts)
+  assert p.fits and p.total / 2**30 < most_gib, p.format()
+  if arg == "lora":
+    full = gsm8k.get_config()
+    full.mesh.topology = topology
+    assert plan.make_plan(full).total > p.total + 5 * 2**30  # full training: 14.5 GiB

@@ -283,7 +283,7 @@ def compiled_temp_bytes(c, mesh=None) -> int:
                 sampler_logprobs=sds(lead + (t - 1,), jnp.float32), rewards=sds(lead, jnp.float32))
   mesh = getattr(step, "mesh", None)
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    lowered = jitted.lower(params, jax.eval_shape(optimizer.init, params), params, batch, None)
+    lowered = jitted.lower(params, jax.eval_shape(optimizer.init, params), params, batch, None, None)
   return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
