@@ -148,6 +148,11 @@ def leaf_digests(state) -> dict[str, str]:
   return {jax.tree_util.keystr(path): d for (path, _), d in zip(leaves, digests)}
 
 
+def base_record(config, base) -> dict:
+  """What a LoRA run's checkpoints record of their frozen base: model.path and a sha256."""
+  return {"path": config.model.path, "sha256": tree_digest(base)}
+
+
 def tree_digest(state) -> str:
   """One sha256 of every array of `state` (a LoRA run's frozen base: what its checkpoints were
   trained on). Multi-host, of every process's shards, so it is the same in every process (and
@@ -480,18 +485,63 @@ def restore_policy(config, workdir: str, policy: str):
   """One policy of the newest good checkpoint under `workdir/checkpoints`, and nothing else (not
   the optimizer or the buffer): "theta" (pi_theta, saved in model.param_dtype: the master
   weights) or "snapshot" (pi_old, saved in model.dtype). Returns (step, weights, meta,
-  model_cfg, graphdef); a UserError if there is no checkpoint."""
-  from oapl_jax.models.build import abstract_model  # noqa: PLC0415
-  name = POLICIES[policy]
-  model_cfg, graphdef, abstract = abstract_model(
+  model_cfg, graphdef); a UserError if there is no checkpoint. Under model.lora the weights are
+  the frozen base merged with the policy's adapters (`restore_adapters`), in model.dtype, as
+  the run's engines sampled them."""
+  from oapl_jax.models import build  # noqa: PLC0415
+  lora = build.lora_of(config)
+  if lora is not None:
+    from oapl_jax.models.lora import merged  # noqa: PLC0415
+    step, adapters, base, meta, model_cfg, graphdef = restore_adapters(config, workdir, policy)
+    adapters = jax.tree.map(lambda x: x.astype(config.model.dtype), adapters)  # as the run's engines
+    return step, merged(base, adapters, lora.scale), meta, model_cfg, graphdef
+  model_cfg, graphdef, abstract = build.abstract_model(
       config, dtype=config.model.dtype if policy == "snapshot" else None)
+  step, weights, meta = _restore_one(config, workdir, POLICIES[policy], abstract, model_cfg.architecture())
+  return step, weights, meta, model_cfg, graphdef
+
+
+def restore_adapters(config, workdir: str, policy: str):
+  """model.lora: (step, adapters, base, meta, model_cfg, base graphdef) of the newest good
+  checkpoint's `policy` (adapters as saved: "theta" in model.param_dtype, "snapshot" in
+  model.dtype). The frozen base is rebuilt as the run made it (`warmup.frozen_base`) and a
+  checkpoint trained on another base is refused (its sha256 differs)."""
+  from oapl_jax.models import build  # noqa: PLC0415
+  _checkpoints_of(config, workdir)  # before the base is rebuilt (a warm-up may take minutes)
+  model_cfg, _, _ = build.abstract_model(config)
+  graphdef, base = _lora_base(config)
+  lora = build.lora_of(config)
+  abstract = build.lora_abstract(config)[1]  # model.param_dtype
+  if policy == "snapshot":
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, config.model.dtype), abstract)
+  model_meta = {**model_cfg.architecture(), "lora": lora.record(), "base": base_record(config, base)}
+  step, adapters, meta = _restore_one(config, workdir, POLICIES[policy], abstract, model_meta)
+  return step, adapters, base, meta, model_cfg, graphdef
+
+
+def _checkpoints_of(config, workdir: str) -> str:
+  """The run's checkpoint directory; a UserError if there is none (nothing created there)."""
   check_usable(workdir)
   directory = directory_of(config, workdir)
-  if not epath.Path(directory).is_dir():  # a mistyped workdir: refused, nothing created there
+  if not epath.Path(directory).is_dir():  # a mistyped workdir
     raise UserError(f"no checkpoint under {directory} (--workdir={workdir}: is it the run's?)")
-  ckpt = Checkpointer(directory, keep=config.checkpoint.keep)
-  found = ckpt.restore_latest({name: abstract}, model_cfg.architecture(), partial=True)
+  return directory
+
+
+def _restore_one(config, workdir: str, name: str, abstract, model_meta: dict):
+  """(step, tree `name`, meta) of the newest good checkpoint; a UserError if there is none."""
+  ckpt = Checkpointer(_checkpoints_of(config, workdir), keep=config.checkpoint.keep)
+  found = ckpt.restore_latest({name: abstract}, model_meta, partial=True)
   if found is None:
     raise UserError(f"no checkpoint under {ckpt.directory}")
   step, state, meta = found
-  return step, state[name], meta, model_cfg, graphdef
+  return step, state[name], meta
+
+
+def _lora_base(config):
+  """(graphdef, frozen base) of a LoRA run's config, as the run made it (`warmup.frozen_base`)."""
+  from oapl_jax import warmup  # noqa: PLC0415
+  from oapl_jax.placement import seq_len  # noqa: PLC0415
+  from oapl_jax.tasks import make_task  # noqa: PLC0415
+  task, tokenizer = make_task(config) if config.warmup.steps else (None, None)
+  return warmup.frozen_base(config, task, tokenizer, seq_len=seq_len(config))

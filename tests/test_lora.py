@@ -282,3 +282,37 @@ def test_gsm8k_lora_variants_fit_their_devices(arg, topology, most_gib):
     full = gsm8k.get_config()
     full.mesh.topology = topology
     assert plan.make_plan(full).total > p.total + 5 * 2**30  # full training: 14.5 GiB
+
+
+def _command(module, workdir, *extra):
+  out = subprocess.run([sys.executable, "-m", module, "--config=configs/tiny.py:smoke", f"--workdir={workdir}",
+                        "--config.model.lora.rank=4", "--config.model.lora.alpha=8.0",
+                        "--config.warmup.steps=0", "--config.warmup.noisy_steps=0", *extra],
+                       cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  return out
+
+
+def test_evaluate_and_export_read_a_lora_checkpoint(tmp_path):
+  """`oapl_jax.evaluate` and `oapl_jax.export` rebuild the base, check its sha256 and merge the
+  checkpoint's adapters: the evaluation is the run's own, the exported HF weights are the
+  merged ones and `<out>/adapter` holds the adapters; another base is refused in one line."""
+  from oapl_jax.models.hf import from_hf  # noqa: PLC0415
+  c = _lora_config()
+  c.warmup.steps = c.warmup.noisy_steps = 0  # the base is the seed's init (train.Run alone does no warm-up)
+  run = tmp_path / "run"
+  r = train.Run(c, str(run))
+  r.params = jax.tree.map(lambda x: x + 0.05, r.params)  # adapters that change the policy
+  r.save()
+  want = {k: v for k, v in r.evaluate(r.params, "run").items() if k.startswith("pass@")}
+  merged = jax.tree.map(np.asarray, r.engine_copy(r.params))
+  out = _command("oapl_jax.evaluate", run)
+  assert out.returncode == 0, out.stderr[-3000:]
+  got = json.loads(out.stdout[out.stdout.index("{"):])
+  assert {k: v for k, v in got.items() if k.startswith("pass@")} == want
+  out = _command("oapl_jax.export", run, f"--out={tmp_path / 'hf'}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert os.path.isfile(tmp_path / "hf" / "adapter" / "adapter_model.safetensors")
+  exported = nnx.state(from_hf(tmp_path / "hf"), nnx.Param)
+  assert all(np.array_equal(np.asarray(x), y) for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(merged)))
+  out = _command("oapl_jax.evaluate", run, "--config.seed=1")  # another random base
+  assert out.returncode != 0 and "config.model.base=" in out.stderr, out.stderr[-3000:]

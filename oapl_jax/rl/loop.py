@@ -223,7 +223,7 @@ class Run:
     """model.lora: the frozen base <- `params` in model.dtype (the trainer's shardings), and
     the record a checkpoint is checked against: model.path and the weights' sha256."""
     self.base = self.train_step.base_of(params)
-    self.base_record = {"path": self.config.model.path, "sha256": checkpoint.tree_digest(self.base)}
+    self.base_record = checkpoint.base_record(self.config, self.base)
     self._merged = (None, None)
 
   def start_from(self, params) -> None:
