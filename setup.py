@@ -50,6 +50,7 @@ setup(
         "cuda13": ["jax[cuda13]>=0.10,<0.13"],
         "test": TEST_TOOLS + [
             "torch==2.13.0",  # the CPU build on these machines; any other spec pulls a CUDA build
+            "peft>=0.17,<1",  # tests/test_lora.py: the PEFT export loads onto the transformers model
         ],
         # The same without torch: .ci/run's Python 3.12 venv (the newest JAX), where torch has no
         # CPU wheel on these machines and any other torch is a multi-GB CUDA build; the tests that

@@ -316,3 +316,25 @@ def test_evaluate_and_export_read_a_lora_checkpoint(tmp_path):
   assert all(np.array_equal(np.asarray(x), y) for x, y in zip(jax.tree.leaves(exported), jax.tree.leaves(merged)))
   out = _command("oapl_jax.evaluate", run, "--config.seed=1")  # another random base
   assert out.returncode != 0 and "config.model.base=" in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("setting, value, needle", [
+    ("rank", -1, "config.model.lora.rank=-1"),
+    ("alpha", 0.0, "config.model.lora.alpha=0.0"),
+    ("targets", ("q_proj", "qkv"), "config.model.lora.targets="),
+])
+def test_bad_lora_settings_are_refused_in_one_line(setting, value, needle):
+  from oapl_jax.config import ConfigError, validate  # noqa: PLC0415
+  c = _lora_config()
+  c.model.lora[setting] = value
+  with pytest.raises(ConfigError) as e:
+    validate(c)
+  assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_lora_in_offline_or_remote_mode_is_refused_for_now():
+  from oapl_jax.config import ConfigError, validate  # noqa: PLC0415
+  c = _lora_config()
+  c.rl.mode = "remote"
+  with pytest.raises(ConfigError, match="model.lora.rank=4: adapters train in rl.mode 'sync' or 'async'"):
+    validate(c)
