@@ -87,8 +87,9 @@ def test_lag_study_notebook(tmp_path, monkeypatch):
 
 
 def test_real_model_notebook(tmp_path, monkeypatch, requires_torch):
-  """Quick mode: no Hub access (one line says why), the tiny Qwen3 through configs/gsm8k.py:tiny;
-  the run, curves, pass@k, answers, and the HF export reloaded by transformers at parity."""
+  """Quick mode: no Hub access (one line says why), the tiny Qwen3 through configs/gsm8k.py:tiny
+  with adapters (:lora); the run, curves, pass@k, answers, and the merged HF export reloaded by
+  transformers at parity, the PEFT adapter beside it."""
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
   workdir = tmp_path / "real_model"
   cells = _execute("real_model.ipynb", workdir, monkeypatch)
@@ -97,7 +98,8 @@ def test_real_model_notebook(tmp_path, monkeypatch, requires_torch):
   assert "Wall times on Colab runtimes are not measured" in intro
   skipped = [line for line in _stdout(cells["fetch"]).splitlines() if "Hub fetch skipped" in line]
   assert len(skipped) == 1 and "quick mode" in skipped[0]
-  assert "configs/gsm8k.py:tiny" in _stdout(cells["config"])
+  assert "configs/gsm8k.py:tiny,lora" in _stdout(cells["config"])  # quick mode runs the LoRA path
+  assert "LoRA rank 16" in _stdout(cells["config"]) and "frozen base" in _stdout(cells["config"])
   assert "total" in _stdout(cells["config"])  # the memory plan
   assert (workdir / "run" / "summary.json").is_file()
   assert re.search(r"pass@1: \d\.\d{3} -> \d\.\d{3}", _stdout(cells["run"]))
@@ -107,6 +109,7 @@ def test_real_model_notebook(tmp_path, monkeypatch, requires_torch):
   samples = _stdout(cells["samples"])
   assert samples.count("\nQ: ") == 3 and samples.count("  [") == 6
   export = _stdout(cells["export"])
-  assert "config.json" in export and "model.safetensors" in export
+  assert "config.json" in export and "model.safetensors" in export and "adapter" in export
+  assert (workdir / "export" / "adapter" / "adapter_model.safetensors").is_file()
   diff = float(re.search(r"max \|logits ours - transformers\| = (\S+)", export).group(1))
   assert diff < 1e-4, export
