@@ -441,6 +441,22 @@ def test_local_multihost_smoke_run_is_the_two_engine_run(tmp_path):
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
 
 
+def test_local_multihost_lora_run_is_the_two_engine_run(tmp_path):
+  """The same with low-rank adapters (model.lora): each process rebuilds the frozen base, the
+  base's sha256 is agreed over both processes' shards, and the losses, metrics and the saved
+  adapters are the one-process run's."""
+  lora = ("--config.model.lora.rank=4", "--config.model.lora.alpha=8.0")
+  multi, single = tmp_path / "multi", tmp_path / "single"
+  procs = [_launch(2, multi, *SMALL, *lora), _single_run(single, *SMALL, *lora)]
+  _finish(procs[0])
+  _finish(procs[1])
+  _check_same_run(multi, single, 4)
+  got, want = _saved(multi, 4, "params"), _saved(single, 4, "params")
+  assert len(got) == 2 * 7 * 2  # A and B of 7 projections in 2 layers: the adapters only
+  for x, y in zip(got, want):
+    np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_local_multihost_run_killed_and_resumed_ends_with_the_same_weights(tmp_path):
   """The smoke run (6 steps) stopped by SIGTERM after a checkpoint and started again with the
