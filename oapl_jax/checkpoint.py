@@ -493,7 +493,6 @@ def restore_policy(config, workdir: str, policy: str):
   if lora is not None:
     from oapl_jax.models.lora import merged  # noqa: PLC0415
     step, adapters, base, meta, model_cfg, graphdef = restore_adapters(config, workdir, policy)
-    adapters = jax.tree.map(lambda x: x.astype(config.model.dtype), adapters)  # as the run's engines
     return step, merged(base, adapters, lora.scale), meta, model_cfg, graphdef
   model_cfg, graphdef, abstract = build.abstract_model(
       config, dtype=config.model.dtype if policy == "snapshot" else None)

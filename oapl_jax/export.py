@@ -36,7 +36,6 @@ flags.mark_flags_as_required(["config", "workdir", "out"])
 def export_checkpoint(config, workdir: str, out: str, policy: str = "theta") -> dict:
   """Writes `policy` of the newest good checkpoint to `out` (see the module docstring); returns
   what was written: {"step", "policy", "hf", "adapter" (LoRA only)}."""
-  import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
   from oapl_jax.checkpoint import restore_adapters, restore_policy  # noqa: PLC0415
   from oapl_jax.models import build, lora  # noqa: PLC0415
@@ -50,8 +49,7 @@ def export_checkpoint(config, workdir: str, out: str, policy: str = "theta") -> 
     step, adapters, base, _, _, graphdef = restore_adapters(config, workdir, policy)
     written["adapter"] = os.path.join(out, "adapter")
     lora.to_peft(adapters, lora_cfg, written["adapter"], base_model=config.model.path)
-    engines = jax.tree.map(lambda x: x.astype(config.model.dtype), adapters)  # as the run's engines
-    weights = lora.merged(base, engines, lora_cfg.scale)
+    weights = lora.merged(base, adapters, lora_cfg.scale)  # what the run's engines sample
   to_hf(nnx.merge(graphdef, weights), out, source_dir=config.model.path)
   return {"step": step, **written}
 

@@ -136,15 +136,16 @@ def delta(a: jax.Array, b: jax.Array, scale: float, shape) -> jax.Array:
 
 
 def merged(base, adapters, scale: float):
-  """The base weights State with each adapted weight replaced by W + scale * A B, computed in
-  float32 and rounded once to W's dtype (the engine's weights; at B = 0 exactly W). Jit it
-  with the base's shardings to merge on the devices."""
+  """The base weights State with each adapted weight replaced by W + scale * A B: A and B
+  rounded to W's dtype first (the compute dtype, in which the trainer applies them: pi_old is
+  the adapters in it), the product and sum in float32, rounded once to W's dtype. The engines'
+  weights; at B = 0 exactly W. Jit it with the base's shardings to merge on the devices."""
   targets = _targets_of(adapters)
   out = []
   for path, var in nnx.to_flat_state(base):
     w = var.get_value()
     if tuple(path) in targets:
-      a, b = targets[tuple(path)]
+      a, b = (x.astype(w.dtype) for x in targets[tuple(path)])
       w = (w.astype(jnp.float32) + delta(a, b, scale, w.shape)).astype(w.dtype)
     out.append((path, var.replace(w)))
   return nnx.from_flat_state(out)

@@ -428,9 +428,9 @@ class Run:
 
   def engine_copy(self, params):
     """`params` as the engines compute with them: cast to model.dtype (pi_theta's master
-    weights are model.param_dtype); under model.lora, adapters cast so and merged into the base."""
+    weights are model.param_dtype); under model.lora, the adapters merged into the base."""
     if self.lora is not None:
-      return self.train_step.merged(self.train_step.snapshot_of(params), self.base)
+      return self.train_step.merged(params, self.base)
     if all(x.dtype == self.train_step.dtype for x in jax.tree.leaves(params)):
       return params
     return self.train_step.snapshot_of(params)
