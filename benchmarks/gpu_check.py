@@ -201,7 +201,7 @@ def train_step(config_lib, s: dict, peak_tflops: float) -> dict:
   for _ in range(s["train_reps"] + 1):  # the first call is not timed
     t0 = time.perf_counter()
     with jax.set_mesh(step.mesh):
-      params, opt_state, metrics = compiled(params, opt_state, snapshot, batch, None)
+      params, opt_state, metrics = compiled(params, opt_state, snapshot, batch, None, None)
     loss = float(jax.block_until_ready(metrics["loss"]))
     times.append(time.perf_counter() - t0)
   seconds = statistics.median(times[1:])

@@ -133,7 +133,7 @@ def child(args) -> dict:
   for _ in range(args.reps + 1):  # the first one warms up
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-      params, opt_state, m = compiled(params, opt_state, snapshot, batch, None)
+      params, opt_state, m = compiled(params, opt_state, snapshot, batch, None, None)
     losses.append(float(jax.block_until_ready(m["loss"])))
     times.append(time.perf_counter() - t0)
     _memory_phase(f"step {len(times)}", phases)

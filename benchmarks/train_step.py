@@ -188,7 +188,7 @@ class Ours:
 
     def run():
       with self.jax.set_mesh(s["step"].mesh):
-        s["params"], s["opt"], m = s["compiled"](s["params"], s["opt"], s["snapshot"], s["batch"], None)
+        s["params"], s["opt"], m = s["compiled"](s["params"], s["opt"], s["snapshot"], s["batch"], None, None)
       return {"loss": float(self.jax.block_until_ready(m["loss"])), "grad_norm": float(m["grad_norm"])}
     return _timed(run)
 
