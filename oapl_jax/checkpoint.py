@@ -478,58 +478,11 @@ def _row_target(shape, dtype):
   return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=distributed.rows_sharding())
 
 
-POLICIES = {"theta": "params", "snapshot": "snapshot"}  # a policy's name -> its checkpoint item
-
-
-def restore_policy(config, workdir: str, policy: str):
-  """One policy of the newest good checkpoint under `workdir/checkpoints`, and nothing else (not
-  the optimizer or the buffer): "theta" (pi_theta, saved in model.param_dtype: the master
-  weights) or "snapshot" (pi_old, saved in model.dtype). Returns (step, weights, meta,
-  model_cfg, graphdef); a UserError if there is no checkpoint. Under model.lora the weights are
-  the frozen base merged with the policy's adapters (`restore_adapters`), in model.dtype, as
-  the run's engines sampled them."""
-  from oapl_jax.models import build  # noqa: PLC0415
-  lora = build.lora_of(config)
-  if lora is not None:
-    from oapl_jax.models.lora import merged  # noqa: PLC0415
-    step, adapters, base, meta, model_cfg, graphdef = restore_adapters(config, workdir, policy)
-    return step, merged(base, adapters, lora.scale), meta, model_cfg, graphdef
-  model_cfg, graphdef, abstract = build.abstract_model(
-      config, dtype=config.model.dtype if policy == "snapshot" else None)
-  step, weights, meta = _restore_one(config, workdir, POLICIES[policy], abstract, model_cfg.architecture())
-  return step, weights, meta, model_cfg, graphdef
-
-
-def restore_adapters(config, workdir: str, policy: str):
-  """model.lora: (step, adapters, base, meta, model_cfg, base graphdef) of the newest good
-  checkpoint's `policy` (adapters as saved: "theta" in model.param_dtype, "snapshot" in
-  model.dtype). The frozen base is rebuilt as the run made it (`warmup.frozen_base`) and a
-  checkpoint trained on another base is refused (its sha256 differs)."""
-  from oapl_jax.models import build  # noqa: PLC0415
-  _checkpoints_of(config, workdir)  # before the base is rebuilt (a warm-up may take minutes)
-  model_cfg, _, _ = build.abstract_model(config)
-  graphdef, base = _lora_base(config)
-  lora = build.lora_of(config)
-  abstract = build.lora_abstract(config)[1]  # model.param_dtype
-  if policy == "snapshot":
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, config.model.dtype), abstract)
-  model_meta = {**model_cfg.architecture(), "lora": lora.record(), "base": base_record(config, base)}
-  step, adapters, meta = _restore_one(config, workdir, POLICIES[policy], abstract, model_meta)
-  return step, adapters, base, meta, model_cfg, graphdef
-
-
-def _checkpoints_of(config, workdir: str) -> str:
-  """The run's checkpoint directory; a UserError if there is none (nothing created there)."""
-  check_usable(workdir)
-  directory = directory_of(config, workdir)
-  if not epath.Path(directory).is_dir():  # a mistyped workdir
-    raise UserError(f"no checkpoint under {directory} (--workdir={workdir}: is it the run's?)")
-  return directory
-
-
-def _restore_one(config, workdir: str, name: str, abstract, model_meta: dict):
-  """(step, tree `name`, meta) of the newest good checkpoint; a UserError if there is none."""
-  ckpt = Checkpointer(_checkpoints_of(config, workdir), keep=config.checkpoint.keep)
+def restore_tree(config, workdir: str, name: str, abstract, model_meta: dict):
+  """(step, tree `name`, meta) of the newest good checkpoint under `workdir/checkpoints`, read
+  alone (`partial`: not the optimizer or the buffer) into `abstract`, checked against
+  `model_meta`; a UserError if there is no checkpoint (`policies.restore_policy` uses it)."""
+  ckpt = Checkpointer(checkpoints_of(config, workdir), keep=config.checkpoint.keep)
   found = ckpt.restore_latest({name: abstract}, model_meta, partial=True)
   if found is None:
     raise UserError(f"no checkpoint under {ckpt.directory}")
@@ -537,10 +490,10 @@ def _restore_one(config, workdir: str, name: str, abstract, model_meta: dict):
   return step, state[name], meta
 
 
-def _lora_base(config):
-  """(graphdef, frozen base) of a LoRA run's config, as the run made it (`warmup.frozen_base`)."""
-  from oapl_jax import warmup  # noqa: PLC0415
-  from oapl_jax.placement import seq_len  # noqa: PLC0415
-  from oapl_jax.tasks import make_task  # noqa: PLC0415
-  task, tokenizer = make_task(config) if config.warmup.steps else (None, None)
-  return warmup.frozen_base(config, task, tokenizer, seq_len=seq_len(config))
+def checkpoints_of(config, workdir: str) -> str:
+  """The run's checkpoint directory; a UserError if there is none (nothing created there)."""
+  check_usable(workdir)
+  directory = directory_of(config, workdir)
+  if not epath.Path(directory).is_dir():  # a mistyped workdir
+    raise UserError(f"no checkpoint under {directory} (--workdir={workdir}: is it the run's?)")
+  return directory

@@ -35,7 +35,7 @@ def evaluate_checkpoint(config, workdir: str, policy: str = "theta") -> dict:
   the config; the draws are the run's own evaluation draws (`evaluate.eval_key(seed)`).
   """
   import jax  # noqa: PLC0415
-  from oapl_jax.checkpoint import restore_policy  # noqa: PLC0415 (after validation: TensorFlow logs)
+  from oapl_jax.policies import restore_policy  # noqa: PLC0415 (after validation: TensorFlow logs)
   from oapl_jax.eval.evaluate import eval_key, evaluate  # noqa: PLC0415
   from oapl_jax.sampling import SamplingParams  # noqa: PLC0415
   from oapl_jax.sampling.sampler import Sampler, make_replicas  # noqa: PLC0415

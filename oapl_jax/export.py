@@ -37,7 +37,7 @@ def export_checkpoint(config, workdir: str, out: str, policy: str = "theta") -> 
   """Writes `policy` of the newest good checkpoint to `out` (see the module docstring); returns
   what was written: {"step", "policy", "hf", "adapter" (LoRA only)}."""
   from flax import nnx  # noqa: PLC0415
-  from oapl_jax.checkpoint import restore_adapters, restore_policy  # noqa: PLC0415
+  from oapl_jax.policies import restore_adapters, restore_policy  # noqa: PLC0415
   from oapl_jax.models import build, lora  # noqa: PLC0415
   from oapl_jax.models.hf import to_hf  # noqa: PLC0415
 

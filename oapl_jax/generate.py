@@ -59,7 +59,7 @@ def base_policy(config):
 
 def checkpoint_policy(config, workdir: str, policy: str):
   """The same of the newest good checkpoint in `workdir` (`policy`: "theta" or "snapshot")."""
-  from oapl_jax.checkpoint import restore_policy  # noqa: PLC0415
+  from oapl_jax.policies import restore_policy  # noqa: PLC0415
   from oapl_jax.tasks import make_task  # noqa: PLC0415
   task, tokenizer = make_task(config)
   step, params, meta, model_cfg, graphdef = restore_policy(config, workdir, policy)

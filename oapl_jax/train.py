@@ -88,22 +88,17 @@ def run_validated(config, workdir: str) -> dict:
 
 
 def _start(r: Run, config, workdir: str) -> tuple[dict, dict]:
-  """Resumes from the last checkpoint, or warms up, evaluates the base and saves step 0.
-
-  Returns (eval_before, warmup_info)."""
-  before_path = Layout(workdir).eval_before
-  warmup_info = {}
+  """Resumes from the last checkpoint, or warms up, evaluates the base and saves step 0; returns
+  (eval_before, warmup_info)."""
+  before_path, warmup_info = Layout(workdir).eval_before, {}
   if config.warmup.steps and r.lora:  # the frozen base first: a checkpoint is checked against it
-    base, warmup_info = warmup.base_model(config, r.engine_graphdef, r.base, r.sampler.task,
-                                          r.sampler.tokenizer, seq_len=seq_len(config))
-    r.set_base(base)
+    warmup_info = r.warm_up()
   if r.restore_latest():
     say(f"resumed from step {r.counters.step} in {r.ckpt.directory}")
     saved = read_json(before_path)
     return saved["eval"], saved["warmup"]
   if config.warmup.steps and not r.lora:
-    r.params, warmup_info = warmup.base_model(config, r.graphdef, r.params, r.sampler.task,
-                                              r.sampler.tokenizer, seq_len=seq_len(config))
+    warmup_info = r.warm_up()
   r.start_from(r.params)  # optimizer state, snapshot and reference of the warmed-up base
   eval_before = warmup.cached_eval(config, seq_len(config), lambda: r.evaluate(r.params, "before"))
   if distributed.is_writer():

@@ -147,13 +147,3 @@ def base_model(config, graphdef, params, task, tokenizer, *, seq_len: int) -> tu
     distributed.barrier("warmup-cache")  # the cache is in place before any process reads it
   return params, info
 
-
-def frozen_base(config, task, tokenizer, *, seq_len: int):
-  """model.lora: (graphdef, base) of the frozen base a run trains its adapters on, made as
-  `loop.Run` makes it: config.model's weights in model.dtype (model.path, or the seed's init),
-  warmed up when `warmup.steps` (read from the cache when it is there)."""
-  from oapl_jax.models.build import init_model  # noqa: PLC0415
-  _, graphdef, base = init_model(config, param_dtype=config.model.dtype)
-  if config.warmup.steps:
-    base, _ = base_model(config, graphdef, base, task, tokenizer, seq_len=seq_len)
-  return graphdef, base

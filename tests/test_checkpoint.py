@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from oapl_jax import checkpoint, train
+from oapl_jax import checkpoint, policies, train
 from oapl_jax.errors import UserError
 from oapl_jax.metrics import MetricsLog, read_metrics
 
@@ -307,7 +307,7 @@ def test_evaluating_a_mistyped_workdir_is_refused_and_creates_nothing(tmp_path):
   c = tiny.get_config("smoke")
   missing = tmp_path / "runs" / "tiyn"
   with pytest.raises(UserError, match=f"no checkpoint under {missing}/checkpoints"):
-    checkpoint.restore_policy(c, str(missing), "theta")
+    policies.restore_policy(c, str(missing), "theta")
   assert not (tmp_path / "runs").exists()
 
 

@@ -28,12 +28,13 @@ LAYERS = (
     ("oapl_jax.tasks",),
     ("oapl_jax.sampling", "oapl_jax.checkpoint"),
     ("oapl_jax.eval",),
-    ("oapl_jax.rl", "oapl_jax.warmup"),
+    ("oapl_jax.rl", "oapl_jax.warmup", "oapl_jax.policies"),
     ("oapl_jax.plan", "oapl_jax.aot"),  # the memory plan and the compiled programs (--dry_run)
     ("oapl_jax.config",),
     ("oapl_jax.train",),
     # the commands
-    ("oapl_jax.main", "oapl_jax.generate", "oapl_jax.evaluate", "oapl_jax.sample", "oapl_jax.studies"),
+    ("oapl_jax.main", "oapl_jax.generate", "oapl_jax.evaluate", "oapl_jax.export", "oapl_jax.sample",
+     "oapl_jax.studies"),
 )
 CONFIG = "oapl_jax.config"
 

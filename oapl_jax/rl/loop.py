@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oapl_jax import distributed, placement, sharding, storage, timing
+from oapl_jax import distributed, placement, sharding, storage, timing, warmup
 from oapl_jax import checkpoint
 from oapl_jax.checkpoint import Checkpointer
 from oapl_jax.errors import ConfigError
@@ -225,6 +225,19 @@ class Run:
     self.base = self.train_step.base_of(params)
     self.base_record = checkpoint.base_record(self.config, self.base)
     self._merged = (None, None)
+
+  def warm_up(self) -> dict:
+    """The supervised warm-up (`warmup.base_model`, cached) of what this run starts from:
+    pi_theta, or under model.lora the frozen base. Returns its info."""
+    args = (self.sampler.task, self.sampler.tokenizer)
+    if self.lora is None:
+      self.params, info = warmup.base_model(self.config, self.graphdef, self.params, *args,
+                                            seq_len=seq_len(self.config))
+    else:
+      base, info = warmup.base_model(self.config, self.engine_graphdef, self.base, *args,
+                                     seq_len=seq_len(self.config))
+      self.set_base(base)
+    return info
 
   def start_from(self, params) -> None:
     """pi_theta <- `params` (placed in the trainer's shardings, in model.param_dtype), a fresh
