@@ -119,10 +119,16 @@ def _abstract_params(cfg: ModelConfig) -> nnx.State:
 def trained_params(config) -> nnx.State:
   """The weights the trainer differentiates, abstract: every weight (`abstract_params`), or
   under model.lora the adapters (`build.lora_abstract`), in model.param_dtype."""
-  if not config.model.lora.rank:
+  if not _lora_rank(config):
     return abstract_params(config)
   from oapl_jax.models.build import lora_abstract  # noqa: PLC0415
   return lora_abstract(config)[1]
+
+
+def _lora_rank(config) -> int:
+  """config.model.lora.rank; 0 (full training) for a config written before the setting existed."""
+  lora = config.model.get("lora")
+  return lora.rank if lora is not None else 0
 
 
 def param_specs(params: nnx.State, rules) -> dict[tuple[str, ...], tuple[tuple[int, ...], PartitionSpec]]:
@@ -509,7 +515,7 @@ def make_plan(config) -> Plan:
   master = weights_bytes(specs, pd, mesh)
   x = train_dims(config, mesh)
   rows, slots = micro_batch_rows(config), placement.engine_slots(config)
-  lora = bool(m.lora.rank)
+  lora = bool(_lora_rank(config))
   what = f"adapters (rank {m.lora.rank})" if lora else "params"
   items = [
       Item("master weights", master, "trainer", "state",
