@@ -176,7 +176,9 @@ class Run:
 
   pi_theta (model.param_dtype), its AdamW state, pi_old (a model.dtype copy) and the GRPO
   reference live sharded on the trainer's mesh (`self.mesh`, over `trainer_devices`; layouts
-  and the jitted step: `step.TrainStep`); the engines load pi_old from there.
+  and the jitted step: `step.TrainStep`); the engines load pi_old from there. Under model.lora
+  those are the adapters, `self.base` is the frozen base (model.dtype) and the engines load the
+  base merged with pi_old's adapters.
 
   `oapl_jax.train.run` drives it; tests and notebooks use its pieces directly.
   """

@@ -12,8 +12,10 @@ Layout on the trainer's mesh (`sharding.make_mesh`: axes data x fsdp x tensor):
   is the j-th contiguous block of whole groups (as a plain reshape), and its rows are split
   over the "batch" rule's mesh axes (data x fsdp), so every micro-batch spans every batch
   shard. The rows of one micro-batch must divide over those shards (a ConfigError otherwise).
-The jitted step has in/out shardings for all of these, donates pi_theta and the optimizer
-state, and runs under `jax.set_mesh(mesh)`. On one device the mesh is trivial and the
+Under `model.lora` pi_theta, its AdamW state, pi_old and the reference are the low-rank adapters
+(`models/lora.py`) and the frozen base is the step's last argument, in the weights' shardings
+(never donated or differentiated). The jitted step has in/out shardings for all of these,
+donates pi_theta and the optimizer state, and runs under `jax.set_mesh(mesh)`. On one device the mesh is trivial and the
 numbers are the unsharded ones.
 """
 
