@@ -273,6 +273,18 @@ def from_flag(holder) -> ml_collections.ConfigDict:
   return config
 
 
+def command_config(holder, *, dry_run: bool = False) -> ml_collections.ConfigDict:
+  """A command's validated config (`from_flag`, then `validate`, before JAX starts or a workdir
+  is touched), absl's logging kept to warnings unless --verbosity was given (orbax logs every
+  save at INFO)."""
+  from absl import flags, logging  # noqa: PLC0415 (absl only for the commands)
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  config = from_flag(holder)
+  validate(config, dry_run=dry_run)
+  return config
+
+
 def _nones(c: ml_collections.ConfigDict) -> None:
   """`--config.x=None` reaches a string setting as the string 'None': no setting means that
   string, so it becomes None (the setting's default-off value, or a clear refusal from

@@ -14,7 +14,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import flags, logging  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
@@ -53,10 +53,7 @@ def evaluate_checkpoint(config, workdir: str, policy: str = "theta") -> dict:
 
 def main(argv):
   del argv
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  config = config_lib.from_flag(_CONFIG)
-  config_lib.validate(config)  # before the workdir is touched
+  config = config_lib.command_config(_CONFIG)  # before the workdir is touched
   out = evaluate_checkpoint(config, _WORKDIR.value, _POLICY.value)
   from oapl_jax.metrics import write_json  # noqa: PLC0415
   write_json(Layout(_WORKDIR.value).eval_step(out['step']), out)

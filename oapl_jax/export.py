@@ -19,7 +19,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import flags, logging  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
@@ -56,10 +56,7 @@ def export_checkpoint(config, workdir: str, out: str, policy: str = "theta") -> 
 
 def main(argv):
   del argv
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  config = config_lib.from_flag(_CONFIG)
-  config_lib.validate(config)  # before the workdir is touched
+  config = config_lib.command_config(_CONFIG)  # before the workdir is touched
   print(json.dumps(export_checkpoint(config, _WORKDIR.value, _OUT.value, _POLICY.value), indent=2))
 
 

@@ -27,7 +27,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import flags, logging  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
@@ -97,10 +97,7 @@ def generate(config, out: str, workdir: str | None = None, policy: str = "theta"
 
 def main(argv):
   del argv
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  config = config_lib.from_flag(_CONFIG)
-  config_lib.validate(config)
+  config = config_lib.command_config(_CONFIG)
   print(json.dumps(generate(config, _OUT.value, _WORKDIR.value, _POLICY.value), indent=2))
 
 

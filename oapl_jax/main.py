@@ -22,7 +22,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet TensorFlow where a TFDS source or JetStream loads it
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
@@ -44,10 +44,7 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; keep the console readable
-    logging.set_verbosity(logging.WARNING)
-  config = config_lib.from_flag(_CONFIG)
-  config_lib.validate(config, dry_run=bool(_DRY_RUN.value))  # once: before JAX starts or the workdir is touched
+  config = config_lib.command_config(_CONFIG, dry_run=bool(_DRY_RUN.value))  # once
   if _DRY_RUN.value:
     return dry_run(config)
   distributed.initialize(config.distributed)  # multi-host: before anything touches JAX

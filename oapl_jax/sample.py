@@ -23,7 +23,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import flags, logging  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
@@ -52,10 +52,7 @@ def dry_run(config) -> None:
 
 def main(argv):
   del argv
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  config = config_lib.from_flag(_CONFIG)
-  config_lib.validate(config, dry_run=bool(_DRY_RUN.value))
+  config = config_lib.command_config(_CONFIG, dry_run=bool(_DRY_RUN.value))
   if config.rl.mode != "remote":
     raise errors.ConfigError(f"config.rl.mode={config.rl.mode!r}: a sampler job serves a trainer "
                              "with rl.mode='remote' (give it the trainer's settings)")
