@@ -122,11 +122,12 @@ def lora_of(config) -> LoraConfig | None:
 
 
 def _lora_model(config) -> Transformer:
-  """config.model's Transformer, its base in `model.dtype` (frozen), with the adapters attached
-  (`lora.attach`, from config.seed). Meant for `nnx.eval_shape` and jitted inits."""
+  """config.model's Transformer, its base abstract (`nnx.eval_shape`: in `model.dtype`, frozen)
+  and the adapters attached (`lora.attach`, from config.seed): real under `jax.jit`, abstract
+  under `nnx.eval_shape`."""
   model_cfg = ModelConfig.from_config(config.model)
-  base = Transformer(dataclasses.replace(model_cfg, param_dtype=model_cfg.dtype),
-                     rngs=nnx.Rngs(params=config.seed))
+  base = nnx.eval_shape(lambda: Transformer(dataclasses.replace(model_cfg, param_dtype=model_cfg.dtype),
+                                            rngs=nnx.Rngs(params=config.seed)))
   return lora_lib.attach(base, lora_of(config), config.seed)
 
 
@@ -143,8 +144,7 @@ def init_adapters(config, *, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
   shardings = sharding.param_shardings(abstract, mesh, config.sharding.rules)
 
   def make():
-    model = nnx.eval_shape(lambda: Transformer(ModelConfig.from_config(config.model), rngs=nnx.Rngs(0)))
-    return nnx.state(lora_lib.attach(model, lora_of(config), config.seed), nnx.LoRAParam)
+    return nnx.state(_lora_model(config), nnx.LoRAParam)
 
   with jax.set_mesh(mesh):
     return graphdef, jax.jit(make, out_shardings=shardings)()

@@ -163,7 +163,7 @@ class TrainStep:
     self._snapshot = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p),
                              out_shardings=self.param_shardings)
     self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)
-    self._merge = None  # model.lora: jitted on first use (`merged`)
+    self._merge = self._base_of = None  # model.lora: jitted on first use (`merged`, `base_of`)
     self.rows_sharding = NamedSharding(mesh, PartitionSpec(sharding_lib.batch_axes(config.sharding.rules)))
     self._orders = {}  # multi-host: rows -> jitted shuffle into the global order
     self._relayout = jax.jit(lambda b: jax.tree.map(
@@ -237,9 +237,11 @@ class TrainStep:
   def base_of(self, params):
     """model.lora: `params` (a model's weights, any dtype and layout; donated) as the frozen
     base, in model.dtype and the weights' shardings."""
+    if self._base_of is None:
+      self._base_of = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p),
+                              donate_argnums=0, out_shardings=self.base_shardings)
     with jax.set_mesh(self.mesh):
-      return jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p), donate_argnums=0,
-                     out_shardings=self.base_shardings)(params)
+      return self._base_of(params)
 
   def merged(self, adapters, base):
     """The weights the engines sample with under `model.lora`: base + scale * A B, merged on
