@@ -283,7 +283,7 @@ def _screening_text(plan: dict, grid: dict) -> str:
   later = ", ".join(f"L = {lag}" for lag in lags[1:])
   return (f" Screening: every setting runs at L = {lags[0]}; at {later} only each method's {top_k} best "
           f"by their final pass@1 at L = {lags[0]} run (ties: the one that ran first), the same number for "
-          f"both methods, and the choice is among those {top_k}. \"{SCREENED_OUT}\": a setting not among "
+          f"every method, and the choice is among those {top_k}. \"{SCREENED_OUT}\": a setting not among "
           "them, not run at that lag.")
 
 
