@@ -7,11 +7,15 @@ distribution, so the base model knows the right answer but is calibrated and imp
 pass@1 is about (1 - noise)^digits, and RL with the verifiable reward has errors to fix.
 
 Multi-host: every process trains the same base (the same demonstrations); process 0 decides
-whether the cache holds it and renames a new cache into place, behind a barrier.
+whether the cache holds it and renames a new cache into place, behind a barrier. Single-process
+runs that need the same uncached base at once (a study's two halves) build it once: the first
+holds an flock of `<cache>.lock` while it builds, the others wait for it and then read the cache.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -117,10 +121,36 @@ def cached_eval(config, seq_len: int, evaluate) -> dict:
   return out
 
 
+@contextlib.contextmanager
+def _building(path: str | None):
+  """Held while this process builds the base cached at `path`: an exclusive flock of
+  `<path>.lock`, waited for while another single-process run builds the same base (multi-host
+  runs and runs without a cache: nothing). The kernel drops the flock if the holder dies."""
+  if not path or jax.process_count() > 1:
+    yield
+    return
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      say(f"warm-up: another run is building this base ({path}); waiting for it")
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # releases the flock
+
+
 def base_model(config, graphdef, params, task, tokenizer, *, seq_len: int) -> tuple[dict, dict]:
   """The supervised warm-up's (params, info) from `params`; read from / written to
   `warmup.cache_dir` if set."""
   path = cache_path(config, seq_len)
+  with _building(path):
+    return _cached_or_built(config, graphdef, params, task, tokenizer, path=path, seq_len=seq_len)
+
+
+def _cached_or_built(config, graphdef, params, task, tokenizer, *, path, seq_len):
   # multi-host: process 0 decides whether the cache is there, for all
   if path and distributed.broadcast(np.array(os.path.isfile(os.path.join(path, "info.json")))):
     params = ocp.StandardCheckpointer().restore(

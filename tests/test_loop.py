@@ -110,3 +110,34 @@ def test_warmup_cache_shares_one_base_model(smoke_config, tmp_path, capsys):
   assert "cached" not in third["warmup"]
   assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 2
   assert len(list((tmp_path / "cache").glob("*.eval-*.json"))) == 3
+
+
+def test_a_run_waits_for_another_building_the_same_base_and_reads_it(smoke_config, tmp_path, capsys):
+  """Two runs that need the same uncached base at once (a study's two halves) build it once: the
+  second waits on the builder's `<cache>.lock` and then reads the cache instead of building too."""
+  import fcntl
+  import os
+  import threading
+  import time
+
+  c = smoke_config
+  c.warmup.cache_dir = str(tmp_path / "cache")
+  c.train.steps = 1
+  train.run(c, str(tmp_path / "a"))  # makes the cache, then hides it: a base "being built"
+  (base,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+  os.rename(base, f"{base}.aside")
+  fd = os.open(f"{base}.lock", os.O_RDWR | os.O_CREAT)
+  fcntl.flock(fd, fcntl.LOCK_EX)  # this test is the builder
+  capsys.readouterr()
+  out, second = [], {}
+  t = threading.Thread(target=lambda: second.update(train.run(c, str(tmp_path / "b"))))
+  t.start()
+  deadline = time.monotonic() + 120
+  while not any("waiting for it" in o for o in out) and t.is_alive() and time.monotonic() < deadline:
+    time.sleep(0.2)
+    out.append(capsys.readouterr().out)
+  assert t.is_alive() and any("another run is building this base" in o for o in out), out
+  os.rename(f"{base}.aside", base)  # the builder's cache lands, then it lets go
+  os.close(fd)
+  t.join(timeout=300)
+  assert second["warmup"]["cached"] == str(base)
