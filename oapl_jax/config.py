@@ -106,7 +106,8 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.warmup.digit_noise = 0.3  # In noisy demos, chance each answer digit is replaced by a wrong one (chain_addition: each carry is dropped).
   # Folder caching warmed-up base models, keyed by seed + model + task + warm-up settings, so
   # runs that differ only in RL settings (a study's methods and lags) share one base, and its
-  # "eval before" (cached beside it, keyed by the eval and sampling settings too); None = off.
+  # "eval before" (cached beside it, keyed by the eval and sampling settings too); runs that need
+  # the same uncached base at once build it once (the others wait on its lock); None = off.
   c.warmup.cache_dir = placeholder(str)
 
   c.sampling = ml_collections.ConfigDict()
