@@ -3,7 +3,7 @@ every path the runner writes and the report reads (inside a run's folder, its wo
 `oapl_jax.workdir.Layout`).
 
     <out>/study_command.txt                      the command that ran the study (quoted by the report)
-    <out>/base_models/                           each seed's warmed-up base model, shared by its runs
+    <out>/base_models/                           each seed's warmed-up base model (and its build lock), shared by its runs
     <out>/runs/<method>_lag<L>_seed<S>/          a run's workdir (summary.json once finished)
     <out>/sweep/<method>_lag<L>_seed<S>_<point>/ a search run (<point>: search.label, "lr0.001")
     <out>/sweep/search.json                      the search's plan: its lags, seed and grids
