@@ -15,7 +15,6 @@ holds an flock of `<cache>.lock` while it builds, the others wait for it and the
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -30,6 +29,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from oapl_jax import distributed
+from oapl_jax.workdir import exclusive_flock
 from oapl_jax.metrics import say, write_json
 from oapl_jax.sampling.rollout import SAMPLING_KEYS
 
@@ -130,16 +130,9 @@ def _building(path: str | None):
     yield
     return
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-  try:
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      say(f"warm-up: another run is building this base ({path}); waiting for it")
-      fcntl.flock(fd, fcntl.LOCK_EX)
+  with exclusive_flock(f"{path}.lock", on_wait=lambda: say(
+      f"warm-up: another run is building this base ({path}); waiting for it")):
     yield
-  finally:
-    os.close(fd)  # releases the flock
 
 
 def base_model(config, graphdef, params, task, tokenizer, *, seq_len: int) -> tuple[dict, dict]:

@@ -72,6 +72,24 @@ LEASE_LOST_EXIT = 76  # the run lost its workdir lease to another run (75: a los
 SETTLE_S = 2.0  # object storage: seconds between writing the lock and reading it back (WorkdirLock._claim)
 
 
+@contextlib.contextmanager
+def exclusive_flock(path: str, on_wait=None):
+  """An exclusive flock of the local file `path` (made if missing) while the block runs, released
+  when it ends or the process dies; `on_wait()` first if another process holds it."""
+  import fcntl  # noqa: PLC0415 (POSIX; local files only)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      if on_wait:
+        on_wait()
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # releases the flock
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """The paths of a run's files in `root` (the module docstring says what each holds)."""
@@ -178,13 +196,8 @@ class WorkdirLock:
     if storage.is_remote(self.path):
       yield
       return
-    import fcntl  # noqa: PLC0415 (POSIX; local workdirs only)
-    fd = os.open(self.path + ".mutex", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX)
+    with exclusive_flock(self.path + ".mutex"):
       yield
-    finally:
-      os.close(fd)  # releases the flock
 
   def holder(self) -> dict | None:
     """The lock file's contents (pid, host, started, heartbeat, token), {} if unreadable, None

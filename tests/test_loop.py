@@ -1,5 +1,10 @@
 """The lagged loop: exact refresh every L steps, buffer emptied, reproducible, exact resume."""
 
+import fcntl
+import os
+import threading
+import time
+
 import jax
 import numpy as np
 
@@ -115,11 +120,6 @@ def test_warmup_cache_shares_one_base_model(smoke_config, tmp_path, capsys):
 def test_a_run_waits_for_another_building_the_same_base_and_reads_it(smoke_config, tmp_path, capsys):
   """Two runs that need the same uncached base at once (a study's two halves) build it once: the
   second waits on the builder's `<cache>.lock` and then reads the cache instead of building too."""
-  import fcntl
-  import os
-  import threading
-  import time
-
   c = smoke_config
   c.warmup.cache_dir = str(tmp_path / "cache")
   c.train.steps = 1
