@@ -35,13 +35,13 @@ import os
 import sys
 import time
 
-import numpy as np
-
 from oapl_jax.errors import UserError, one_line
 from oapl_jax.studies import layout, stats
 from oapl_jax.studies.report import NO_NOTES, NOTES_BEGIN, NOTES_END, kept_notes
 from oapl_jax.studies.results import load_runs, save_results
 from oapl_jax.studies.runner import BudgetSpent, Run, RunsElsewhere, _run_all
+# the figures of one run (moved to stats, where the mixed-task study's predictions use them too)
+from oapl_jax.studies.stats import FALL, last_evals_mean, pass1_area, series_mean, window_falls
 
 SETTINGS = ("oapl_tied", "oapl_per_token")  # METHODS (definitions.py) with reachable targets
 LRS = (1e-4, 3e-4, 3e-5)  # in run order: the searched OAPL's lr first
@@ -50,7 +50,6 @@ SEEDS = (0, 1, 2)
 # On top of the reasoning study's runs (definitions.REASON_FULL): an evaluation every 50 steps
 # with 64 samples per problem, so each window of L = 100 and of L = 50 starts and ends on one.
 EVAL = {"eval.every": 50, "eval.samples_per_problem": 64}
-FALL = 0.02  # a window falls when pass@1 at its end is this much below pass@1 at its start
 REFERENCE_RESULTS = "docs/reasoning_study/results"  # the study's committed runs (the comparison)
 PREDICTION_BEGIN = "<!-- prediction: registered before the runs; kept when the report is regenerated -->"
 PREDICTION_END = "<!-- end prediction -->"
@@ -82,37 +81,6 @@ def runs(seeds=SEEDS, lags=LAGS, lrs=LRS, settings=SETTINGS, baseline: bool = Tr
         out.append(Run(seed, lag, method, {**EVAL, **overrides, "train.lr": base_lr}, point(base_lr)))
       out += oapl[first:]
   return out
-
-
-# --- the figures of one run (pure: a results.RunResult) --------------------------------------
-
-def window_falls(r, threshold: float = FALL) -> tuple[int, int]:
-  """(windows whose held-out pass@1 fell by more than `threshold`, windows): the refresh
-  windows [k L, (k + 1) L] of run `r` with an evaluation at both ends (before training is step
-  0, after it the last step)."""
-  steps, p1 = r.eval_curve("pass@1", x="steps")
-  at = dict(zip(steps.astype(int).tolist(), p1.tolist()))
-  windows = [(a, a + r.lag) for a in range(0, int(steps.max()), r.lag) if a in at and a + r.lag in at]
-  return sum(at[b] < at[a] - threshold for a, b in windows), len(windows)
-
-
-def last_evals_mean(r, n: int = 3) -> float:
-  """The mean held-out pass@1 of the run's last `n` evaluations (less sensitive than the final
-  one to where a swing is at the end)."""
-  return float(np.mean(r.eval_curve("pass@1", x="steps")[1][-n:]))
-
-
-def pass1_area(r) -> float:
-  """The area under held-out pass@1 against answers generated, divided by the answers: the mean
-  pass@1 over training by the trapezoid rule (1 = solved from the first answer)."""
-  x, y = r.eval_curve("pass@1", x="samples")
-  return float(np.sum(np.diff(x) * (y[1:] + y[:-1]) / 2) / x[-1]) if x[-1] > 0 else float(y[-1])
-
-
-def series_mean(r, key: str) -> float | None:
-  """The mean of per-step metric `key` over the run, None where the run did not log it."""
-  _, v = r.series(key)
-  return float(np.mean(v)) if len(v) else None
 
 
 def row(r) -> dict:

@@ -1,7 +1,8 @@
 """The study's report as markdown, a pure function of its results: `report_markdown` takes the
 finished runs, the figures' paths, the kept notes and the sweep's choice, and returns the text;
 `findings`, `paper_setting_findings` and `efficiency_findings` are its sentences on the paper's
-findings, `verdicts.restated` their verdicts. Reading and writing files is the command's
+findings, `verdicts.restated` their verdicts, `predictions.section` a study's registered
+predictions checked (the mixed-task study's). Reading and writing files is the command's
 (`lag_study.write_report`).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from oapl_jax.studies import predictions
 from oapl_jax.studies import search as search_lib
 from oapl_jax.studies.definitions import METHODS, STUDIES
 from oapl_jax.studies.stats import (
@@ -23,6 +25,8 @@ from oapl_jax.studies.stats import (
 )
 from oapl_jax.studies.verdicts import restated
 
+# A study's registered predictions, checked (a function of its results -> the report's lines)
+PREDICTIONS = {"mix": predictions.section}
 NOTES_BEGIN, NOTES_END = "<!-- notes: kept when the report is regenerated -->", "<!-- end notes -->"
 NO_NOTES = "_(no notes yet)_"
 
@@ -482,6 +486,7 @@ def report_markdown(results, *, study: str, command: str, figures: dict[str, str
     lines += [
         *_votes_table(rows),
         *_plots_section(figures),
+        *(PREDICTIONS[study](results) if study in PREDICTIONS else []),
         *_unpaired_line(results, STUDIES[study].pairs),
         *_paired_sections(results, STUDIES[study].pairs),
     ]

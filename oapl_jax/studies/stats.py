@@ -129,3 +129,37 @@ def first_reaching(r, target: float) -> float | None:
   xs, ys = r.pass1_curve()
   hits = np.nonzero(ys >= target - 1e-12)[0]
   return float(xs[hits[0]]) if len(hits) else None
+
+
+# --- a run's figures along its refresh windows and evaluations ---------------------------
+
+FALL = 0.02  # a window falls when pass@1 at its end is this much below pass@1 at its start
+
+
+def window_falls(r, threshold: float = FALL) -> tuple[int, int]:
+  """(windows whose held-out pass@1 fell by more than `threshold`, windows): the refresh
+  windows [k L, (k + 1) L] of run `r` with an evaluation at both ends (before training is step
+  0, after it the last step)."""
+  steps, p1 = r.eval_curve("pass@1", x="steps")
+  at = dict(zip(steps.astype(int).tolist(), p1.tolist()))
+  windows = [(a, a + r.lag) for a in range(0, int(steps.max()), r.lag) if a in at and a + r.lag in at]
+  return sum(at[b] < at[a] - threshold for a, b in windows), len(windows)
+
+
+def last_evals_mean(r, n: int = 3) -> float:
+  """The mean held-out pass@1 of the run's last `n` evaluations (less sensitive than the final
+  one to where a swing is at the end)."""
+  return float(np.mean(r.eval_curve("pass@1", x="steps")[1][-n:]))
+
+
+def pass1_area(r) -> float:
+  """The area under held-out pass@1 against answers generated, divided by the answers: the mean
+  pass@1 over training by the trapezoid rule (1 = solved from the first answer)."""
+  x, y = r.eval_curve("pass@1", x="samples")
+  return float(np.sum(np.diff(x) * (y[1:] + y[:-1]) / 2) / x[-1]) if x[-1] > 0 else float(y[-1])
+
+
+def series_mean(r, key: str) -> float | None:
+  """The mean of per-step metric `key` over the run, None where the run did not log it."""
+  _, v = r.series(key)
+  return float(np.mean(v)) if len(v) else None
