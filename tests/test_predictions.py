@@ -91,6 +91,8 @@ def test_no_prediction_without_its_runs():
   assert predictions.claims([]) == []
   only_oapl = [r for r in _study() if r.method == OAPL]
   assert [c.name.split(".")[0] for c in predictions.claims(only_oapl)] == ["1'", "3'", "5"]
+  short = [r for r in _study() if r.lag < 100]  # no refresh window with an evaluation at both ends
+  assert [c.name.split(".")[0] for c in predictions.claims(short)] == ["1'", "2", "3'"]
 
 
 def test_the_mix_report_carries_the_predictions_and_other_studies_do_not():

@@ -49,11 +49,11 @@ class Part:
     return Part(f"{what}: " + paired_text(diffs, "> 0"), verdict)
 
   @staticmethod
-  def from_flags(what: str, flags, details: str) -> Part:
-    """A part that holds or not in each seed (`flags`)."""
+  def from_flags(what: str, flags, details: str, unit: str = "seeds") -> Part:
+    """A part that holds or not in each seed (`flags`; or in each of another `unit`)."""
     n = sum(bool(f) for f in flags)
     verdict = HELD if n == len(flags) else NOT_HELD if n == 0 else MIXED
-    return Part(f"{what}: in {n} of {len(flags)} seeds ({details})", verdict)
+    return Part(f"{what}: in {n} of {len(flags)} {unit} ({details})", verdict)
 
 
 @dataclasses.dataclass(frozen=True)
