@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oapl_jax.studies.stats import by_run, last_evals_mean, paired_text, pass1_area, window_falls
+from oapl_jax.studies.stats import by_run, last_evals_mean, mean_sd, paired_text, pass1_area, window_falls
 from oapl_jax.studies.verdicts import HELD, NOT_HELD, Claim, Part
 
 OAPL, GRPO, ASYNC = "oapl_tied", "grpo_tis", "grpo_tis_async"
@@ -158,7 +158,8 @@ def _table(by) -> list[str]:
   k = _k(by)
 
   def cell(xs):
-    return f"{np.mean(xs):.3f}" + (f" ± {np.std(xs, ddof=1):.3f}" if len(xs) > 1 else "")
+    mean, sd = mean_sd(xs)
+    return f"{mean:.3f}" + (f" ± {sd:.3f}" if len(xs) > 1 else "")
   lines = [f"| method | L | seeds | final pass@1 | mean of last 3 evals | area (mean pass@1 over answers) | "
            f"windows fallen > 0.02 | pass@{k} before | pass@{k} after |", "|---|---|---|---|---|---|---|---|---|"]
   for method in (OAPL, GRPO, ASYNC):
