@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from oapl_jax.studies.stats import by_run, last_evals_mean, mean_sd, paired_text, pass1_area, window_falls
-from oapl_jax.studies.verdicts import HELD, NOT_HELD, Claim, Part
+from oapl_jax.studies.verdicts import HELD, NOT_HELD, Claim, Part, _lags, _runs  # the same selections
 
 OAPL, GRPO, ASYNC = "oapl_tied", "grpo_tis", "grpo_tis_async"
 NAMES = {OAPL: "OAPL (tied)", GRPO: "GRPO+IS", ASYNC: "async GRPO+TIS"}
@@ -23,14 +23,6 @@ PASSK = 64  # 3': the k of "pass@64" (less in runs with fewer samples per proble
 SHORT_LAGS = (1, 10)  # 2: where GRPO+IS leads
 DROP_LAGS = (50, 200)  # 4: the lag's cost, from the first to the second
 NEAR = 0.05  # 5: OAPL at L = 200 within this of its own L = 10
-
-
-def _runs(by, method: str, lag: int) -> list:
-  return [by[k] for k in sorted(by) if k[:2] == (method, lag)]
-
-
-def _lags(by, method: str) -> list[int]:
-  return sorted({lag for (m, lag, _) in by if m == method})
 
 
 def _seeds(by, *keys) -> list[int]:
