@@ -5,11 +5,13 @@
 # asynchronous GRPO+TIS over its truncation cap; 12 points each): every point at L = 100, then each
 # method's 6 best there at L = 50 (3 x 18 = 54 runs of 1000 steps); then the three methods with
 # their chosen settings at L = 1, 10, 50, 100, 200, seeds 0-2 (45 runs), seed by seed; then the
+# edge check (--beyond: GRPO+IS's choice, on its grid's largest lr, at lr 3e-3 on the search's
+# seed and lags; 2 runs; its prediction is in docs/mix_study.md's notes); then the
 # finished runs' small results are copied into docs/mix_study/results (to commit) and the report
 # is written (docs/mix_study.md).
-# Cost: ~99 runs of ~23-25 core-minutes each (the reasoning study's runs on this model and
-# answer length) = ~40 core-hours, ~20 hours on a 2-core CPU: run it in resumable pieces
-# (--budget-minutes), or where there are more cores.
+# Cost: 101 runs (54 search, 45 study, 2 edge check) of ~18 core-minutes each (measured: median
+# 1059 s per study run, docs/mix_study.md) plus a ~16-minute warm-up per seed = ~31 core-hours,
+# ~16 hours on a 2-core CPU: run it in resumable pieces (--budget-minutes), or on more cores.
 #
 # Two processes share the runs (launch/study_halves.sh); resumable: finished runs (under
 # OUT_DIR or committed) are skipped, and Ctrl-C / SIGTERM stops both with a checkpoint of the
@@ -17,12 +19,14 @@
 #
 # Each half runs (with its own --report; --dry-run prints both):
 #   python -m oapl_jax.studies.lag_study --study=mix --methods oapl_tied grpo_tis grpo_tis_async \
-#       --lags 1 10 50 100 200 --search --out=/tmp/oapl_mix_study --results=docs/mix_study/results --seeds 0 1 2
+#       --lags 1 10 50 100 200 --search --beyond grpo_tis:lr=0.003 --out=/tmp/oapl_mix_study \
+#       --results=docs/mix_study/results --seeds 0 1 2
 # Usage: bash launch/mix_study.sh [--dry-run] [OUT_DIR] [EXTRA LAG_STUDY FLAGS...]
 #   --dry-run  prints the commands instead of running them
 #   e.g. bash launch/mix_study.sh /tmp/oapl_mix_study --budget-minutes=120
 set -euo pipefail
 out=/tmp/oapl_mix_study results=docs/mix_study/results  # the default runs' folder; the committed small results
-flags=(--study=mix --methods oapl_tied grpo_tis grpo_tis_async --lags 1 10 50 100 200 --search)
+flags=(--study=mix --methods oapl_tied grpo_tis grpo_tis_async --lags 1 10 50 100 200 --search
+       --beyond grpo_tis:lr=0.003)
 seeds=(0 1 2) report=docs/mix_study.md name=mix_study.sh
 source "$(dirname "$0")/study_halves.sh"

@@ -488,6 +488,25 @@ def test_the_report_marks_the_screened_out_cells_and_bolds_the_choice_among_the_
   assert f"* chosen, OAPL: {search.describe(grid['oapl'], kept['oapl'][3])}." in text
 
 
+def _recording_run(template: dict, seen: list, pass1: float | None = None):
+  """A stand-in for train.run: records (config, workdir) in `seen` (the config alone when no
+  pass1 is given) and writes the summary a run would (`template`'s; its final pass@1 set)."""
+  import copy
+
+  def fake_run(config, workdir):
+    seen.append(config if pass1 is None else (config, workdir))
+    summary = copy.deepcopy(template["summary"])
+    if pass1 is not None:
+      summary["eval_after"]["pass@1"] = pass1
+    os.makedirs(workdir, exist_ok=True)
+    json.dump(summary, open(os.path.join(workdir, "summary.json"), "w"))
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+      for step in range(1, summary["trainer_steps"] + 1):
+        f.write(json.dumps({"step": step, "samples_generated": 16 * step, "entropy": 1.0}) + "\n")
+    return summary
+  return fake_run
+
+
 def test_the_search_command_uses_its_chosen_settings_for_the_study_runs(reason_study, tmp_path, monkeypatch, capsys):
   """The whole --search path with every search run committed (one setting of each method made
   the best): the study's runs get the chosen settings."""
@@ -501,16 +520,7 @@ def test_the_search_command_uses_its_chosen_settings_for_the_study_runs(reason_s
     p1 = 0.9 if search.overrides(grid[m], idx) == best[m] else 0.3
     _fake_committed(template, committed, "sweep", layout.run_name(m, lag, 100, search.label(grid[m], idx)), p1)
   seen = []
-
-  def fake_run(config, workdir):  # records the config; writes the summary a run would
-    seen.append(config)
-    os.makedirs(workdir, exist_ok=True)
-    json.dump(template["summary"], open(os.path.join(workdir, "summary.json"), "w"))
-    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
-      for step in range(1, template["summary"]["trainer_steps"] + 1):
-        f.write(json.dumps({"step": step, "samples_generated": 16 * step, "entropy": 1.0}) + "\n")
-    return template["summary"]
-  monkeypatch.setattr(oapl_jax.train, "run", fake_run)
+  monkeypatch.setattr(oapl_jax.train, "run", _recording_run(template, seen))
   out = str(tmp_path / "out")
   assert lag_study.main(["--study", "reason", "--out", out, "--reduced", "--search", "--sweep-lags", "2",
                          "--methods", "oapl", "grpo_tis", "--lags", "2", "--seeds", "0",
@@ -522,6 +532,52 @@ def test_the_search_command_uses_its_chosen_settings_for_the_study_runs(reason_s
   text = open(os.path.join(out, "lag_study.md")).read()
   assert "* chosen, OAPL: beta2=0.01, beta1=5, lr=0.0001." in text and "OAPL 18 of 18" in text
   assert "Partial" not in text
+
+
+def test_an_edge_check_runs_the_choice_moved_past_its_grid_after_the_study_and_is_reported_beside_it(
+    reason_study, tmp_path, monkeypatch, capsys):
+  """--beyond oapl:lr=0.003: after the study's runs, OAPL's chosen setting with lr 3e-3 (outside
+  its grid) on the search's seed and lags, named as a grid point would be; the report shows it
+  beside the choice, which stays."""
+  import oapl_jax.train
+  template = next(iter(results.load_compact(reason_study).values()))
+  committed = str(tmp_path / "results")
+  grid = search.study_grid(["oapl", "grpo_tis"])
+  best = {"rl.beta1": 5.0, "rl.beta2": 1e-2, "train.lr": 1e-4}
+  for lag, m, idx in search.run_order(grid, (2,)):
+    p1 = 0.9 if search.overrides(grid[m], idx) == best else 0.3
+    _fake_committed(template, committed, "sweep", layout.run_name(m, lag, 100, search.label(grid[m], idx)), p1)
+  seen = []
+  monkeypatch.setattr(oapl_jax.train, "run", _recording_run(template, seen, pass1=0.95))
+  out = str(tmp_path / "out")
+  argv = ["--study", "reason", "--out", out, "--reduced", "--search", "--sweep-lags", "2", "--methods", "oapl",
+          "grpo_tis", "--lags", "2", "--seeds", "0", "--results", committed, "--beyond", "oapl:lr=0.003"]
+  assert lag_study.main(argv) == 0
+  names = [os.path.basename(d) for _, d in seen]
+  assert names == ["oapl_lag2_seed0", "grpo_tis_lag2_seed0", "oapl_lag2_seed100_b2-0.01_b1-5_lr-0.003"]
+  check = seen[-1][0]
+  assert (check.seed, check.rl.lag, check.rl.beta1, check.rl.beta2, check.train.lr) == (100, 2, 5.0, 1e-2, 3e-3)
+  study_oapl = seen[0][0]  # the study keeps the search's choice
+  assert (study_oapl.rl.beta1, study_oapl.rl.beta2, study_oapl.train.lr) == (5.0, 1e-2, 1e-4)
+  text = open(os.path.join(out, "lag_study.md")).read()
+  assert "* chosen, OAPL: beta2=0.01, beta1=5, lr=0.0001." in text
+  assert "| OAPL | b2=0.01, b1=5, lr=0.003 | 0.950 | 0.950 | 0.900 |" in text
+  assert text.count("| OAPL | b2=") == 1  # the edge check's row alone, not the grid's points
+  capsys.readouterr()
+  assert lag_study.main(argv) == 0 and len(seen) == 3  # made once
+  assert capsys.readouterr().out.count("done already") == 36 + 2 + 1
+
+
+def test_bad_edge_checks_are_refused_with_one_line(capsys):
+  base = ["--out", "/tmp/x", "--study", "reason", "--methods", "oapl", "grpo_tis"]
+  for argv, why in ((["--beyond", "oapl:lr=0.003"], "no search of 'oapl'"),
+                    (["--search", "--beyond", "oapl:gamma=2"], "no axis 'gamma'"),
+                    (["--search", "--beyond", "grpo_tis:clip=0.9"], "moves 2 settings together"),
+                    (["--search", "--beyond", "oapl:lr=0.001"], "already in the grid"),
+                    (["--search", "--beyond", "oapl:lr=big"], "expected METHOD:AXIS=VALUE")):
+    with pytest.raises(SystemExit) as e:
+      lag_study.main(base + argv)
+    assert e.value.code == 2 and why in capsys.readouterr().err
 
 
 def test_two_processes_share_the_runs_a_busy_one_is_skipped_and_exit_code_4_says_so(reason_study, tmp_path, monkeypatch, capsys):

@@ -18,8 +18,11 @@ seed): every setting at the first of `--sweep-lags` (100 50), then only each met
 search.SCREEN_TOP_K (6) best by their final pass@1 there at the others (48 runs, not 72);
 `--sweep-lrs` searches the lr only (at L = 10). The screened setting with the best final pass@1,
 averaged over those lags, is each method's for the study (`<out>/sweep/chosen.json`; the report
-shows the whole grid, the screened-out cells marked). Runs already finished are skipped (a
-`summary.json` under `--out`, or a small result committed under `--results`) and an unfinished
+shows the whole grid, the screened-out cells marked). `--beyond METHOD:AXIS=VALUE` adds edge
+checks after the study: the method's chosen setting with that axis moved outside its grid, at
+the search's seed and lags (reported beside the search; the choice stays). Runs already
+finished are skipped (a `summary.json` under `--out`, or a small result committed under
+`--results`) and an unfinished
 one resumes from its checkpoints, so a study runs in pieces: `--budget-minutes` starts no run
 after that many minutes (then exit code 3 says more is left: run the same command again;
 SIGTERM / SIGINT stop the run in progress with a checkpoint and exit 128 + the signal number,
@@ -48,7 +51,7 @@ from oapl_jax.studies.definitions import DEFAULT_SEEDS, METHODS, STUDIES
 from oapl_jax.studies.plots import plot
 from oapl_jax.studies.report import kept_notes, report_markdown
 from oapl_jax.studies.results import load_compact, load_runs, read_search_plan, save_results
-from oapl_jax.studies.runner import BudgetSpent, RunsElsewhere, run_study, search
+from oapl_jax.studies.runner import BudgetSpent, RunsElsewhere, beyond, run_study, search
 
 REFERENCE = "reference.json"  # in a results folder: an earlier study's final pass@1 (report.py)
 
@@ -63,7 +66,9 @@ def _search_for_report(out: str, results: str | None) -> dict | None:
   plan = read_search_plan(out, results)
   if plan is None:
     return None
-  return {"plan": plan, "scores": search_lib.search_scores(plan, load_compact(out, layout.SWEEP, results))}
+  compact = load_compact(out, layout.SWEEP, results)
+  return {"plan": plan, "scores": search_lib.search_scores(plan, compact),
+          "outside": search_lib.outside_scores(plan, compact)}
 
 
 def write_report(out: str, report: str, *, command: str, study: str = "tiny",
@@ -110,6 +115,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="the lags of the search's runs (default: 100 50 with --search, 10 with --sweep-lrs)")
   p.add_argument("--sweep-seed", type=int, default=search_lib.SEARCH_SEED,
                  help="the search's seed (not a study seed)")
+  p.add_argument("--beyond", nargs="+", default=[], metavar="METHOD:AXIS=VALUE",
+                 help="edge checks, after the study: the method's chosen setting with one search axis "
+                      "moved outside its grid (e.g. grpo_tis:lr=0.003), at the search's seed and lags; "
+                      "reported beside the search, never chosen")
   p.add_argument("--results", default=None,
                  help="a results folder (committed): its runs count as finished and are reported")
   p.add_argument("--save-results", action="store_true",
@@ -148,7 +157,27 @@ def _parse(argv) -> argparse.Namespace:
       p.error(f"--search: {e}")
   else:
     args.grid = search_lib.lr_grid(args.methods, args.sweep_lrs) if args.sweep_lrs else None
+  args.beyond = [_edge_check(p, args, x) for x in args.beyond]
   return args
+
+
+def _edge_check(p, args, text: str) -> tuple[str, str, float]:
+  """A `--beyond` METHOD:AXIS=VALUE as (method, axis tag, value), checked against the grid."""
+  method, _, setting = text.partition(":")
+  tag, _, value = setting.partition("=")
+  try:
+    value = float(value)
+  except ValueError:
+    p.error(f"--beyond {text}: expected METHOD:AXIS=VALUE with a number, e.g. grpo_tis:lr=0.003")
+  if args.grid is None or method not in args.grid:
+    p.error(f"--beyond {text}: no search of {method!r} to move past its edge (needs --search or "
+            f"--sweep-lrs, and the method among --methods)")
+  axes = args.grid[method]
+  try:
+    search_lib.beyond(axes, (0,) * len(axes), tag, value)
+  except ValueError as e:
+    p.error(f"--beyond {text}: {e}")
+  return method, tag, value
 
 
 def _run_pieces(args) -> int | None:
@@ -162,6 +191,9 @@ def _run_pieces(args) -> int | None:
     settings = (search(args.out, grid=args.grid, lags=args.sweep_lags, seed=args.sweep_seed, top_k=top_k,
                        **common) if args.grid else None)
     run_study(args.out, methods=args.methods, lags=args.lags, seeds=args.seeds, settings=settings, **common)
+    if args.beyond:
+      beyond(args.out, grid=args.grid, lags=args.sweep_lags, seed=args.sweep_seed, checks=args.beyond,
+             top_k=top_k, **common)
   except BudgetSpent as e:
     print(e)
     return 3

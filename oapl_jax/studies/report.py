@@ -296,7 +296,8 @@ def _search_section(search: dict | None) -> list[str]:
   not run at that lag by the screening), the runs per method, and each method's choice ([] if no
   search ran).
 
-  search: {"plan": search.json's plan, "scores": search.search_scores}."""
+  search: {"plan": search.json's plan, "scores": search.search_scores, "outside" (optional):
+  search.outside_scores, the edge checks}."""
   if not search:
     return []
   plan, scores = search["plan"], search["scores"]
@@ -318,6 +319,32 @@ def _search_section(search: dict | None) -> list[str]:
     lines.append(f"* chosen, {METHODS[method][0].split(' (')[0]}: "
                  + (search_lib.describe(axes, picked[method]) if method in picked else
                     f"not yet ({total[method] - done[method]} of its {total[method]} runs left)") + ".")
+  return lines + [""] + _outside_table(lags, scores, picked, search.get("outside") or {})
+
+
+def _point_text(label: str) -> str:
+  """A search point's run label for people: "clip-0.8_lr-0.003" -> "clip=0.8, lr=0.003"."""
+  return ", ".join("=".join(part.split("-", 1)) for part in label.split("_"))
+
+
+def _outside_table(lags, scores, picked, outside) -> list[str]:
+  """The edge checks (`--beyond`): each setting outside the grid, its final pass@1 at each of the
+  search's lags and their mean beside the chosen setting's ([] without any)."""
+  if not outside:
+    return []
+  lines = ["Edge checks, run after the study (`--beyond`: a chosen setting with one axis moved outside "
+           "its grid, on the search's seed and lags): beside the choice, never replacing it.", "",
+           "| method | setting | " + " | ".join(f"L={lag}" for lag in lags) + " | mean | chosen's mean |",
+           "|---|---|" + "---|" * (len(lags) + 2)]
+  for method, point in sorted({(m, p) for m, _, p in outside}):
+    vals = [outside.get((method, lag, point)) for lag in lags]
+    mean = sum(vals) / len(vals) if None not in vals else None
+    chosen = ([scores.get((method, lag, picked[method])) for lag in lags] if method in picked else [None])
+    chosen_mean = sum(chosen) / len(chosen) if None not in chosen else None
+    lines.append(f"| {METHODS[method][0].split(' (')[0]} | {_point_text(point)} | "
+                 + " | ".join("—" if v is None else f"{v:.3f}" for v in vals)
+                 + f" | {'—' if mean is None else f'{mean:.3f}'} | "
+                 + f"{'—' if chosen_mean is None else f'{chosen_mean:.3f}'} |")
   return lines + [""]
 
 

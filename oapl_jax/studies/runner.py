@@ -138,6 +138,24 @@ def search(out: str, *, grid: dict, lags, seed: int, top_k: int | None = None, r
   return chosen
 
 
+def beyond(out: str, *, grid: dict, lags, seed: int, checks, top_k: int | None = None, reduced: bool = False,
+           study: str = "tiny", deadline: float | None = None, echo=print,
+           results: str | None = None) -> list[str]:
+  """The edge checks, after the study: for each (method, axis tag, value) of `checks`, the
+  method's chosen search point with that axis moved to `value` (`search.beyond`), on the search's
+  seed at each of its lags, as search runs named as a grid point would be. They are reported
+  beside the search (`search.outside_scores`) and never change its choice."""
+  plan = plan_json(grid, lags, seed, top_k)
+  picked = search_lib.choose(grid, lags, search_scores(plan, load_compact(out, layout.SWEEP, results)), top_k)
+  if picked is None:
+    raise RuntimeError("edge checks asked before the search has chosen")
+  todo = []
+  for method, tag, value in checks:
+    axes, idx = search_lib.beyond(grid[method], picked[method], tag, value)
+    todo += [Run(seed, lag, method, search_lib.overrides(axes, idx), search_lib.label(axes, idx)) for lag in lags]
+  return _run_all(out, todo, reduced=reduced, study=study, deadline=deadline, echo=echo, results=results)
+
+
 def sweep(out: str, *, methods, lrs, lag: int, seed: int, **kwargs) -> dict[str, float]:
   """The learning-rate sweep: `search` over lr only at one lag; returns each method's lr."""
   chosen = search(out, grid=search_lib.lr_grid(methods, lrs), lags=(lag,), seed=seed, **kwargs)

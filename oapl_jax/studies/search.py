@@ -120,6 +120,24 @@ def label(axes, idx) -> str:
   return "_".join(f"{a.tag}-{a.values[i][0]:g}" for a, i in zip(axes, idx))
 
 
+def beyond(axes, idx, tag: str, value: float) -> tuple[tuple[Axis, ...], tuple[int, ...]]:
+  """Point `idx` of grid `axes` with its axis tagged `tag` moved to `value`, a value outside the
+  grid (an edge check after the search): (the axes with `value` appended to that axis, the new
+  point's indices), so `overrides` and `label` name it as they would a grid point. ValueError for
+  an unknown tag, an axis moving several settings, or a value already in the grid."""
+  tags = [a.tag for a in axes]
+  if tag not in tags:
+    raise ValueError(f"no axis {tag!r} in this grid (axes: {', '.join(tags)})")
+  k = tags.index(tag)
+  if len(axes[k].settings) != 1:
+    raise ValueError(f"axis {tag!r} moves {len(axes[k].settings)} settings together; only a "
+                     "one-setting axis can be moved past its edge")
+  if (value,) in axes[k].values:
+    raise ValueError(f"{tag}={value:g} is already in the grid: its runs are the search's")
+  moved = dataclasses.replace(axes[k], values=axes[k].values + ((float(value),),))
+  return axes[:k] + (moved,) + axes[k + 1:], idx[:k] + (len(axes[k].values),) + idx[k + 1:]
+
+
 def describe(axes, idx, skip=()) -> str:
   """A point for people: "beta2=0.1, beta1=1, lr=0.0003" (axes tagged in `skip` left out)."""
   return ", ".join(f"{s.rsplit('.', 1)[-1]}={v:g}" for a, i in zip(axes, idx) if a.tag not in skip
@@ -222,4 +240,17 @@ def search_scores(plan: dict, compact_results: dict) -> dict:
         name = layout.run_name(method, lag, plan["seed"], label(axes, idx))
         if name in compact_results:
           scores[(method, lag, idx)] = compact_results[name]["summary"]["eval_after"]["pass@1"]
+  return scores
+
+
+def outside_scores(plan: dict, compact_results: dict) -> dict:
+  """{(method, lag, point label): final pass@1} of the finished runs among `compact_results` on
+  the search's seed and lags that are not points of its grid: the edge checks (`beyond`)."""
+  grid = grid_from_plan(plan)
+  inside = {label(axes, idx) for axes in grid.values() for idx in points(axes)}
+  scores = {}
+  for name, result in compact_results.items():
+    method, lag, seed, point = layout.parse_run_name(name) or (None, None, None, None)
+    if method in grid and seed == plan["seed"] and lag in plan["lags"] and point and point not in inside:
+      scores[(method, lag, point)] = result["summary"]["eval_after"]["pass@1"]
   return scores
