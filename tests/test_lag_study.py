@@ -71,6 +71,12 @@ def test_the_report_says_how_many_of_the_launchers_seeds_are_done():
           "when it has all 4 (method, L) runs); in progress: seed 3 (2 of 4 runs)") in text
   text = report_markdown([r for r in runs if r.seed == 0], study="tiny", command="cmd", figures={})  # seed 0
   assert "**Seeds done: 1 of the 3 that `launch/lag_study.sh` runs** (0: " in text and "in progress" not in text
+  # against the command's plan: a lag no seed has reached yet keeps every seed in progress, and a
+  # run outside the plan neither counts nor blocks
+  text = report_markdown(runs + [_fake_run("oapl_paper_betas", 1, 0)], study="reason", command="cmd",
+                         figures={}, planned=(["oapl", "grpo_tis"], [1, 3, 5]))
+  assert ("**Seeds done: 0 of the 5 that `launch/reasoning_study.sh` runs** (none: a seed is done when it has "
+          "all 6 (method, L) runs); in progress: seed 0 (4 of 6 runs), seed 1 (4 of 6 runs)") in text
 
 
 def test_paired_interval_is_students_t_on_the_per_seed_differences():

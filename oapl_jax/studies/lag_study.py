@@ -72,9 +72,10 @@ def _search_for_report(out: str, results: str | None) -> dict | None:
 
 
 def write_report(out: str, report: str, *, command: str, study: str = "tiny",
-                 results: str | None = None) -> str:
+                 results: str | None = None, planned: tuple | None = None) -> str:
   """Writes `report` (markdown) and its PNGs (in `<report without .md>/`) from the runs in `out`
-  and those committed in the results folder `results`.
+  and those committed in the results folder `results`; planned: the (methods, lags) of each
+  seed, for the seeds-done line (None: those of the finished runs).
 
   Text between the notes markers of an existing report is kept, so a hand-written reading of
   the results survives regeneration.
@@ -90,7 +91,8 @@ def write_report(out: str, report: str, *, command: str, study: str = "tiny",
   reference = json.loads(_read(reference_path)) if reference_path and os.path.isfile(reference_path) else None
   text = report_markdown(runs, study=study, command=command,
                          figures={name: os.path.relpath(p, report_dir) for name, p in paths.items()},
-                         notes=kept_notes(old), search=found, reference=reference)
+                         notes=kept_notes(old), search=found, reference=reference,
+                         planned=planned)
   os.makedirs(report_dir, exist_ok=True)
   with open(report, "w") as f:
     f.write(text)
@@ -225,7 +227,9 @@ def main(argv=None) -> int:
       return stopped
   report = args.report or os.path.join(args.out, "lag_study.md")
   try:
-    print(f"report: {write_report(args.out, report, command=command, study=args.study, results=args.results)}")
+    written = write_report(args.out, report, command=command, study=args.study, results=args.results,
+                           planned=(args.methods, args.lags))
+    print(f"report: {written}")
   except FileNotFoundError as e:  # --report-only before any run finished
     print(f"error: {e}", file=sys.stderr)
     return 2

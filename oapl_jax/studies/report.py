@@ -177,13 +177,16 @@ def _runs_line(results, spec) -> str:
           + (" (a sitting killed without a checkpoint is not counted)." if wall_seconds else "."))
 
 
-def _seeds_line(results, spec) -> str:
+def _seeds_line(results, spec, planned=None) -> str:
   """How many of the launcher's seeds are done: a seed is done once it has a finished run of
-  every (method, lag) that any finished run has; the seeds in progress with their runs."""
-  pairs = {(r.method, r.lag) for r in results}
+  every (method, lag) the command plans (`planned`: (methods, lags); None: every (method, lag)
+  that any finished run has); the seeds in progress with their runs."""
+  found = {(r.method, r.lag) for r in results}
+  pairs = {(m, lag) for m in planned[0] for lag in planned[1]} if planned else found
   by_seed: dict[int, set] = {}
   for r in results:
-    by_seed.setdefault(r.seed, set()).add((r.method, r.lag))
+    if (r.method, r.lag) in pairs:
+      by_seed.setdefault(r.seed, set()).add((r.method, r.lag))
   done = sorted(s for s, p in by_seed.items() if p == pairs)
   going = sorted(s for s in by_seed if s not in done)
   return (f"**Seeds done: {len(done)} of the {len(spec.seeds)} that `{spec.launcher}` runs** "
@@ -194,7 +197,7 @@ def _seeds_line(results, spec) -> str:
           + ". The launcher starts every method and lag of a seed before any run of the next seed.")
 
 
-def _header(results, *, study: str, command: str) -> list[str]:
+def _header(results, *, study: str, command: str, planned=None) -> list[str]:
   """Title, the command that made the report, and what the runs were."""
   spec = STUDIES[study]
   return [
@@ -205,7 +208,7 @@ def _header(results, *, study: str, command: str) -> list[str]:
       "",
       f"    {command}",
       "",
-      *([_runs_line(results, spec), "", _seeds_line(results, spec)] if results
+      *([_runs_line(results, spec), "", _seeds_line(results, spec, planned)] if results
         else ["No study run has finished yet."]),
       "",
   ]
@@ -495,17 +498,18 @@ def _paired_sections(results, pairs) -> list[str]:
 
 def report_markdown(results, *, study: str, command: str, figures: dict[str, str],
                     notes: str = NO_NOTES, search: dict | None = None,
-                    reference: dict | None = None) -> str:
+                    reference: dict | None = None, planned: tuple | None = None) -> str:
   """The report on finished runs `results` (`results.RunResult`; may be empty while only the
   search has runs) of study `study`.
 
   command: the command that made it (quoted); figures: `plots.plot`'s {name: path}, the paths
   relative to the report's folder; notes: the hand-written reading (`kept_notes`); search: the
   settings search's plan and scores (`_search_section`; None: no search); reference: an earlier
-  study's final pass@1 per method and lag (`_reference_section`; None: none).
+  study's final pass@1 per method and lag (`_reference_section`; None: none); planned: the
+  (methods, lags) the command runs for each seed (None: those of the finished runs).
   """
   rows = summarise(results)
-  lines = [*_header(results, study=study, command=command), *_search_status(search)]
+  lines = [*_header(results, study=study, command=command, planned=planned), *_search_status(search)]
   if rows:
     lines += [*_final_table(rows), *_along_table(rows, results, STUDIES[study].along)]
   lines += [*_reference_section(reference, rows, results), *_search_section(search)]
