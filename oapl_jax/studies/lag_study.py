@@ -22,11 +22,10 @@ shows the whole grid, the screened-out cells marked). `--beyond METHOD:AXIS=VALU
 checks after the study: the method's chosen setting with that axis moved outside its grid, at
 the search's seed and lags (reported beside the search; the choice stays). Runs already
 finished are skipped (a `summary.json` under `--out`, or a small result committed under
-`--results`) and an unfinished
-one resumes from its checkpoints, so a study runs in pieces: `--budget-minutes` starts no run
-after that many minutes (then exit code 3 says more is left: run the same command again;
-SIGTERM / SIGINT stop the run in progress with a checkpoint and exit 128 + the signal number,
-one line on stderr). Two processes can share one `--out`: a run whose workdir another process
+`--results`) and an unfinished one resumes from its checkpoints, so a study runs in pieces:
+`--budget-minutes` starts no run after that many minutes (then exit code 3 says more is left:
+run the same command again; SIGTERM / SIGINT stop the run in progress with a checkpoint and exit
+128 + the signal number, one line on stderr). Two processes can share one `--out`: a run whose workdir another process
 holds is skipped, and a process that ends with such runs left exits with code 4 (run it again
 once they finish). So does one that ends the search's first lag while the other still makes
 some of its runs: the later lags' runs follow from its scores. Given the same `--seeds`, two
