@@ -107,7 +107,8 @@ STUDIES = {
                  "at engine lags L",
                  "`configs/mix.py` (3-digit +, -, x a digit and x a two-digit number, each a chain "
                  "of column steps with its own rule; the reasoning study's model and RL settings, a "
-                 "3000-step warm-up; the base solves 0.243 of held-out problems, pass@256 0.844)",
+                 "3000-step warm-up; in the task's calibration a base solved 0.243 of held-out "
+                 "problems, pass@256 0.844; the study's own bases are under \"before\")",
                  "launch/mix_study.sh", reduced_config="mix.py:smoke", search=REASON_SEARCH,
                  seeds=(0, 1, 2), along=(100, 300, 500, 1000),
                  methods=("oapl_tied", "grpo_tis", "grpo_tis_async"), lags=(1, 10, 50, 100, 200),
