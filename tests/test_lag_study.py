@@ -574,6 +574,34 @@ def test_an_edge_check_runs_the_choice_moved_past_its_grid_after_the_study_and_i
   assert capsys.readouterr().out.count("done already") == 36 + 2 + 1
 
 
+def test_edge_checks_are_made_while_the_study_runs_left_are_another_process_s(reason_study, tmp_path, monkeypatch,
+                                                                               capsys):
+  """A process whose study runs left are all held by the other process (two halves share a study)
+  makes the edge checks, which need the search only, then ends with exit code 4."""
+  import oapl_jax.train
+  from oapl_jax.workdir import WorkdirBusy
+  template = next(iter(results.load_compact(reason_study).values()))
+  committed = str(tmp_path / "results")
+  grid = search.study_grid(["oapl", "grpo_tis"])
+  best = {"rl.beta1": 5.0, "rl.beta2": 1e-2, "train.lr": 1e-4}
+  for lag, m, idx in search.run_order(grid, (2,)):
+    p1 = 0.9 if search.overrides(grid[m], idx) == best else 0.3
+    _fake_committed(template, committed, "sweep", layout.run_name(m, lag, 100, search.label(grid[m], idx)), p1)
+  seen = []
+  record = _recording_run(template, seen, pass1=0.95)
+
+  def run(config, workdir):
+    if config.seed == 0:  # every study run is the other process's
+      raise WorkdirBusy(f"workdir lock {workdir}/run.lock is held by process 1")
+    return record(config, workdir)
+  monkeypatch.setattr(oapl_jax.train, "run", run)
+  argv = ["--study", "reason", "--out", str(tmp_path / "out"), "--reduced", "--search", "--sweep-lags", "2",
+          "--methods", "oapl", "--lags", "2", "--seeds", "0", "--results", committed, "--beyond", "oapl:lr=0.003"]
+  assert lag_study.main(argv) == 4
+  assert [os.path.basename(d) for _, d in seen] == ["oapl_lag2_seed100_b2-0.01_b1-5_lr-0.003"]
+  assert "1 runs are being made by another process (oapl_lag2_seed0)" in capsys.readouterr().out
+
+
 def test_bad_edge_checks_are_refused_with_one_line(capsys):
   base = ["--out", "/tmp/x", "--study", "reason", "--methods", "oapl", "grpo_tis"]
   for argv, why in ((["--beyond", "oapl:lr=0.003"], "no search of 'oapl'"),

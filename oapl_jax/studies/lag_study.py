@@ -191,10 +191,16 @@ def _run_pieces(args) -> int | None:
     top_k = search_lib.SCREEN_TOP_K if args.search else None  # the lr sweep runs every lr
     settings = (search(args.out, grid=args.grid, lags=args.sweep_lags, seed=args.sweep_seed, top_k=top_k,
                        **common) if args.grid else None)
-    run_study(args.out, methods=args.methods, lags=args.lags, seeds=args.seeds, settings=settings, **common)
+    elsewhere = None
+    try:
+      run_study(args.out, methods=args.methods, lags=args.lags, seeds=args.seeds, settings=settings, **common)
+    except RunsElsewhere as e:  # the edge checks need the search only: make them meanwhile
+      elsewhere = e
     if args.beyond:
       beyond(args.out, grid=args.grid, lags=args.sweep_lags, seed=args.sweep_seed, checks=args.beyond,
              top_k=top_k, **common)
+    if elsewhere is not None:
+      raise elsewhere
   except BudgetSpent as e:
     print(e)
     return 3
