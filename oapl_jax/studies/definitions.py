@@ -100,8 +100,7 @@ STUDIES = {
     # The study on the mixed task (issue 41, point 5): OAPL with targets it can reach against
     # both GRPO variants, out to L = 200 (the paper's code ran 400 at larger batches), every
     # method's settings searched over its own axis x lr 3e-5..1e-3 (search.MIX_GRIDS, 12 points
-    # each), the same run settings as the reasoning study. Search done, study runs under way:
-    # docs/mix_study.md.
+    # each), the same run settings as the reasoning study. Run (45 runs, seeds 0-2): docs/mix_study.md.
     "mix": Study("mix.py", REASON_FULL, REASON_REDUCED,
                  "Mixed-task study: OAPL (reachable targets) vs GRPO+IS and asynchronous GRPO+TIS "
                  "at engine lags L",
