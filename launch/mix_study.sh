@@ -9,9 +9,9 @@
 # seed and lags; 2 runs; its prediction is in docs/mix_study.md's notes); then the
 # finished runs' small results are copied into docs/mix_study/results (to commit) and the report
 # is written (docs/mix_study.md).
-# Cost: 101 runs (54 search, 45 study, 2 edge check) of ~18 core-minutes each (measured: median
-# 1059 s per study run, docs/mix_study.md) plus a ~16-minute warm-up per seed = ~31 core-hours,
-# ~16 hours on a 2-core CPU: run it in resumable pieces (--budget-minutes), or on more cores.
+# Cost: 101 runs (54 search, 45 study, 2 edge check) of 12-18 core-minutes each plus a ~14-minute
+# warm-up per seed: measured about 30 core-hours, 15 hours on a 2-core CPU (docs/mix_study.md,
+# "Measured cost"): run it in resumable pieces (--budget-minutes), or on more cores.
 #
 # Two processes share the runs (launch/study_halves.sh); resumable: finished runs (under
 # OUT_DIR or committed) are skipped, and Ctrl-C / SIGTERM stops both with a checkpoint of the
