@@ -540,6 +540,15 @@ def test_the_search_command_uses_its_chosen_settings_for_the_study_runs(reason_s
   assert "Partial" not in text
 
 
+def _committed_search(template: dict, committed: str, best: dict) -> None:
+  """Every search run of OAPL and GRPO+IS at L = 2 committed under `committed`, the setting
+  `best` with final pass@1 0.9 and the others 0.3."""
+  grid = search.study_grid(["oapl", "grpo_tis"])
+  for lag, m, idx in search.run_order(grid, (2,)):
+    p1 = 0.9 if search.overrides(grid[m], idx) == best else 0.3
+    _fake_committed(template, committed, "sweep", layout.run_name(m, lag, 100, search.label(grid[m], idx)), p1)
+
+
 def test_an_edge_check_runs_the_choice_moved_past_its_grid_after_the_study_and_is_reported_beside_it(
     reason_study, tmp_path, monkeypatch, capsys):
   """--beyond oapl:lr=0.003: after the study's runs, OAPL's chosen setting with lr 3e-3 (outside
@@ -548,11 +557,7 @@ def test_an_edge_check_runs_the_choice_moved_past_its_grid_after_the_study_and_i
   import oapl_jax.train
   template = next(iter(results.load_compact(reason_study).values()))
   committed = str(tmp_path / "results")
-  grid = search.study_grid(["oapl", "grpo_tis"])
-  best = {"rl.beta1": 5.0, "rl.beta2": 1e-2, "train.lr": 1e-4}
-  for lag, m, idx in search.run_order(grid, (2,)):
-    p1 = 0.9 if search.overrides(grid[m], idx) == best else 0.3
-    _fake_committed(template, committed, "sweep", layout.run_name(m, lag, 100, search.label(grid[m], idx)), p1)
+  _committed_search(template, committed, {"rl.beta1": 5.0, "rl.beta2": 1e-2, "train.lr": 1e-4})
   seen = []
   monkeypatch.setattr(oapl_jax.train, "run", _recording_run(template, seen, pass1=0.95))
   out = str(tmp_path / "out")
@@ -582,11 +587,7 @@ def test_edge_checks_are_made_while_the_study_runs_left_are_another_process_s(re
   from oapl_jax.workdir import WorkdirBusy
   template = next(iter(results.load_compact(reason_study).values()))
   committed = str(tmp_path / "results")
-  grid = search.study_grid(["oapl", "grpo_tis"])
-  best = {"rl.beta1": 5.0, "rl.beta2": 1e-2, "train.lr": 1e-4}
-  for lag, m, idx in search.run_order(grid, (2,)):
-    p1 = 0.9 if search.overrides(grid[m], idx) == best else 0.3
-    _fake_committed(template, committed, "sweep", layout.run_name(m, lag, 100, search.label(grid[m], idx)), p1)
+  _committed_search(template, committed, {"rl.beta1": 5.0, "rl.beta2": 1e-2, "train.lr": 1e-4})
   seen = []
   record = _recording_run(template, seen, pass1=0.95)
 

@@ -19,8 +19,9 @@ search.SCREEN_TOP_K (6) best by their final pass@1 there at the others (48 runs,
 `--sweep-lrs` searches the lr only (at L = 10). The screened setting with the best final pass@1,
 averaged over those lags, is each method's for the study (`<out>/sweep/chosen.json`; the report
 shows the whole grid, the screened-out cells marked). `--beyond METHOD:AXIS=VALUE` adds edge
-checks after the study: the method's chosen setting with that axis moved outside its grid, at
-the search's seed and lags (reported beside the search; the choice stays). Runs already
+checks after the study's runs (or once the runs left are another process's): the method's chosen
+setting with that axis moved outside its grid, at the search's seed and lags (reported beside
+the search; the choice stays). Runs already
 finished are skipped (a `summary.json` under `--out`, or a small result committed under
 `--results`) and an unfinished one resumes from its checkpoints, so a study runs in pieces:
 `--budget-minutes` starts no run after that many minutes (then exit code 3 says more is left:
