@@ -32,7 +32,6 @@ FLOP/s and HBM bandwidth (`topology.CHIPS`): a lower bound on time, an upper bou
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import jax
@@ -363,25 +362,38 @@ def compiled_peak(progs: list[Program], plan: plan_lib.Plan, scores_snapshot: bo
 
 
 def model_flops(config) -> dict[str, float]:
-  """Matmul FLOPs of one train step over all devices (2 per multiply-add), analytic: "useful"
-  is the forward and backward passes of pi_theta (6 x weights x tokens, the LM head included,
-  plus causal attention: 4 L N D T^2 / 2 per row forward, x3 with its backward); "hardware"
-  adds what the step also computes: a second forward under train.remat "full" or "dots"
-  (counted whole: an upper bound for "dots"), and the frozen forward passes of the snapshot
-  and the reference where the loss scores them. XLA's cost analysis counts a loop's body once
-  (micro-batches, log-prob tiles, attention blocks), so it cannot give these."""
+  """Matmul FLOPs of one train step over all devices (2 per multiply-add), analytic, from the
+  architecture: per token the projections (q, k, v, o, gate, up, down) of every layer and the LM
+  head (the embedding lookup is a gather: no FLOPs; biases and norms are not matmuls), plus
+  causal attention's scores and values (4 L N D T^2 / 2 per row). "useful" is the forward and
+  backward passes of pi_theta: forward 2 x weights per token; backward the activations'
+  gradients (2 x weights) and the trained weights' gradients (2 x trained weights), attention
+  twice its forward. Full training: 3 x the forward. Under model.lora the base is frozen: its
+  activation gradients but no weight gradients; the adapters (r x (in + out) weights per adapted
+  projection, separate matmuls) forward, activation and weight gradients. "hardware" adds what
+  the step also computes: a second forward under train.remat "full" or "dots" (counted whole: an
+  upper bound for "dots"), and the frozen forward passes of the snapshot and the reference
+  where the loss scores them. XLA's cost analysis counts a loop's body once (micro-batches,
+  log-prob tiles, attention blocks), so it cannot give these."""
   from oapl_jax.rl import losses  # noqa: PLC0415
   m = config.model
   rows, t = config.rl.groups_per_step * config.rl.group_size, seq_len(config) - 1
-  params = plan_lib.abstract_params(config)
-  weights = sum(math.prod(v.get_value().shape) for p, v in jax.tree_util.tree_leaves_with_path(
-      params, is_leaf=lambda x: hasattr(x, "get_value")) if "embed" not in jax.tree_util.keystr(p)
-      and "norm" not in jax.tree_util.keystr(p))
-  per_token = weights + m.hidden_size * m.vocab_size  # blocks' matmuls + the LM head
-  forward = 2 * per_token * rows * t + rows * 4 * m.num_layers * m.num_heads * m.head_dim * t * t / 2
+  e, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+  shapes = {"q_proj": (e, q), "k_proj": (e, kv), "v_proj": (e, kv), "o_proj": (q, e),
+            "gate_proj": (e, m.mlp_dim), "up_proj": (e, m.mlp_dim), "down_proj": (m.mlp_dim, e)}
+  base = m.num_layers * sum(i * o for i, o in shapes.values()) + e * m.vocab_size  # + the LM head
+  lora = m.get("lora")
+  rank = lora.rank if lora is not None else 0
+  adapters = rank * m.num_layers * sum(i + o for name, (i, o) in shapes.items() if name in lora.targets) \
+      if rank else 0
+  trained = adapters if rank else base
+  tokens = rows * t
+  attention = rows * 4 * m.num_layers * m.num_heads * m.head_dim * t * t / 2
+  forward = 2 * (base + adapters) * tokens + attention
+  backward = 2 * (base + adapters) * tokens + 2 * trained * tokens + 2 * attention
   needs = losses.needs(config)
   extra = (config.train.remat != "none") + needs.snapshot + needs.reference
-  return {"useful": 3 * forward, "hardware": (3 + extra) * forward}
+  return {"useful": forward + backward, "hardware": forward + backward + extra * forward}
 
 
 @dataclasses.dataclass

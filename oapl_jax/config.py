@@ -240,7 +240,7 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.log.every = 1  # Write metrics every this many trainer steps.
   c.log.progress = True  # Show a progress bar (step, reward, speed).
   c.log.dead_model_steps = 20  # Warn (one line) once the gradient norm has been 0, or the entropy ln(model.vocab_size) (a uniform policy), this many steps in a row: weights that stopped learning (e.g. too high a train.lr); 0 = never.
-  c.log.peak_flops = placeholder(float)  # One device's peak FLOP/s for the logged MFU (oapl_jax/timing.py); None: the published dense bf16 figure of a known TPU / GPU, on CPU a measured float32 matmul rate.
+  c.log.peak_flops = placeholder(float)  # One device's peak FLOP/s for the logged MFU (oapl_jax/timing.py); None: the published dense bf16 figure of a known TPU / GPU (topology.CHIPS); a CPU or another chip logs no MFU, only flops_per_s_per_device.
   c.log.profile_steps = placeholder(str)  # "a:b": write a jax.profiler trace of trainer steps a..b (1-based, inclusive) into <workdir>/profile (TensorBoard's profile plugin, XProf, Perfetto); None: no trace.
   c.log.tensorboard = True  # Also write TensorBoard scalars (events.out.* in the workdir; a gs:// workdir through tf.io.gfile).
   return c

@@ -21,11 +21,14 @@ Of the rollouts taken at the step: `seconds_sampling` (the engines' decode and p
 async sampling; `slot_utilisation` (answer tokens produced / decode slot-steps computed);
 `answer_tokens_per_s_per_device` (over the engines' devices and `seconds_sampling`).
 Of the train step: `train_tokens_per_s_per_device` (the batch's positions, rows x (seq_len - 1),
-padding included, over the trainer's devices and `seconds_training`) and `mfu` (the useful
-FLOPs of `aot.model_flops` over `seconds_training` x devices x the device's peak).
+padding included, over the trainer's devices and `seconds_training`), `flops_per_s_per_device`
+(the useful FLOPs of `aot.model_flops`, what the step computes, over `seconds_training` x
+devices: achieved, on any device) and `mfu` (that over the device's peak).
 
-The peak: the published dense bf16 figure of a known TPU or GPU (`topology.CHIPS`), else on CPU
-a measured float32 matmul rate (`measured_matmul_flops`), `log.peak_flops` when given.
+The peak: the published dense bf16 figure of a known TPU or GPU (`topology.CHIPS`, by JAX's
+`device_kind`), or `log.peak_flops` when given; none for a CPU or an accelerator not in the
+table, which then log no `mfu` (a CPU has no published figure, and a matmul timed on a shared
+machine is no peak: runs logged MFU above 1 against one).
 """
 
 from __future__ import annotations
@@ -37,28 +40,14 @@ PARTS = ("seconds_waiting", "seconds_training", "seconds_refreshing", "seconds_e
 # Every metric that measures wall time (the rest of a run's metrics repeat exactly when it does).
 TIMED = PARTS + ("step_seconds", "train_seconds", "sample_wait_seconds", "sample_tokens_per_s",
                  "seconds_sampling", "seconds_rewards", "answer_tokens_per_s_per_device",
-                 "train_tokens_per_s_per_device", "mfu")
-
-
-def measured_matmul_flops(device, n: int = 1024, repeats: int = 5) -> float:
-  """FLOP/s of a float32 [n, n] x [n, n] matmul on `device`, the best of `repeats` (compiled
-  and warmed first): the CPU's "peak" for MFU, where no figure is published."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
-  f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    f(a).block_until_ready()
-    best = min(best, time.perf_counter() - t0)
-  return 2 * n ** 3 / best
+                 "train_tokens_per_s_per_device", "flops_per_s_per_device", "mfu")
 
 
 def device_peak(device, override: float | None = None) -> tuple[float | None, str]:
-  """(peak FLOP/s of one `device`, where the figure comes from); (None, why) for an accelerator
-  with no published figure here (the run then logs no MFU)."""
+  """(peak FLOP/s of one `device`, where the figure comes from): `override` (log.peak_flops),
+  else the published dense bf16 figure of its chip (`topology.chip_of`); (None, why) for a CPU
+  or an accelerator with no published figure here (the run then logs no MFU, only its achieved
+  FLOP/s per device)."""
   from oapl_jax.topology import chip_of  # noqa: PLC0415
   if override is not None:
     return float(override), "log.peak_flops"
@@ -66,7 +55,7 @@ def device_peak(device, override: float | None = None) -> tuple[float | None, st
   if chip is not None:
     return chip[1], f"{chip[0]}, published dense bf16"
   if device.platform == "cpu":
-    return measured_matmul_flops(device), "measured float32 matmul (CPU)"
+    return None, "CPU: no published peak, so no MFU (flops_per_s_per_device is logged)"
   return None, f"no published peak for {device.device_kind!r} here: no MFU logged; give log.peak_flops"
 
 
@@ -81,11 +70,14 @@ def rollout_rates(*, answer_tokens: int, seconds_sampling: float, engine_devices
 
 def train_rates(*, positions: int, seconds_training: float, devices: int, useful_flops: float,
                 peak_flops: float | None) -> dict[str, float]:
-  """The train step's tokens per second per device and its MFU (left out without a peak)."""
+  """The train step's tokens and achieved useful FLOPs per second per device, and its MFU
+  (left out without a peak); no FLOP rate without a FLOP count."""
   seconds = max(seconds_training, 1e-9)
   out = {"train_tokens_per_s_per_device": positions / seconds / devices}
-  if peak_flops and useful_flops:
-    out["mfu"] = useful_flops / (seconds * devices * peak_flops)
+  if useful_flops:
+    out["flops_per_s_per_device"] = useful_flops / seconds / devices
+    if peak_flops:
+      out["mfu"] = out["flops_per_s_per_device"] / peak_flops
   return out
 
 

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
+from oapl_jax import config as config_lib
 from oapl_jax import timing
+from oapl_jax.aot import model_flops
 
 
 def _run(workdir, *overrides, config="configs/tiny.py:smoke", timeout=900):
@@ -20,7 +22,7 @@ def _run(workdir, *overrides, config="configs/tiny.py:smoke", timeout=900):
 
 def test_smoke_run_writes_everything_and_resumes(tmp_path):
   workdir = tmp_path / "run"
-  first = _run(workdir, "--config.log.profile_steps=2:3")
+  first = _run(workdir, "--config.log.profile_steps=2:3", "--config.eval.every=4")
   summary = json.loads((workdir / "summary.json").read_text())
   for key in ("eval_before", "eval_after"):
     assert {"pass@1", "pass@2", "pass@4"} <= set(summary[key])
@@ -28,6 +30,7 @@ def test_smoke_run_writes_everything_and_resumes(tmp_path):
   assert summary["trainer_steps"] == 6
   assert summary["samples_generated"] > 0 and summary["train_seconds"] > 0
   assert summary["config"]["rl"]["lag"] == 3
+  assert [e["step"] for e in summary["evals_during"]] == [4]
   rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == list(range(1, 7))
   for key in ("loss", "reward_mean", "entropy", "answer_length", "ell_abs_mean", "residual_abs_mean",
@@ -40,7 +43,18 @@ def test_smoke_run_writes_everything_and_resumes(tmp_path):
     # (bookkeeping between the parts: milliseconds, more on a loaded machine)
     assert r["step_seconds"] - max(0.1 * r["step_seconds"], 0.03) <= parts <= r["step_seconds"], (
         r["step"], parts, r["step_seconds"])
-    assert 0 < r["mfu"] < 1 and r["train_tokens_per_s_per_device"] > 0
+    assert all(r[k] >= 0 for k in timing.PARTS) and r["seconds_training"] > 0
+    # a CPU has no published peak: its achieved FLOP/s, never an MFU (timing.device_peak)
+    assert "mfu" not in r and r["flops_per_s_per_device"] > 0 and r["train_tokens_per_s_per_device"] > 0
+    # both rates are the same step's time: FLOPs / positions is the step's (aot.model_flops)
+    per_position = r["flops_per_s_per_device"] / r["train_tokens_per_s_per_device"]
+    assert per_position == pytest.approx(model_flops(config_lib.repo_config("tiny.py:smoke"))["useful"]
+                                         / (4 * 8 * 13), rel=1e-9)
+  # the refreshes (lag 3: after steps 3 and 6) and the evaluation (eval.every 4) take time, and
+  # are counted where they happen (a zero here is a part lost from the breakdown)
+  assert rows[2]["seconds_refreshing"] > 0 and rows[5]["seconds_refreshing"] > 0
+  assert "eval" in rows[3] and rows[3]["seconds_evaluating"] > 0
+  assert not any("eval" in r for r in rows[:3] + rows[4:])
   took = [r for r in rows if "slot_utilisation" in r]  # the steps that took a rollout
   assert took and all(0 < r["slot_utilisation"] <= 1 and r["answer_tokens_per_s_per_device"] > 0
                       and r["seconds_sampling"] > 0 for r in took)
