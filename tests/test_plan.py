@@ -128,6 +128,50 @@ def test_engine_items_by_hand():
   assert kv == 2 * 48 * 16 * 2 * 128 * 36096 * 2
 
 
+def test_host_window_bytes_by_hand():
+  """A process's host memory for one window of answers (`plan.host_window_bytes`): math.py on
+  v5p-64 (8 hosts of 4 chips: 8 processes) samples rl.window_rollouts = 10 rollouts of 32 groups
+  x G = 8 answers, a process its share: 10 x 32 / 8 = 40 groups = 320 answers. Each is held
+  twice: by the engines (a token, int32, and a log-prob, float32, per answer position: 16,384
+  positions) and as the trainer's row (tokens int32, mask and log-probs float32 per position of
+  prompt + answer: 1,024 + 16,384), plus 16 B of per-answer scalars."""
+  c = _config(math, "v5p-64", sampling__engines=8, sampling__tensor=4)
+  plan = plan_lib.make_plan(c)
+  assert plan.processes == 8
+  per_answer = 16_384 * (4 + 4) + (1_024 + 16_384) * (4 + 4 + 4) + 16
+  assert per_answer == 339_984
+  assert plan.host_bytes == 320 * per_answer == 108_794_880
+  assert f"{plan.host_bytes:,}" in plan.format() and "320 answers" in plan.host_note
+  # a share that does not divide rounds up: 320 groups over 3 processes -> 107 groups each
+  assert plan_lib.host_window_bytes(c, 3)[0] == 107 * 8 * per_answer
+
+
+def test_host_window_bytes_covers_the_buffers_a_rollout_allocates():
+  """The count above against the arrays the code allocates for configs/tiny.py:smoke's window
+  (one rollout of 6 groups x 8 answers): the engines' answer buffers (`rollout._Answers`) and
+  the trainer's rows (`logprobs.make_batch`), within 10%."""
+  import types  # noqa: PLC0415
+
+  import numpy as np  # noqa: PLC0415
+
+  from oapl_jax.placement import seq_len  # noqa: PLC0415
+  from oapl_jax.rl.logprobs import make_batch  # noqa: PLC0415
+  from oapl_jax.sampling.rollout import _Answers  # noqa: PLC0415
+  c = tiny.get_config("smoke")
+  n, g = 6 * 8, 8
+  answers = _Answers(n, c.sampling.max_new_tokens, pad_id=0)
+  answers.lengths[:] = 3
+  rollout = types.SimpleNamespace(num_samples=n, group_size=g, prompts=[[1, 2, 3, 4]] * 6,
+                                  answers=answers.tokens, logprobs=answers.logprobs,
+                                  lengths=answers.lengths, finish=answers.finish, versions=answers.versions)
+  rows = make_batch(rollout, np.zeros(n), seq_len=seq_len(c), pad_id=0)
+  allocated = (sum(a.nbytes for a in vars(answers).values() if isinstance(a, np.ndarray))
+               + sum(a.nbytes for a in rows.as_dict().values()))
+  planned = plan_lib.host_window_bytes(c, 1)[0]
+  assert planned == n * (8 * 6 + 12 * 14 + 16)
+  assert 0.9 * allocated <= planned <= 1.1 * allocated, (planned, allocated)
+
+
 def test_engines_are_counted_over_all_processes_as_the_run_places_them():
   """v5p-128 is 16 hosts of 4 devices (one process each): sampling.engines counts the replicas of
   all of them (placement.local_engines), so 16 engines of 4 devices fill every host and fewer
