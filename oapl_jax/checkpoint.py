@@ -78,7 +78,8 @@ class SaveFailed(UserError):
 
 # What a storage failure says, in tensorstore's words or the OS's (errno, strerror).
 _STORAGE_ERRORS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-                   errno.EROFS: "read-only file system", errno.EACCES: "permission denied"}
+                   errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                   errno.EPERM: "operation not permitted"}
 
 
 def storage_failure(e: BaseException) -> str | None:
@@ -101,9 +102,10 @@ class DamagedStep(Exception):
 
 
 def warn(msg: str) -> None:
-  """A warning both in the log and as a line on stderr (seen with or without logging set up)."""
-  log.warning("%s", msg)
-  print(f"WARNING: {msg}", file=sys.stderr, flush=True)
+  """A normal event worth a look (a damaged step skipped or moved aside): one plain line on
+  stderr, and a warning in the log that the commands' absl handler does not print again."""
+  print(msg, file=sys.stderr, flush=True)
+  log.warning("%s", msg, extra={"said": True})
 
 
 # checksums

@@ -2,14 +2,21 @@
 
 The command-line entry points print a `UserError` as one line on stderr and exit with its
 `exit_code` (2 unless it says otherwise); a traceback is only for bugs (or with `--verbose`).
+Ctrl-C outside a run's loop is one line and exit code 130; `--help` exits 0.
 """
 
 from __future__ import annotations
 
+import ast
+import os
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+
+INTERRUPTED_EXIT = 130  # the shell's 128 + SIGINT
+HELP_FLAGS = ("--help", "-?", "--helpshort", "--helpfull", "--help=true", "--helpfull=true")
 
 
 class UserError(Exception):
@@ -42,6 +49,7 @@ def run_command(main: Callable[[list[str]], Any]) -> None:
                       "missing file), print the Python traceback instead of one line.")
 
   def wrapped(argv):
+    _said_once()
     try:
       return main(argv)
     except UserError as e:
@@ -51,11 +59,25 @@ def run_command(main: Callable[[list[str]], Any]) -> None:
         print(f"error: {one_line(e)}", file=sys.stderr)
       sys.stderr.flush()
       sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C where no StopSignals handler turns it into a clean stop
+      if flags.FLAGS.verbose:
+        traceback.print_exc()
+      print("error: stopped by Ctrl-C (SIGINT)", file=sys.stderr, flush=True)
+      sys.exit(INTERRUPTED_EXIT)
 
   def parse(argv):
     """The command line; a flag it cannot take (an unknown or malformed setting, a config file
     that is missing, fails to load, lacks get_config or refuses its `:variant`) is one line and
     exit code 2 (`--verbose`: the traceback)."""
+    if any(a in HELP_FLAGS for a in argv[1:argv.index("--") if "--" in argv else len(argv)]):
+      try:
+        flags.FLAGS(argv)  # absl prints the usage, then exits 1: asking for help is no error
+      except SystemExit as e:
+        sys.exit(0 if e.code in (0, 1, None) else e.code)
+    problem = not_a_config_file(argv)
+    if problem:  # refused before the file is executed (flags would run it)
+      print(f"error: {problem}", file=sys.stderr, flush=True)
+      sys.exit(2)
     try:
       return flags.FLAGS(argv)
     except Exception as e:  # absl's flags.Error, or what loading the config file raised
@@ -86,3 +108,45 @@ def _flag_error(e: BaseException, argv: list[str]) -> str:
     why = f"{type(cause).__name__}: {cause}"
   spec = next((a for a in argv if a.startswith("--config=")), "--config")
   return one_line(f"{spec}: the config file did not load: {why}")
+
+
+def not_a_config_file(argv: list[str]) -> str | None:
+  """Why `--config=FILE[:arg]` names no config file, read without running it (a .py file
+  whose top level defines `get_config`); None if it does, or names no file (absl says so)."""
+  spec = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), None)
+  if spec is None:
+    return None
+  path = spec.partition(":")[0]
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      tree = ast.parse(f.read(), path)
+  except (OSError, SyntaxError, ValueError) as e:
+    return f"--config={spec}: the config file did not load: {type(e).__name__}: {one_line(e)}"
+  names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+  names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+            if isinstance(t, ast.Name)}
+  names |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+  if "get_config" in names:
+    return None
+  return (f"--config={spec}: the config file did not load: AttributeError: it defines no "
+          "get_config() at its top level: not a config file (it was not run; configs/tiny.py is one)")
+
+
+class _NotSaidTwice:
+  """A logging filter: drops records a module has already printed as a plain console line
+  (logged with `extra={"said": True}`), so absl's handler does not print them again."""
+
+  @staticmethod
+  def filter(record) -> bool:
+    return not getattr(record, "said", False)
+
+
+def _said_once() -> None:
+  """Keeps absl's handler (on the root logger of a command) from printing a record a second time:
+  the lock take-over or a damaged checkpoint is one plain line on stderr, not also a `W1206 ...`."""
+  from absl import logging as absl_logging  # noqa: PLC0415
+  handler = absl_logging.get_absl_handler()
+  if not any(isinstance(f, _NotSaidTwice) for f in handler.filters):
+    handler.addFilter(_NotSaidTwice())

@@ -19,7 +19,8 @@ from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
 from oapl_jax import errors, placement  # noqa: E402
-from oapl_jax.workdir import Layout  # noqa: E402
+from oapl_jax.run_config import checked  # noqa: E402
+from oapl_jax.workdir import Layout, check_writable  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file of the run.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir holding checkpoints/.")
@@ -54,6 +55,9 @@ def evaluate_checkpoint(config, workdir: str, policy: str = "theta") -> dict:
 def main(argv):
   del argv
   config = config_lib.command_config(_CONFIG)  # before the workdir is touched
+  config = checked(config, _WORKDIR.value)  # another task or model than the run's: one line
+  if os.path.isdir(_WORKDIR.value):
+    check_writable(_WORKDIR.value)  # eval_step<N>.json goes there: checked before the evaluation
   out = evaluate_checkpoint(config, _WORKDIR.value, _POLICY.value)
   from oapl_jax.metrics import write_json  # noqa: PLC0415
   write_json(Layout(_WORKDIR.value).eval_step(out['step']), out)

@@ -8,7 +8,9 @@ PEFT adapter).
 config.json, safetensors and, when config.model.path has them, its tokenizer files. A full run
 writes its weights as saved (pi_theta: model.param_dtype); a LoRA run writes the base merged
 with the adapters in model.dtype (what its engines sample) and `<out>/adapter/` in PEFT's format
-(`peft.PeftModel.from_pretrained(base_model, "<out>/adapter")`, adapters in float32). The config
+(`peft.PeftModel.from_pretrained(base_model, "<out>/adapter")`, adapters in float32), whose
+`base_model_name_or_path` is config.model.path, or, for a base the run made (a random init, a
+warm-up), `<out>/base/`: that base as a Hugging Face model, written there. The config
 must be the run's (the same validation as `oapl_jax.main`); a LoRA run's base is rebuilt and
 checked against the checkpoint's sha256. A refused setting or a workdir without a checkpoint is
 one line on stderr and exit code 2.
@@ -24,6 +26,8 @@ from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
 from oapl_jax import errors  # noqa: E402
+from oapl_jax.run_config import checked  # noqa: E402
+from oapl_jax.workdir import check_output_folder  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file of the run.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir holding checkpoints/.")
@@ -35,7 +39,8 @@ flags.mark_flags_as_required(["config", "workdir", "out"])
 
 def export_checkpoint(config, workdir: str, out: str, policy: str = "theta") -> dict:
   """Writes `policy` of the newest good checkpoint to `out` (see the module docstring); returns
-  what was written: {"step", "policy", "hf", "adapter" (LoRA only)}."""
+  what was written: {"step", "policy", "hf", "adapter" (LoRA only), "base" (LoRA on a base the
+  run made)}."""
   from flax import nnx  # noqa: PLC0415
   from oapl_jax.policies import restore_adapters, restore_policy  # noqa: PLC0415
   from oapl_jax.models import build, lora  # noqa: PLC0415
@@ -48,7 +53,11 @@ def export_checkpoint(config, workdir: str, out: str, policy: str = "theta") -> 
   else:
     step, adapters, base, _, _, graphdef = restore_adapters(config, workdir, policy)
     written["adapter"] = os.path.join(out, "adapter")
-    lora.to_peft(adapters, lora_cfg, written["adapter"], base_model=config.model.path)
+    base_model = config.model.path
+    if base_model is None:  # a base made in the run (random init, warm-up): exported beside, for PEFT
+      written["base"] = base_model = os.path.abspath(os.path.join(out, "base"))
+      to_hf(nnx.merge(graphdef, base), base_model)
+    lora.to_peft(adapters, lora_cfg, written["adapter"], base_model=base_model)
     weights = lora.merged(base, adapters, lora_cfg.scale)  # what the run's engines sample
   to_hf(nnx.merge(graphdef, weights), out, source_dir=config.model.path)
   return {"step": step, **written}
@@ -57,6 +66,8 @@ def export_checkpoint(config, workdir: str, out: str, policy: str = "theta") -> 
 def main(argv):
   del argv
   config = config_lib.command_config(_CONFIG)  # before the workdir is touched
+  config = checked(config, _WORKDIR.value)
+  check_output_folder("out", _OUT.value)  # before the checkpoint is read (and a base warmed up)
   print(json.dumps(export_checkpoint(config, _WORKDIR.value, _OUT.value, _POLICY.value), indent=2))
 
 

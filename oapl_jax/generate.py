@@ -32,6 +32,8 @@ from ml_collections import config_flags  # noqa: E402
 
 from oapl_jax import config as config_lib  # noqa: E402
 from oapl_jax import errors, placement  # noqa: E402
+from oapl_jax.run_config import check_cache_dir, checked  # noqa: E402
+from oapl_jax.workdir import check_output_file  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 _OUT = flags.DEFINE_string("out", None, "The file to write (.npz).")
@@ -98,6 +100,9 @@ def generate(config, out: str, workdir: str | None = None, policy: str = "theta"
 def main(argv):
   del argv
   config = config_lib.command_config(_CONFIG)
+  config = checked(config, _WORKDIR.value) if _WORKDIR.value else config
+  check_output_file("out", _OUT.value)  # before the engines sample (minutes)
+  check_cache_dir(config)
   print(json.dumps(generate(config, _OUT.value, _WORKDIR.value, _POLICY.value), indent=2))
 
 

@@ -68,6 +68,8 @@ def main(argv):
                     "train_seconds": round(summary["train_seconds"], 1),
                     "samples_generated": summary["samples_generated"],
                     "trainer_steps": summary["trainer_steps"],
+                    "steps_skipped": summary["steps_skipped"],  # non-finite loss or gradient: no update
+                    "groups_dropped_stale": summary["groups_dropped_stale"],  # older than rl.max_lag
                     "summary": Layout(_WORKDIR.value).summary}, indent=2))
 
 

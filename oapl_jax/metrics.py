@@ -155,9 +155,9 @@ def _complete_lines(path: str) -> list[tuple[dict, str]]:
 
 
 def _warn(msg: str) -> None:
-  """A warning both in the log and as a line on stderr."""
-  log.warning("%s", msg)
+  """A warning as one line on stderr, and in the log (not printed again by absl's handler)."""
   print(f"WARNING: {msg}", file=sys.stderr, flush=True)
+  log.warning("%s", msg, extra={"said": True})
 
 
 class DeadModelWatch:
@@ -176,3 +176,32 @@ class DeadModelWatch:
               f"{float(m['entropy']):.3f}, ln V = {self.uniform:.3f}) for {self.steps} steps in a row: "
               f"the weights stopped learning (is train.lr too high?)")
     return None
+
+
+class ConsoleNotes:
+  """The console lines of what a step did that metrics.jsonl alone would hide: a skipped step
+  (its loss or gradient norm was not finite: no update), groups dropped as stale (realised lag
+  above rl.max_lag; the first drop at once, then at most one line per `every_s` seconds with the
+  count since the last line), and a model that stopped learning (`DeadModelWatch`)."""
+
+  def __init__(self, config, dropped_stale: int = 0, every_s: float = 30.0):
+    self.dead = DeadModelWatch(config.log.dead_model_steps, config.model.vocab_size)
+    self.max_lag, self.max_nonfinite = config.rl.max_lag, config.train.max_nonfinite_steps
+    self.dropped, self.unsaid, self.every_s, self.last = int(dropped_stale), 0, every_s, None
+
+  def update(self, step: int, m: dict) -> list[str]:
+    lines = []
+    if bool(m.get("step_skipped", False)):
+      lines.append(f"step {step}: skipped, its loss or gradient norm was not finite (no update; "
+                   f"{int(m['steps_skipped'])} skipped in all; train.max_nonfinite_steps="
+                   f"{self.max_nonfinite} in a row stop the run)")
+    dropped = int(m.get("groups_dropped_stale", self.dropped))
+    self.unsaid += dropped - self.dropped
+    self.dropped = dropped
+    now = time.monotonic()
+    if self.unsaid and (self.last is None or now - self.last >= self.every_s):
+      lines.append(f"step {step}: {self.unsaid} group(s) dropped unused, older than rl.max_lag="
+                   f"{self.max_lag} steps ({dropped} dropped in all)")
+      self.unsaid, self.last = 0, now
+    warning = self.dead.update(step, m)
+    return lines + ([warning] if warning else [])

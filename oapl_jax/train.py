@@ -21,11 +21,11 @@ from tqdm import auto as tqdm  # a widget in notebooks, a text bar in terminals
 import jax
 
 from oapl_jax import config as config_lib
-from oapl_jax import checkpoint, distributed, placement, storage, warmup
+from oapl_jax import checkpoint, distributed, placement, run_config, storage, warmup
 from oapl_jax import plan as plan_lib
 from oapl_jax.checkpoint import SaveFailed, storage_failure
 from oapl_jax.errors import UserError
-from oapl_jax.metrics import DeadModelWatch, MetricsLog, read_json, read_metrics, say, write_json
+from oapl_jax.metrics import ConsoleNotes, DeadModelWatch, MetricsLog, read_json, read_metrics, say, write_json
 from oapl_jax.placement import seq_len
 from oapl_jax.rl.names import loss_line
 from oapl_jax.rl.loop import Run
@@ -39,7 +39,6 @@ __all__ = ["NonFiniteSteps", "Run", "run", "run_validated"]
 
 class NonFiniteSteps(UserError):
   """Too many trainer steps in a row had a non-finite loss or gradient norm."""
-
   exit_code = 1
 
 
@@ -64,6 +63,7 @@ def run_validated(config, workdir: str) -> dict:
     raise UserError(f"--workdir={workdir}: config.rl.mode='offline' writes its round files on a "
                     "local or shared disk; give a local --workdir")
   processes = distributed.processes_asked(config.distributed)  # before JAX starts
+  config, changed = run_config.prepare(config, workdir, processes)  # another run's workdir: one line
   placement.request_host_devices(placement.devices_wanted(config, processes))  # on CPU
   if config.mesh.topology not in (None, LOCAL):  # a pod's processes must have found each other
     distributed.check_started(TOPOLOGIES[config.mesh.topology].processes,
@@ -71,6 +71,7 @@ def run_validated(config, workdir: str) -> dict:
   say(f"jax {jax.__version__}, devices {jax.devices()}"  # process 0's console only
       + (f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""))
   say(loss_line(config))
+  for line in changed: say(line)  # noqa: E701 (the settings this resume changes)
   plan_lib.check(config)  # before anything is allocated
   lock = (WorkdirLock(workdir, config.checkpoint.lock_lease_s, config.checkpoint.lock_wait_s)
           if distributed.is_writer() else contextlib.nullcontext())
@@ -96,6 +97,7 @@ def _start(r: Run, config, workdir: str) -> tuple[dict, dict]:
   if r.restore_latest():
     say(f"resumed from step {r.counters.step} in {r.ckpt.directory}")
     saved = read_json(before_path)
+    run_config.save(config, workdir) if distributed.is_writer() else None  # compared at the next resume
     return saved["eval"], saved["warmup"]
   if config.warmup.steps and not r.lora:
     warmup_info = r.warm_up()
@@ -103,6 +105,7 @@ def _start(r: Run, config, workdir: str) -> tuple[dict, dict]:
   eval_before = warmup.cached_eval(config, seq_len(config), lambda: r.evaluate(r.params, "before"))
   if distributed.is_writer():
     write_json(before_path, {"eval": eval_before, "warmup": warmup_info})
+    run_config.save(config, workdir)  # before any checkpoint: a resume is compared with it
   r.save()  # every process; the file above exists before any checkpoint does
   return eval_before, warmup_info
 
@@ -141,7 +144,7 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
   # evaluations of a resumed run's earlier steps come back from its metrics (each is logged)
   evals = [{"step": row["step"], **row["eval"]} for row in read_metrics(workdir)
            if "eval" in row] if writer and r.counters.step > 0 else []
-  dead = DeadModelWatch(config.log.dead_model_steps, config.model.vocab_size)
+  notes = ConsoleNotes(config, r.counters.groups_dropped_stale)  # skipped steps, stale groups, a dead model
   profiler = Profiler(config_lib.profile_range(config.log.profile_steps or ""), workdir)
   mark, seconds_saving = time.perf_counter(), 0.0  # a step: previous metrics to its own (timing.py)
   with stop.deferring(), contextlib.closing(bar), contextlib.closing(profiler):  # a signal: stop after this step, with a checkpoint
@@ -149,9 +152,8 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
       seconds_profiling = profiler.before_step(r.counters.step + 1)
       m = r.step()
       s = r.counters.step
-      warning = dead.update(s, m)
-      if warning:
-        say(warning)
+      for line in notes.update(s, m):
+        say(line)
       t = time.perf_counter()
       if config.eval.every and s % config.eval.every == 0 and s < config.train.steps:
         m["eval"] = {k: v for k, v in r.evaluate(r.params, f"step {s}").items() if k != "answer_ids"}  # no per-answer lists
@@ -189,8 +191,8 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
   summary = {
       "eval_before": eval_before, "eval_after": eval_after, "evals_during": evals,
       "train_seconds": r.counters.train_seconds, "samples_generated": r.counters.samples_generated,
-      "trainer_steps": r.counters.step, "policy_versions": r.counters.version,
-      "steps_skipped": r.counters.steps_skipped, "warmup": warmup_info, "config": config.to_dict(),
+      "trainer_steps": r.counters.step, "policy_versions": r.counters.version, "steps_skipped": r.counters.steps_skipped,
+      "groups_dropped_stale": r.counters.groups_dropped_stale, "warmup": warmup_info, "config": config.to_dict(),
   }
   if distributed.is_writer():
     write_json(Layout(workdir).summary, summary)

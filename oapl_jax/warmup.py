@@ -34,6 +34,9 @@ from oapl_jax.metrics import say, write_json
 from oapl_jax.sampling.rollout import SAMPLING_KEYS
 
 
+PROGRESS_S = 20.0  # seconds between the warm-up's progress lines (step, loss, elapsed)
+
+
 def demo_batch(task, tokenizer, rng: np.random.Generator, *, batch_size: int, seq_len: int,
                digit_noise: float) -> dict[str, np.ndarray]:
   """tokens `[B, seq_len]` (bos + prompt + answer + eos, padded), mask `[B, seq_len-1]` on answer targets."""
@@ -67,11 +70,18 @@ def run(graphdef, params, task, tokenizer, cfg, *, seq_len: int, seed: int):
 
   rng = np.random.default_rng([seed, 7])
   loss = None
+  t0 = last = time.perf_counter()
+  say(f"warm-up: {cfg.steps} supervised steps make the base model ({cfg.noisy_steps} on noisy "
+      f"demonstrations); a line every {PROGRESS_S:g} s")
   for i in range(cfg.steps):
     noise = cfg.digit_noise if i >= cfg.steps - cfg.noisy_steps else 0.0
     batch = demo_batch(task, tokenizer, rng, batch_size=cfg.batch_size, seq_len=seq_len,
                        digit_noise=noise)
     params, opt_state, loss = step(params, opt_state, batch)
+    now = time.perf_counter()
+    if now - last >= PROGRESS_S and i + 1 < cfg.steps:  # a first-time user sees it working
+      say(f"warm-up: step {i + 1}/{cfg.steps}, loss {float(loss):.3f}, {now - t0:.0f}s")
+      last = time.perf_counter()
   return params, float(loss)
 
 

@@ -9,6 +9,10 @@ on SIGTERM / SIGINT (`StopSignals`).
     metrics.jsonl     one JSON line per logged step (`metrics.MetricsLog`), process 0
     events.out.*      TensorBoard scalars of the same steps (metrics.EventsFile, in the workdir itself)
     eval_before.json  the base's evaluation and warm-up record, before the first checkpoint
+    config.json       the run's config (every setting), written with it and at each resume: a
+                      resume or an evaluation is compared with it (oapl_jax/run_config.py)
+    warmup_cache/     the warmed-up base (and its eval before) when warmup.cache_dir is unset:
+                      a LoRA run's evaluate and export read it instead of warming up again
     summary.json      the finished run (`train.run`): evaluations, counters, config
     offline/          offline mode's round files (`rl.sources.OfflineSource`)
     remote/           remote mode's snapshots, rollout files, claims (oapl_jax/rl/remote.py)
@@ -116,6 +120,14 @@ class Layout:
     return self._path("eval_before.json")
 
   @property
+  def config(self) -> str:
+    return self._path("config.json")
+
+  @property
+  def warmup_cache(self) -> str:
+    return self._path("warmup_cache")
+
+  @property
   def summary(self) -> str:
     return self._path("summary.json")
 
@@ -135,6 +147,44 @@ def check_usable(workdir: str) -> None:
   """Refuses (one line) a local --workdir that exists and is not a folder."""
   if not storage.is_remote(workdir) and os.path.exists(workdir) and not os.path.isdir(workdir):
     raise UserError(f"--workdir={workdir} is a file, not a folder: give a folder (new or a run's)")
+
+
+def check_writable(workdir: str) -> None:
+  """Refuses (one line) a local --workdir this process cannot write in (a read-only disk, an
+  immutable folder, no permission), before any work: a file is created and removed there."""
+  if not storage.is_remote(workdir):
+    _check_can_write("workdir", workdir, workdir)
+
+
+def check_output_file(flag: str, path: str) -> None:
+  """Refuses (one line) `--<flag>=path` for a file a command will write, before the work that
+  fills it: a folder is there, or its folder refuses writes (a local path; a bucket is not checked)."""
+  if storage.is_remote(path):
+    return
+  if os.path.isdir(path):
+    raise UserError(f"--{flag}={path} is a folder, not a file: give the file to write (e.g. {path.rstrip('/')}.npz)")
+  _check_can_write(flag, path, os.path.dirname(os.path.abspath(path)))
+
+
+def check_output_folder(flag: str, path: str) -> None:
+  """The same for `--<flag>=path`, a folder a command will write its files into: a file is there,
+  or the folder cannot be made or written in."""
+  if storage.is_remote(path):
+    return
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise UserError(f"--{flag}={path} is a file, not a folder: give a folder to write into")
+  _check_can_write(flag, path, path)
+
+
+def _check_can_write(flag: str, path: str, folder: str) -> None:
+  probe = os.path.join(folder, f".write_check.{os.getpid()}")
+  try:
+    os.makedirs(folder, exist_ok=True)
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise UserError(f"--{flag}={path}: cannot write there ({e.strerror or e}: {folder})") from e
 
 
 class WorkdirBusy(UserError):
@@ -244,8 +294,10 @@ class WorkdirLock:
           why = self._stale(holder)
           if why is None:
             raise WorkdirBusy(self._busy_message(holder)) from None
-          logging.warning("workdir lock %s of process %s on %s: %s; taking it over", self.path,
-                          holder.get("pid"), holder.get("host"), why)
+          note = (f"workdir lock {self.path} of process {holder.get('pid')} on "
+                  f"{holder.get('host')}: {why}; taking it over")
+          print(note, file=sys.stderr, flush=True)  # a normal event: one plain line, once
+          logging.warning("%s", note, extra={"said": True})  # not printed again by absl's handler
           if generation is None:
             storage.remove(self.path)
           else:  # only the record we read: if another starter took it over since, the claim finds it

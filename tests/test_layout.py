@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "oapl_jax"
 LAYERS = (
     ("oapl_jax", "oapl_jax.errors"),
     # JAX-free facts a config is checked against, and the run and the planner read
-    ("oapl_jax.topology", "oapl_jax.placement", "oapl_jax.storage", "oapl_jax.workdir", "oapl_jax.models.presets",
+    ("oapl_jax.topology", "oapl_jax.placement", "oapl_jax.storage", "oapl_jax.workdir", "oapl_jax.run_config",
+     "oapl_jax.models.presets",
      "oapl_jax.models.names", "oapl_jax.rl.names", "oapl_jax.tasks.base", "oapl_jax.tasks.limits"),
     ("oapl_jax.distributed", "oapl_jax.metrics", "oapl_jax.timing"),
     ("oapl_jax.data",),
