@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random model, the smoke config, `requires_sandbox` and `requires_torch`."""
+"""Shared fixtures: a tiny random model, the smoke config, `requires_sandbox`, `requires_torch` and
+`requires_peft`."""
 
 import importlib.util
 import os
@@ -72,6 +73,22 @@ def requires_torch():
     pytest.skip(NO_TORCH)
   pytest.fail("torch is not installed (pip install -e '.[test]'); a failure, not a skip: only "
               "OAPL_NO_TORCH=1 makes it a skip, for a venv without torch on purpose", pytrace=False)
+
+
+# peft (the test extra, beside torch): tests/test_lora.py loads an exported adapter with it.
+NO_PEFT = "peft not installed (pip install -e '.[test]'); set CI=true to make this a failure"
+
+
+@pytest.fixture
+def requires_peft(requires_torch):
+  """For tests that load an adapter with peft (which needs torch: `requires_torch` first): without
+  peft they skip with NO_PEFT as the reason, or fail where `in_ci()` (.ci/run installs it)."""
+  if importlib.util.find_spec("peft") is not None:
+    return
+  if in_ci():
+    pytest.fail("peft is not installed (pip install -e '.[test]'); a failure, not a skip: CI is set",
+                pytrace=False)
+  pytest.skip(NO_PEFT)
 
 
 @pytest.fixture(scope="session")
