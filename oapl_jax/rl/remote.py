@@ -31,11 +31,14 @@ damaged rollout file is set aside by the trainer (renamed `.rejected`) and sampl
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import json
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 import zipfile
@@ -45,11 +48,14 @@ import numpy as np
 
 from oapl_jax import storage
 from oapl_jax.errors import UserError
+from oapl_jax.metrics import say
 from oapl_jax.rl import offline
+from oapl_jax.workdir import exclusive_flock
 
 SNAPSHOT_FORMAT = "oapl_jax.snapshot/1"
 _SNAPSHOT = re.compile(r"^v(\d{8})\.npz$")
 _ROLLOUT = re.compile(r"^r(\d{9})\.npz$")
+_CLAIM = re.compile(r"^r(\d{9})$")
 
 
 class SnapshotError(UserError):
@@ -163,20 +169,90 @@ def remove_old_snapshots(root: str, keep_from: int) -> None:
       storage.remove(snapshot_path(root, v))
 
 
-# --- claims and the trainer's status ------------------------------------------------------------
+# --- claims -------------------------------------------------------------------------------------
 
 
 def owner_id() -> str:
+  """A sampler job's name in its claims: host, pid and a random tag (a restarted process that got
+  the same pid back is another owner)."""
   return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _alive(pid: int) -> bool:
+  """Whether process `pid` of this host exists (as the workdir lock asks: oapl_jax/workdir.py)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, OverflowError, ValueError):  # another user's process; or no pid at all
+    return True
+  return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  """A claim's record: its owner (`owner_id`) and when it was made or last renewed."""
+
+  owner: str
+  since: float  # seconds since the epoch
+
+  @property
+  def host(self) -> str:
+    return self.owner.split(":")[0]
+
+  @property
+  def pid(self) -> int:
+    try:
+      return int(self.owner.split(":")[1])
+    except (IndexError, ValueError):
+      return -1
+
+  def stale(self, timeout_s: float) -> str | None:
+    """Why this claim's sampler is taken for dead (its claim may be taken over), or None.
+    On the claim's own host a process that is gone is dead at once (as run.lock's holder is);
+    elsewhere, a claim not renewed for `timeout_s` (a live sampler renews it: `holding`)."""
+    if self.host == socket.gethostname() and self.pid not in (-1, os.getpid()) and not _alive(self.pid):
+      return f"its process {self.pid} on this host is gone"
+    age = time.time() - self.since
+    if age > timeout_s:
+      return f"not renewed for {age:.0f}s (rl.remote.claim_timeout_s={timeout_s:g})"
+    return None
+
+  def describe(self) -> str:
+    return f"sampler {self.host} pid {self.pid}, renewed {max(time.time() - self.since, 0):.0f}s ago"
+
+
+def read_claim(root: str, index: int) -> Claim | None:
+  """Rollout `index`'s claim, or None if there is none."""
+  path = claim_path(root, index)
+  try:
+    text = storage.read_text(path)
+  except FileNotFoundError:
+    return None
+  return _parse_claim(text, None if storage.has_generations(path) else storage.mtime(path))
+
+
+def _parse_claim(text, mtime: float | None) -> Claim:
+  """A claim from its text. Its age: the file's mtime on a disk or a plain object store (each
+  renewal rewrites it), the record's time in Cloud Storage (as it has always been read there).
+  A record that does not parse (an exclusive create fills the file just after making it) is
+  as old as the file, owned by no one we can name."""
+  try:
+    record = json.loads(text)
+    owner, since = str(record["owner"]), float(record["time"])
+  except (ValueError, KeyError, TypeError):
+    owner, since = "?:-1", 0.0 if mtime is None else mtime
+  return Claim(owner, since if mtime is None else mtime)
 
 
 def claim(root: str, index: int, owner: str, timeout_s: float) -> bool:
   """Claims rollout `index` for `owner`: True if this sampler may sample it now.
 
-  Local: an exclusive create (of two samplers, one wins); a claim older than `timeout_s`
-  whose rollout is not written is a dead sampler's and is replaced. In Cloud Storage the same,
-  by writes conditional on the claim's generation (a create only if there is none; a dead
-  claim replaced only as it was read: of two samplers taking it over, one wins). Other object
+  Local: an exclusive create (of two samplers, one wins); a stale claim (`Claim.stale`: its
+  process gone on this host, or not renewed for `timeout_s`) whose rollout is not written is a
+  dead sampler's and is taken over, under a flock of `claims/.mutex` (of two samplers taking it
+  over, one does). In Cloud Storage the same, by writes conditional on the claim's generation
+  (a create only if there is none; a dead claim replaced only as it was read). Other object
   stores: written, then read back after a moment, as the workdir lock does there."""
   path = claim_path(root, index)
   text = json.dumps({"owner": owner, "time": time.time()})
@@ -186,22 +262,21 @@ def claim(root: str, index: int, owner: str, timeout_s: float) -> bool:
     got = storage.read_generation(path)
     if got is None:  # released between the two calls: taken next time
       return False
-    try:
-      since = float(json.loads(got[0]).get("time", 0.0))
-    except (ValueError, AttributeError):
-      since = 0.0  # not a claim record: as old as can be
-    if time.time() - since < timeout_s or storage.exists(rollout_path(root, index)):
+    if not _take_over(root, index, _parse_claim(got[0].decode(errors="replace"), None), owner, timeout_s):
       return False
     return storage.write_if_generation(path, text.encode(), got[1]) is not None
   if not storage.is_remote(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if storage.create_exclusive(path, text):
       return True
-    if time.time() - storage.mtime(path) < timeout_s or storage.exists(rollout_path(root, index)):
-      return False
-    storage.write_text(path, text)  # a dead sampler's claim, taken over
-    return True
-  if storage.exists(path) and time.time() - storage.mtime(path) < timeout_s:
+    with exclusive_flock(storage.join(root, "claims", ".mutex")):
+      held = read_claim(root, index)
+      if held is None or not _take_over(root, index, held, owner, timeout_s):
+        return False
+      storage.write_text(path, text)
+      return True
+  held = read_claim(root, index)
+  if held is not None and not _take_over(root, index, held, owner, timeout_s):
     return False
   storage.write_text(path, text)
   time.sleep(1.0)
@@ -211,14 +286,112 @@ def claim(root: str, index: int, owner: str, timeout_s: float) -> bool:
     return False
 
 
+def _take_over(root: str, index: int, held: Claim, owner: str, timeout_s: float) -> bool:
+  """Whether `held`, rollout `index`'s claim, is a dead sampler's with no file written: then one
+  line says who takes it over from whom, and why."""
+  why = held.stale(timeout_s)
+  if why is None or storage.exists(rollout_path(root, index)):
+    return False
+  say(f"sampler {owner}: taking over rollout {index} from {held.describe()}: {why}")
+  return True
+
+
 def claimed(root: str, index: int, timeout_s: float) -> bool:
-  """Whether rollout `index` has a live claim."""
+  """Whether rollout `index` has a live claim (one that is not `Claim.stale`)."""
+  held = read_claim(root, index)
+  return held is not None and held.stale(timeout_s) is None
+
+
+def live_claims(root: str, timeout_s: float) -> dict[int, Claim]:
+  """Every rollout's live claim, by index."""
+  out = {}
+  for name in storage.listdir(storage.join(root, "claims")):
+    m = _CLAIM.match(name)
+    held = read_claim(root, int(m.group(1))) if m else None
+    if held is not None and held.stale(timeout_s) is None:
+      out[int(m.group(1))] = held
+  return out
+
+
+def renew(root: str, index: int, owner: str) -> bool:
+  """Rewrites `owner`'s claim on rollout `index` with the time now; False (nothing written) if
+  the claim is no longer `owner`'s (taken over after a pause past the timeout, or released)."""
   path = claim_path(root, index)
-  return storage.exists(path) and time.time() - storage.mtime(path) < timeout_s
+  text = json.dumps({"owner": owner, "time": time.time()})
+  if storage.has_generations(path):
+    got = storage.read_generation(path)
+    if got is None or _parse_claim(got[0].decode(errors="replace"), None).owner != owner:
+      return False
+    return storage.write_if_generation(path, text.encode(), got[1]) is not None
+  held = read_claim(root, index)
+  if held is None or held.owner != owner:
+    return False
+  storage.write_text(path, text)
+  return True
 
 
-def release(root: str, index: int) -> None:
+def release(root: str, index: int, owner: str | None = None) -> None:
+  """Removes rollout `index`'s claim (with `owner`: only if it is still that sampler's)."""
+  if owner is not None and (held := read_claim(root, index)) is not None and held.owner != owner:
+    return
   storage.remove(claim_path(root, index))
+
+
+@contextlib.contextmanager
+def holding(root: str, index: int, owner: str, timeout_s: float):
+  """While the block runs, `owner`'s claim on rollout `index` is renewed every `timeout_s / 5`
+  seconds from a background thread (so `timeout_s` bounds how long a dead sampler's rollout
+  waits, not how long a rollout may take to sample); when it ends, however it ends (the file
+  written, an error, SIGTERM or Ctrl-C: the sampler command turns both into exceptions), the
+  claim is released, so a stopping sampler gives its rollout back at once."""
+  done = threading.Event()
+
+  def keep():
+    while not done.wait(timeout_s / 5):
+      try:
+        renew(root, index, owner)
+      except OSError:  # a storage hiccup: the next renewal tries again
+        pass
+
+  keeper = threading.Thread(target=keep, name=f"claim-r{index}", daemon=True)
+  keeper.start()
+  try:
+    yield
+  finally:
+    done.set()
+    keeper.join()
+    release(root, index, owner)
+
+
+def waiting_on(root: str, index: int, timeout_s: float) -> str:
+  """What the trainer, waiting for rollout `index`, can say of it: who holds its claim and
+  since when (and whether that sampler is dead), and whether sampler jobs are at work at all
+  (rollouts written beyond it, other live claims)."""
+  held = read_claim(root, index)
+  if held is None:
+    parts = ["not claimed by any sampler job"]
+  else:
+    why = held.stale(timeout_s)
+    parts = [f"claimed by {held.describe()}" + (
+        f"; {why}: the next sampler job to look takes it over" if why else
+        f"; taken over if not renewed for {timeout_s:g}s (rl.remote.claim_timeout_s)")]
+  ahead = sorted(i for i in written_rollouts(root) if i > index)
+  others = sorted(i for i in live_claims(root, timeout_s) if i != index)
+  if ahead or others:
+    seen = ([f"rollouts {_span(ahead)} written"] if ahead else []) + (
+        [f"{_span(others)} being sampled"] if others else [])
+    parts.append("sampler jobs are at work (" + ", ".join(seen) + ")")
+  elif held is None or held.stale(timeout_s):
+    parts.append("no live sampler job seen: start them with oapl_jax.sample, this run's config and "
+                 "workdir (docs/remote.md)")
+  return "; ".join(parts)
+
+
+def _span(indices: list[int]) -> str:
+  return str(indices[0]) if len(indices) == 1 else f"{indices[0]}-{indices[-1]} ({len(indices)})"
+
+
+# --- the trainer's status -----------------------------------------------------------------------
 
 
 def write_status(root: str, status: dict) -> None:
@@ -231,3 +404,47 @@ def read_status(root: str) -> dict | None:
     return json.loads(storage.read_text(status_path(root)))
   except (FileNotFoundError, json.JSONDecodeError):
     return None
+
+
+def served_settings(config, model_meta: dict) -> dict:
+  """The settings a sampler job must share with the trainer it samples for, by their config
+  names: what the trainer checks a rollout file against (`offline.expected_header`: the model's
+  architecture, its dtype included; the task; the sampling settings; rl.group_size), what fixes
+  rollout i's problems and keys (seed, rl.groups_per_rollout), and what picks the snapshot
+  (rl.remote.reproducible; with it, rl.lag). The trainer publishes them in its status; a sampler
+  whose own differ is refused at its start (`check_serves`). Everything else may differ: a
+  sampler's own engines (sampling.engines, tensor, max_slots, ...), logging, train.steps."""
+  h = offline.expected_header(config, model_meta)
+  out = {"seed": int(config.seed), "rl.group_size": h["group_size"],
+         "rl.groups_per_rollout": int(config.rl.groups_per_rollout),
+         "rl.remote.reproducible": bool(config.rl.remote.reproducible)}
+  if config.rl.remote.reproducible:
+    out["rl.lag"] = int(config.rl.lag)
+  for section in ("model", "task", "sampling"):
+    out |= _flat(h[section], section)
+  return json.loads(json.dumps(out))  # as read back from the status (tuples as lists)
+
+
+def _flat(d: dict, prefix: str) -> dict:
+  out = {}
+  for k, v in d.items():
+    out |= _flat(v, f"{prefix}.{k}") if isinstance(v, dict) else {f"{prefix}.{k}": v}
+  return out
+
+
+class SettingsDiffer(UserError):
+  """A sampler job whose settings cannot serve the trainer of its workdir."""
+
+
+def check_serves(root: str, mine: dict, status: dict | None) -> None:
+  """Refuses (`SettingsDiffer`, one line naming each differing setting) a sampler job whose
+  `served_settings` are not those the trainer published in its status (none published yet, or
+  a trainer of before they were: nothing to check)."""
+  theirs = (status or {}).get("settings")
+  if not isinstance(theirs, dict):
+    return
+  names = sorted(set(mine) | set(theirs))
+  diff = [f"{k}={mine.get(k)!r} (trainer: {theirs.get(k)!r})" for k in names if mine.get(k) != theirs.get(k)]
+  if diff:
+    raise SettingsDiffer(f"this sampler job cannot serve the trainer in {root}: its settings differ: "
+                         f"{', '.join(diff)}; give it the trainer's config and overrides (docs/remote.md)")

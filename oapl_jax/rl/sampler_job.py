@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from oapl_jax import storage
+from oapl_jax.errors import UserError
 from oapl_jax.metrics import say
 from oapl_jax.models.build import abstract_model
 from oapl_jax.rl import offline, remote
@@ -41,16 +42,19 @@ class SamplerJob:
 
   def __init__(self, config, workdir: str):
     self.config, self.rc = config, config.rl.remote
-    self.root = Layout(workdir).remote
+    self.workdir, self.root = workdir, Layout(workdir).remote
     self.task, tokenizer = make_task(config)
     self.model_cfg, graphdef, self.abstract = abstract_model(config, dtype=jnp.dtype(config.model.dtype))
     self.meta = self.model_cfg.architecture()
+    self.settings = remote.served_settings(config, self.meta)
+    remote.check_serves(self.root, self.settings, remote.read_status(self.root))  # before the engines are built
     replicas = make_replicas(config, self.model_cfg, graphdef, SamplingParams.from_config(config.sampling))
     self.sampler = Sampler(replicas, self.task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
     self.owner = remote.owner_id()
     self.loaded: Loaded | None = None
     self.damaged: set[int] = set()  # versions whose file failed its checks
     self._said: set = set()
+    self.full = False  # every rollout this job may sample is written or claimed (`_pick`)
 
   def _once(self, key, text: str) -> None:
     if key not in self._said:
@@ -58,10 +62,14 @@ class SamplerJob:
       say(text)
 
   def _pick(self, first: int, versions: list[int]) -> tuple[int, int] | None:
-    """(rollout index, snapshot version) claimed for sampling now, or None."""
+    """(rollout index, snapshot version) claimed for sampling now, or None. `self.full`: whether
+    every rollout it may sample (rl.remote.ahead from the trainer's next) is written or claimed."""
     rc = self.rc
+    self.full, taken = False, 0
     for index in range(first, first + rc.ahead):
       if storage.exists(remote.rollout_path(self.root, index)) or remote.claimed(self.root, index, rc.claim_timeout_s):
+        taken += 1
+        self.full = taken == rc.ahead
         continue
       if rc.reproducible:
         version = remote.version_of(index, self.config.rl.lag)
@@ -90,7 +98,8 @@ class SamplerJob:
     return True
 
   def sample(self, index: int) -> dict:
-    """Samples rollout `index` with the held snapshot and writes its file."""
+    """Samples rollout `index` with the held snapshot and writes its file (its claim is the
+    caller's: `serve` holds it)."""
     config, held = self.config, self.loaded
     t0 = time.perf_counter()
     problems, keys = rollout_problems(config, self.task, [index])
@@ -100,17 +109,48 @@ class SamplerJob:
                          "source": f"sampler job {self.owner}"},
               "problems": [dataclasses.asdict(p) for p in problems]}
     offline.write(remote.rollout_path(self.root, index), header, offline.arrays_of(scored.rollout, scored.rewards))
-    remote.release(self.root, index)
     return {"rollout": index, "version": held.version, "reward_mean": float(scored.rewards.mean()),
             "answer_tokens": int(scored.rollout.lengths.sum()), "seconds": time.perf_counter() - t0}
 
-  def serve(self, *, max_rollouts: int | None = None, max_idle_s: float = 3600.0) -> dict:
-    """Samples rollouts until the run is done; returns what this job wrote."""
+  def _run_over(self, status: dict | None) -> bool:
+    """Whether the trainer's run is done for this job: `done`, unless this job's train.steps is
+    beyond the steps the trainer ended at (a finished run being extended: its resumed trainer
+    clears `done` when it starts; until then this job waits for it)."""
+    if status is None or not status.get("done"):
+      return False
+    ended_at = int(status.get("steps", status.get("step", 0)))
+    if self.config.train.steps <= ended_at:
+      return True
+    self._once(("extend", ended_at), f"sampler: the trainer's run ended at train.steps={ended_at}; this job's "
+               f"train.steps={self.config.train.steps}: waiting for the trainer to resume and extend it")
+    return False
+
+  def _trainer_seen(self, status: dict | None) -> bool:
+    """Whether a trainer ever ran in this workdir: its status, its lock or a snapshot."""
+    return (status is not None or storage.exists(Layout(self.workdir).lock)
+            or bool(remote.published_versions(self.root)))
+
+  def serve(self, *, max_rollouts: int | None = None, max_idle_s: float = 3600.0,
+            wait_for_trainer_s: float = 600.0) -> dict:
+    """Samples rollouts until the run is done; returns what this job wrote. `NoTrainer` (one
+    line) if no trainer has started in the workdir within `wait_for_trainer_s` (said at once)."""
     written, tokens, idle_since = [], 0, time.perf_counter()
+    started, seen = time.perf_counter(), False
     why = "the trainer marked its run done"
     while True:
       status = remote.read_status(self.root)
-      if status is not None and status.get("done"):
+      remote.check_serves(self.root, self.settings, status)  # a trainer resumed with other settings too
+      if not seen and not (seen := self._trainer_seen(status)):
+        if time.perf_counter() - started > wait_for_trainer_s:
+          raise NoTrainer(f"no trainer in --workdir={self.workdir} after {wait_for_trainer_s:.0f}s "
+                          "(no run.lock, remote/trainer.json or snapshot; --wait_for_trainer_s): give the "
+                          "trainer's --workdir, and start the trainer")
+        self._once("no trainer", f"sampler: no trainer in --workdir={self.workdir} yet (no run.lock, "
+                   f"remote/trainer.json or snapshot): waiting up to {wait_for_trainer_s:.0f}s for one to start "
+                   "(--wait_for_trainer_s)")
+        time.sleep(self.rc.poll_s)
+        continue
+      if self._run_over(status):
         break
       if max_rollouts is not None and len(written) >= max_rollouts:
         why = f"{max_rollouts} rollouts written (--max_rollouts)"
@@ -121,17 +161,24 @@ class SamplerJob:
       versions = [v for v in remote.published_versions(self.root) if v not in self.damaged]
       if self.loaded is not None and self.loaded.version not in versions:
         versions.append(self.loaded.version)  # held in memory: usable though its file is gone or damaged
-      picked = self._pick(status["next_rollout"] if status else 0, versions) if versions else None
+      first = status["next_rollout"] if status else 0
+      picked = self._pick(first, versions) if versions else None
       if not versions:
         self._once("first", f"sampler: waiting for the trainer's first snapshot in {self.root}")
       if picked is None:
+        if versions and self.full:  # healthy, ahead of the trainer: said once, so silence is not a hang
+          self._once("ahead", f"sampler: rollouts {first}-{first + self.rc.ahead - 1} are all written or being "
+                     f"sampled (rl.remote.ahead={self.rc.ahead}): waiting for the trainer to take them "
+                     "(said once; the samplers are ahead of the trainer)")
         time.sleep(self.rc.poll_s)
         continue
       index, version = picked
-      if not self._load(version):
-        remote.release(self.root, index)
+      # the claim renewed while the snapshot loads and the rollout samples, and released however
+      # this ends (written, an error, SIGTERM, Ctrl-C): a stopping sampler gives it back at once
+      with remote.holding(self.root, index, self.owner, self.rc.claim_timeout_s):
+        out = self.sample(index) if self._load(version) else None
+      if out is None:
         continue
-      out = self.sample(index)
       written.append(index)
       tokens += out["answer_tokens"]
       idle_since = time.perf_counter()
@@ -139,3 +186,7 @@ class SamplerJob:
           f"{out['answer_tokens']} answer tokens in {out['seconds']:.1f}s")
     say(f"sampler: stopping: {why}")
     return {"rollouts": written, "answer_tokens": tokens, "stopped": why}
+
+
+class NoTrainer(UserError):
+  """A sampler job on a workdir where no trainer has started."""

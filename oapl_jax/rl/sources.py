@@ -23,8 +23,11 @@ refreshed (`refresh_due`): every `rl.lag` steps online, at the end of each round
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
+import threading
 import time
 from concurrent import futures
 from typing import Callable
@@ -39,7 +42,7 @@ from oapl_jax.placement import seq_len
 from oapl_jax.rl import offline, remote
 from oapl_jax.rl.buffer import Rows, stamp
 from oapl_jax.sampling.parallel import process_share
-from oapl_jax.workdir import Layout
+from oapl_jax.workdir import Interrupted, Layout
 
 
 @dataclasses.dataclass
@@ -302,6 +305,21 @@ class RemoteSource:
     self._checked: set[tuple[str, int]] = set()  # (sampler, version) pairs whose log-probs were rescored
     self._rejected: dict[int, int] = {}  # rollout index -> files of it set aside
     self._recompute = None
+    self._settings = remote.served_settings(config, run.model_cfg.architecture())
+    self._signal: int | None = None  # a SIGTERM / SIGINT that came while waiting for a rollout
+    self._announce()
+
+  def _announce(self) -> None:
+    """At the start (resumed or not), before any snapshot: the status names the settings a
+    sampler job must share (samplers that differ are refused at their start) and this run's
+    train.steps, and a `done` written by a finished run is cleared if this start extends it
+    (train.steps raised): its sampler jobs must not read the old `done` and stop."""
+    if not self._writer:
+      return
+    old = remote.read_status(self.root) or {"next_rollout": 0, "version": 0, "step": 0}
+    done = bool(old.get("done")) and int(old.get("step", 0)) >= self._run.config.train.steps
+    remote.write_status(self.root, {**old, "done": done, "steps": int(self._run.config.train.steps),
+                                    "settings": self._settings, "reproducible": bool(self._rc.reproducible)})
 
   refresh_due = SyncSource.refresh_due
 
@@ -322,7 +340,8 @@ class RemoteSource:
     c = self._run.counters
     if self._writer:
       remote.write_status(self.root, {"next_rollout": c.rollouts, "version": c.version, "step": c.step,
-                                      "done": done, "reproducible": bool(self._rc.reproducible)})
+                                      "done": done, "reproducible": bool(self._rc.reproducible),
+                                      "steps": int(self._run.config.train.steps), "settings": self._settings})
 
   def next(self, make_job: MakeJob) -> Drawn:
     del make_job  # sampled by the sampler jobs
@@ -331,13 +350,16 @@ class RemoteSource:
     self._status(done=False)
     index, path = c.rollouts, remote.rollout_path(self.root, c.rollouts)
     waited, said = time.perf_counter(), 0.0
-    while (data := self._take(index, path)) is None:
-      waiting = time.perf_counter() - waited
-      if waiting >= said:
-        say(f"step {c.step + 1}: waiting for rollout {index} from the sampler jobs ({waiting:.0f}s; "
-            f"start them with oapl_jax.sample, this run's config and workdir: docs/remote.md)")
-        said = max(2 * said, rc.say_every_s)
-      time.sleep(rc.poll_s)
+    with self._noting_signals():
+      while (data := self._take(index, path)) is None:
+        if distributed.any_process(self._signal is not None):  # every process stops here, together
+          self._stop_waiting(index)
+        waiting = time.perf_counter() - waited
+        if waiting >= said:
+          why = remote.waiting_on(self.root, index, rc.claim_timeout_s) if self._writer else ""
+          say(f"step {c.step + 1}: waiting for rollout {index} ({waiting:.0f}s): {why}")
+          said = max(2 * said, rc.say_every_s)
+        time.sleep(rc.poll_s)
     policy, g = data.header["policy"], data.group_size
     rows = data.rows(self._mine, seq_len=seq_len(run.config), pad_id=run.sampler.tokenizer.pad_id,
                      count_truncated=run.config.rl.count_truncated)
@@ -346,6 +368,46 @@ class RemoteSource:
     c.rollouts += 1
     return Drawn(stamp(rows, version=int(policy["version"]), snapshot_step=int(policy["snapshot_step"])),
                  int((offsets[answers + 1] - offsets[answers]).sum()))
+
+  @contextlib.contextmanager
+  def _noting_signals(self):
+    """While the trainer waits for a rollout, a SIGTERM / SIGINT also sets `_signal`, after the
+    run's own handler has taken it (`workdir.StopSignals`: "stopping after this step"; a second
+    signal still stops at once): the step it would stop after cannot end without a rollout,
+    and a scheduler's one SIGTERM must stop the run before its SIGKILL (`_stop_waiting`)."""
+    if threading.current_thread() is not threading.main_thread():
+      yield
+      return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def note(signum, frame):
+      self._signal = self._signal or signum
+      handler = previous[signum]
+      if callable(handler):  # the run's (a notebook's own code may have set none: then we stop)
+        handler(signum, frame)
+
+    for s in previous:
+      signal.signal(s, note)
+    try:
+      yield
+    finally:
+      for s, handler in previous.items():
+        signal.signal(s, handler)
+
+  def _stop_waiting(self, index: int) -> None:
+    """A signal came while waiting for rollout `index`: a checkpoint of the steps taken (if the
+    newest is not of this step), and `Interrupted` (the command exits 128 + the signal number,
+    as after a step: oapl_jax/workdir.py `StopSignals`). Nothing of the rollout is lost: its
+    index is the checkpoint's next, and a sampler's file of it is taken after the resume."""
+    run, signum = self._run, self._signal or signal.SIGTERM
+    run.ckpt.wait()
+    if run.ckpt.latest_step() != run.counters.step:
+      run.save()
+    run.close()
+    name = signal.Signals(signum).name
+    raise Interrupted(signum, f"stopped by {name} at step {run.counters.step}, waiting for rollout {index} "
+                      f"from the sampler jobs: checkpoint saved in {run.ckpt.directory}; run the same "
+                      "command again to resume")
 
   def _take(self, index: int, path: str) -> "offline.OfflineData | None":
     """Rollout `index`'s file, checked; None if it is not written yet, or (with one line) if it
