@@ -172,7 +172,13 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.rl.remote = ml_collections.ConfigDict()
   c.rl.remote.reproducible = False  # True: rollout i is sampled by pi_old version i // rl.lag (what sync mode uses), so the run is the sync run bit for bit; needs groups_per_rollout == groups_per_step. False: by the newest snapshot (stale rollouts used with their stamps, or dropped past rl.max_lag).
   c.rl.remote.ahead = 4  # Rollouts a sampler job may sample beyond the trainer's next one (the samplers' queue).
-  c.rl.remote.claim_timeout_s = 1800.0  # A sampler's claim on a rollout not written after this long is a dead sampler's: another takes it over.
+  # A sampler job renews its claim on the rollout it samples every claim_timeout_s / 5 seconds; a
+  # claim not renewed for this long is a dead sampler's (killed, preempted, cut off) and another
+  # sampler takes it over (on the claim's own host at once, once its process is gone). So this
+  # bounds the trainer's wait for a dead sampler's rollout, not how long a rollout may take to
+  # sample. 300: a dead sampler on another host costs at most 5 minutes; a live one paused (GC,
+  # a slow bucket) for that long at worst has its rollout sampled twice (the trainer reads one).
+  c.rl.remote.claim_timeout_s = 300.0
   c.rl.remote.keep_snapshots = 2  # Published pi_old versions kept (newest first); older ones are removed.
   c.rl.remote.max_rejections = 3  # A rollout whose file is refused this many times (damaged, another run's, log-probs not pi_old's: rl.offline.check_rows of each sampler's first file of a version are rescored) stops the run in one line.
   c.rl.remote.poll_s = 0.5  # Seconds between looks for a file (trainer and samplers).
