@@ -6,6 +6,9 @@ and the decode step's attention of one query over a KV cache.
   positions (`attn_block`), blocks above the causal diagonal skipped, no `[T, T]` tensor, and
   a hand-written blockwise gradient (`_flash`, a `jax.custom_vjp`: FlashAttention-2's
   backward). On a GPU with a 16-bit dtype, cuDNN's fused kernel instead.
+  With `segment_ids` (packed rows: several sequences back to back in one row) a query attends
+  only to keys of its own segment, and the blockwise code also skips the key blocks that lie
+  wholly before the query block's segments (one row at a time, so each row skips its own).
 * `decode_attend(q, k_cache, v_cache, positions, live_len, chunk)`: attention of one query
   per row over a KV cache (layout: `oapl_jax.models.kv_cache.init_cache`), reading the cache
   in chunks of `chunk` positions, only up to `live_len`, so a step costs what the live length
@@ -24,6 +27,9 @@ Kernels by backend (`attention_impl`, the setting `config.model.attention_kernel
 Pallas splash-attention kernel and the decode step a Pallas decode kernel of this project
 (`pallas_attention.py`); on CPU and GPU ("auto" there, or "xla") the blockwise code below.
 "pallas_interpret" runs the Pallas kernels in interpret mode on any backend (the CPU tests).
+Segment ids reach every kernel: the blockwise code masks and skips by them (also on GPU: cuDNN's
+kernel in `jax.nn.dot_product_attention` takes no segment ids, only a dense mask, so packed
+rows run the blockwise code there), the splash kernel takes them natively (`SegmentIds`).
 The Pallas kernels compute the same attention to float32 rounding but not bit for bit the
 blockwise numbers (their own block order), so bfloat16 parity between the trainer and the
 engine holds within a backend's choice, not across a mix of the two.
@@ -88,7 +94,8 @@ DEFAULT_ATTN_BLOCK = 512  # `attn_block=None`: query/key block length (config.tr
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = DEFAULT_ATTN_BLOCK,
-                     *, fused: bool = True, kernel: str = "auto", batch_axes=None) -> jax.Array:
+                     *, segment_ids: jax.Array | None = None, fused: bool = True,
+                     kernel: str = "auto", batch_axes=None) -> jax.Array:
   """Causal grouped-query attention, blockwise (online softmax): no `[T, T]` tensor.
 
   q: `[B, T, N, D]` ALREADY SCALED by 1/sqrt(D) (in the compute dtype, as the decode path
@@ -102,9 +109,20 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = DEFA
   accumulation), the float32 sum divided out at the end. Memory O(C^2) per head group per
   block, O(T) saved for the backward pass (a hand-written blockwise gradient, `_flash`).
 
-  fused: on a GPU backend with a 16-bit dtype, use cuDNN's fused causal kernel
-  (`jax.nn.dot_product_attention(implementation="cudnn")`: the same blockwise algorithm with
-  its own block sizes). Everywhere else (CPU, TPU, float32) the pure-JAX path runs, unless:
+  segment_ids: None (one sequence per row: the code above, nothing added), or `[B, T]` int,
+  packed rows: query i attends key j iff j <= i and `segment_ids[b, i] == segment_ids[b, j]`.
+  Each segment must be one contiguous run of positions (an id is not reused further along
+  the row; the packer's rows: ids increasing, trailing padding as a segment of its own, id 0,
+  which attends only to itself). Scores are masked by segment in every visited block, and
+  key blocks that end before the start of the segment of a query block's first query are
+  skipped, not masked (`_first_key_blocks`), forward and backward; the rows run one at a time
+  (`lax.map`, so each row skips its own blocks; under a mesh each device maps over its own
+  rows, `batch_axes`).
+
+  fused: on a GPU backend with a 16-bit dtype and no segment_ids, use cuDNN's fused causal
+  kernel (`jax.nn.dot_product_attention(implementation="cudnn")`: the same blockwise
+  algorithm with its own block sizes; it takes no segment ids). Everywhere else (CPU, TPU,
+  float32, packed rows) the pure-JAX path runs, unless:
 
   kernel: a `config.model.attention_kernel` value (`attention_impl`); "pallas" (TPU, and
   "auto" on TPU) or "pallas_interpret": the splash kernel instead
@@ -116,18 +134,28 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = DEFA
   b, t, n, d = q.shape
   kv = k.shape[2]
   impl = attention_impl(kernel)
+  heads = _axes_dividing(("tensor",), kv)  # under a mesh: the kernels' heads over "tensor"
   if impl != "xla":
     from oapl_jax.models.pallas_attention import splash_causal_attention  # noqa: PLC0415
-    spec = P(batch_axes, None, _axes_dividing(("tensor",), kv), None)
-    return _over_mesh(functools.partial(splash_causal_attention, interpret=impl == "pallas_interpret"),
-                      (spec, spec, spec), spec)(q, k, v)
-  if fused and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+    spec = P(batch_axes, None, heads, None)
+    fn = functools.partial(splash_causal_attention, interpret=impl == "pallas_interpret")
+    if segment_ids is None:
+      return _over_mesh(fn, (spec, spec, spec), spec)(q, k, v)
+    return _over_mesh(fn, (spec, spec, spec, P(batch_axes, None)), spec)(q, k, v, segment_ids)
+  if (fused and segment_ids is None and jax.default_backend() == "gpu"
+      and q.dtype in (jnp.bfloat16, jnp.float16)):
     return jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation="cudnn")
   c = min(block, t)
   # head-major once per layer (the blocks' products then need no transposes; below)
   q = q.reshape(b, t, kv, n // kv, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
   k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-  out = _flash(q, k, v, c)  # [B, K, G, T, D]
+  if segment_ids is None:
+    out = _flash(q, k, v, None, c)  # [B, K, G, T, D]
+  else:
+    rows = functools.partial(_flash_by_row, c=c)
+    q_spec, kv_spec = P(batch_axes, heads, None, None, None), P(batch_axes, heads, None, None)
+    out = _over_mesh(rows, (q_spec, kv_spec, kv_spec, P(batch_axes, None)), q_spec)(
+        q, k, v, segment_ids.astype(jnp.int32))  # [B, K, G, T, D]
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
 
 
@@ -158,34 +186,84 @@ def _block(x: jax.Array, i, c: int) -> jax.Array:
 
 
 def _scores(qi: jax.Array, kj: jax.Array, mask: jax.Array | None) -> jax.Array:
-  """qi `[B, K, G, Cq, D]`, kj `[B, K, Ck, D]` -> `[B, K, G, Cq, Ck]` float32; -inf off `mask`."""
+  """qi `[B, K, G, Cq, D]`, kj `[B, K, Ck, D]` -> `[B, K, G, Cq, Ck]` float32; -inf off `mask`
+  (any shape broadcasting to the scores': `[Cq, Ck]`, or `[B, 1, 1, Cq, Ck]` by segment)."""
   s = jnp.einsum("bkgqd,bkcd->bkgqc", qi, kj, preferred_element_type=jnp.float32)
   return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
-def _flash_forward(q, k, v, c: int):
-  """q `[B, K, G, T, D]`, k, v `[B, K, T, D]`. Returns out `[B, K, G, T, D]` (q's dtype) and
-  the float32 log-sum-exp of each query's scores `[B, K, G, T]`.
+# --- Packed rows: segment masks and the key blocks a query block can skip ------------------
+
+
+def _same_segment(seg_q: jax.Array, seg_k: jax.Array) -> jax.Array:
+  """seg_q `[B, Cq]`, seg_k `[B, Ck]` -> `[B, 1, 1, Cq, Ck]` bool: the query's and the key's
+  segments are equal (the scores' mask, broadcast over heads)."""
+  return (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]
+
+
+def _and(mask: jax.Array | None, seg_mask: jax.Array | None) -> jax.Array | None:
+  """Both masks (either may be None: no mask)."""
+  if seg_mask is None:
+    return mask
+  return seg_mask if mask is None else mask & seg_mask
+
+
+def _first_key_blocks(seg: jax.Array, c: int) -> jax.Array:
+  """`[ceil(T / c)]` int32: for each query block of c positions, the first key block any of
+  its queries may see: the block holding the start of the segment of its first query
+  (segments are contiguous runs, so its later queries' segments start no earlier), the
+  smallest over rows. Key blocks before it lie wholly in other segments of every row: skipped.
+
+  seg `[B, T]` int (`causal_attention`'s segment_ids)."""
+  b, t = seg.shape
+  new_run = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)  # [B, T]
+  start = jax.lax.cummax(jnp.where(new_run, jnp.arange(t), 0), axis=1)  # [B, T] its segment's first position
+  return (start[:, ::c].min(0) // c).astype(jnp.int32)  # [ceil(T / c)]
+
+
+# The running max's start of the online softmax: -inf without segments (every visited key block
+# holds keys each query sees); with segments a query may meet a key block holding none of its own
+# segment (all its scores -inf), and a finite start keeps exp(m - m_new) = exp(0) there, not NaN.
+def _max_init(seg) -> float:
+  return -jnp.inf if seg is None else float(jnp.finfo(jnp.float32).min)
+
+
+def _flash_forward(q, k, v, seg, c: int):
+  """q `[B, K, G, T, D]`, k, v `[B, K, T, D]`, seg None or segment ids `[B, T]` int32
+  (`causal_attention`). Returns out `[B, K, G, T, D]` (q's dtype) and the float32
+  log-sum-exp of each query's scores `[B, K, G, T]`.
 
   T = nb * c + r: nb whole blocks of c positions, then (r > 0) one short last block of r
   positions, whose queries see the nb whole key blocks and an r x r diagonal block (nothing
-  padded: padding T up to a multiple of c cost up to twice the pairs, e.g. 2080 -> 2560)."""
+  padded: padding T up to a multiple of c cost up to twice the pairs, e.g. 2080 -> 2560).
+  Query block i visits key blocks first..i-1 and its diagonal block: first = 0, or with
+  segments `_first_key_blocks`."""
   b, kv, g, t, d = q.shape
   nb, r = divmod(t, c)
+  first = None if seg is None else _first_key_blocks(seg, c)  # [nb + (r > 0)]
+  seg_block = lambda lo, n: jax.lax.dynamic_slice_in_dim(seg, lo, n, axis=1)  # noqa: E731  [B, n]
 
   def attend(qi, i, kd, vd):
-    """Queries qi `[B, K, G, Q, D]` against key blocks 0..i-1 (whole) and the Q diagonal
-    keys kd, vd `[B, K, Q, D]` (causal mask). -> out `[B, K, G, Q, D]`, lse `[B, K, G, Q]`."""
+    """Queries qi `[B, K, G, Q, D]` (positions i*c..i*c+Q-1) against key blocks first..i-1
+    (whole) and the Q diagonal keys kd, vd `[B, K, Q, D]` (causal mask).
+    -> out `[B, K, G, Q, D]`, lse `[B, K, G, Q]`."""
+    rows = qi.shape[3]
+    seg_i = None if seg is None else seg_block(i * c, rows)  # [B, Q]
+
     def step(carry, kj, vj, mask=None):
       pv = lambda p: jnp.einsum("bkgqc,bkcd->bkgqd", p.astype(vj.dtype), vj,
                                 preferred_element_type=jnp.float32)
       return _online_update(carry, _scores(qi, kj, mask), pv)
 
-    rows = qi.shape[3]
-    init = (jnp.full((b, kv, g, rows), -jnp.inf), jnp.zeros((b, kv, g, rows)),
+    def off_diagonal(j, carry):
+      seg_mask = None if seg is None else _same_segment(seg_i, seg_block(j * c, c))
+      return step(carry, _block(k, j, c), _block(v, j, c), seg_mask)
+
+    init = (jnp.full((b, kv, g, rows), _max_init(seg)), jnp.zeros((b, kv, g, rows)),
             jnp.zeros((b, kv, g, rows, d)))
-    carry = jax.lax.fori_loop(0, i, lambda j, cr: step(cr, _block(k, j, c), _block(v, j, c)), init)
-    m, l, acc = step(carry, kd, vd, jnp.tril(jnp.ones((rows, rows), bool)))
+    carry = jax.lax.fori_loop(0 if seg is None else first[i], i, off_diagonal, init)
+    diagonal = jnp.tril(jnp.ones((rows, rows), bool))
+    m, l, acc = step(carry, kd, vd, _and(diagonal, None if seg is None else _same_segment(seg_i, seg_i)))
     return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
   outs, lses = [], []
@@ -201,42 +279,49 @@ def _flash_forward(q, k, v, c: int):
   return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q, k, v, c: int):
-  """Blockwise causal attention `_flash_forward` (out only) with a blockwise gradient."""
-  return _flash_forward(q, k, v, c)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, seg, c: int):
+  """Blockwise causal attention `_flash_forward` (out only) with a blockwise gradient; seg:
+  None, or segment ids `[B, T]` int32 (no gradient)."""
+  return _flash_forward(q, k, v, seg, c)[0]
 
 
-def _flash_fwd(q, k, v, c: int):
-  out, lse = _flash_forward(q, k, v, c)
-  return out, (q, k, v, out, lse)
+def _flash_fwd(q, k, v, seg, c: int):
+  out, lse = _flash_forward(q, k, v, seg, c)
+  return out, (q, k, v, seg, out, lse)
 
 
 def _flash_bwd(c: int, res, d_out):
   """FlashAttention-2's backward: probabilities recomputed block by block from the saved
   log-sum-exp; dq per query block, dk / dv accumulated in float32 over query blocks (the
-  forward pass's blocks: nb whole ones, then the short last one).
+  forward pass's blocks: nb whole ones, then the short last one; with segments, the same key
+  blocks skipped and the same masks).
 
   dk and dv are accumulated transposed, `[B, K, D, T]`: their block products then contract
   the probabilities `[B, K, G, Q, C]` over (G, Q) where they lie (`d_out^T p`), and XLA:CPU
   transposes the small `[G*Q, D]` operand instead of copying p and ds in every block pair;
   one transpose of dk, dv at the end (the train step 10-14% faster at 8 x 2080 tokens and
   about 10% at 8 x 544, unchanged within noise at 160; equal to float32 rounding)."""
-  q, k, v, out, lse = res
+  q, k, v, seg, out, lse = res
   t = q.shape[3]
   nb, r = divmod(t, c)
+  first = None if seg is None else _first_key_blocks(seg, c)  # [nb + (r > 0)]
   delta = jnp.einsum("bkgtd,bkgtd->bkgt", d_out.astype(jnp.float32), out.astype(jnp.float32))  # [B, K, G, T]
 
   def grads(lo, rows, i, dkt, dvt):
-    """Queries [lo, lo + rows) against key blocks 0..i-1 and their diagonal block: dq of those
-    rows `[B, K, G, rows, D]` float32, dk and dv transposed `[B, K, D, T]` float32 accumulated."""
+    """Queries [lo, lo + rows) against key blocks first..i-1 and their diagonal block: dq of
+    those rows `[B, K, G, rows, D]` float32, dk and dv transposed `[B, K, D, T]` float32
+    accumulated."""
     part = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, rows, axis=3)  # noqa: E731
     qi, doi = part(q), part(d_out)  # [B, K, G, rows, D]
     lse_i, delta_i = part(lse)[..., None], part(delta)[..., None]  # [B, K, G, rows, 1]
+    seg_i = None if seg is None else jax.lax.dynamic_slice_in_dim(seg, lo, rows, axis=1)  # [B, rows]
 
     def step(carry, k_lo, n, mask=None):  # keys [k_lo, k_lo + n)
       dqi, dkt, dvt = carry
       kj, vj = (jax.lax.dynamic_slice_in_dim(x, k_lo, n, axis=2) for x in (k, v))  # [B, K, n, D]
+      if seg is not None:
+        mask = _and(mask, _same_segment(seg_i, jax.lax.dynamic_slice_in_dim(seg, k_lo, n, axis=1)))
       p = jnp.exp(_scores(qi, kj, mask) - lse_i)  # [B, K, G, rows, n]
       dp = jnp.einsum("bkgqd,bkcd->bkgqc", doi, vj, preferred_element_type=jnp.float32)
       ds = (p * (dp - delta_i)).astype(q.dtype)
@@ -247,7 +332,7 @@ def _flash_bwd(c: int, res, d_out):
           acc, jax.lax.dynamic_slice_in_dim(acc, k_lo, n, axis=3) + x, k_lo, axis=3)
       return dqi, add(dkt, dkt_j), add(dvt, dvt_j)
 
-    carry = jax.lax.fori_loop(0, i, lambda j, cr: step(cr, j * c, c),
+    carry = jax.lax.fori_loop(0 if seg is None else first[i], i, lambda j, cr: step(cr, j * c, c),
                               (jnp.zeros(qi.shape, jnp.float32), dkt, dvt))
     return step(carry, lo, rows, jnp.tril(jnp.ones((rows, rows), bool)))
 
@@ -262,10 +347,18 @@ def _flash_bwd(c: int, res, d_out):
   if r:
     dqi, dkt, dvt = grads(nb * c, r, nb, dkt, dvt)
     dq = jax.lax.dynamic_update_slice_in_dim(dq, dqi, nb * c, axis=3)
-  return dq.astype(q.dtype), dkt.swapaxes(2, 3).astype(k.dtype), dvt.swapaxes(2, 3).astype(v.dtype)
+  return (dq.astype(q.dtype), dkt.swapaxes(2, 3).astype(k.dtype), dvt.swapaxes(2, 3).astype(v.dtype),
+          None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _flash_by_row(q, k, v, seg, c: int):
+  """`_flash` with segment ids, one row at a time (`lax.map` over B): each row's loops start
+  at its own first key blocks (a batched loop would start at the smallest over rows).
+  q `[B, K, G, T, D]`, k, v `[B, K, T, D]`, seg `[B, T]` int32 -> `[B, K, G, T, D]`."""
+  return jax.lax.map(lambda row: _flash(*(x[None] for x in row), c)[0], (q, k, v, seg))
 
 
 # --- Attention of one query over a KV cache (the decode step) -----------------------------

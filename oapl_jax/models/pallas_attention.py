@@ -7,7 +7,12 @@
   the padded queries' outputs dropped. No segment ids are needed for that padding: under the
   causal mask every real query (position < T) sees only keys at positions <= its own, never
   the padding behind it (nor the right-padding of a shorter row, which the blockwise path
-  does not mask either: the same numbers). GQA: the splash MHA kernel maps query head n to
+  does not mask either: the same numbers). Packed rows (`segment_ids`) go to the kernel as its
+  `SegmentIds(q=..., kv=...)` (it ands them with the causal mask); the kernel's padding gets
+  the segment id -1, which no real position has (ids are >= 0), so the padded queries attend
+  only to padding (each to itself at least: no empty softmax, no NaN in their rows, whose
+  gradients are zero). The kernel skips blocks by its static (causal) mask only; segment ids
+  mask inside the blocks it visits. GQA: the splash MHA kernel maps query head n to
   key/value head n // (N / K), the order of `causal_attention`'s heads.
 * `decode_attention(q, k_cache, v_cache, positions, chunk)`: the engine's attention of one
   query per row over the KV cache, a small Pallas kernel of this project's own. JAX's
@@ -57,11 +62,13 @@ def splash_block(t: int) -> tuple[int, int]:
   return tp, next(c for c in SPLASH_BLOCKS if tp % c == 0)
 
 
-def splash_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+def splash_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                            segment_ids: jax.Array | None = None, *,
                             interpret: bool = False) -> jax.Array:
   """`attention.causal_attention` through the splash kernel.
 
-  q: `[B, T, N, D]` already scaled by 1/sqrt(D); k, v: `[B, T, K, D]`, N a multiple of K.
+  q: `[B, T, N, D]` already scaled by 1/sqrt(D); k, v: `[B, T, K, D]`, N a multiple of K;
+  segment_ids: None, or `[B, T]` int >= 0 (packed rows: attention within a segment only).
   Returns `[B, T, N, D]` in q's dtype; differentiable (the kernel's own backward).
   """
   b, t, n, d = q.shape
@@ -75,7 +82,13 @@ def splash_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   def heads_major(x):  # [B, T, H, D] -> [B, H, Tp, D], zeros after position T
     return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
-  out = jax.vmap(kernel)(heads_major(q), heads_major(k), heads_major(v))  # [B, N, Tp, D]
+  q, k, v = heads_major(q), heads_major(k), heads_major(v)  # [B, H, Tp, D]
+  if segment_ids is None:
+    out = jax.vmap(kernel)(q, k, v)  # [B, N, Tp, D]
+  else:
+    seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, tp - t)), constant_values=-1)  # [B, Tp]
+    out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(q=s, kv=s)))(
+        q, k, v, seg)  # [B, N, Tp, D]
   return out.transpose(0, 2, 1, 3)[:, :t]
 
 

@@ -10,7 +10,9 @@ engine's KV cache in `kv_cache.py`.
 
 Entry points (all share every weight and every layer):
 * `model(tokens)` — full causal forward pass, logits `[B, T, V]` (training, log-probs).
-  With `return_kv=True` it also returns each layer's keys and values. Attention is
+  With `return_kv=True` it also returns each layer's keys and values. With
+  `segment_ids` `[B, T]` (and positions restarting in each segment) a row holds several
+  sequences packed back to back, attention never crossing a segment (the trainer's packed rows). Attention is
   blockwise (`attention.causal_attention`: online softmax over blocks of `attn_block`
   positions, blocks above the causal diagonal skipped, no `[T, T]` tensor, a blockwise custom
   gradient; on TPU the Pallas splash kernel, `ModelConfig.attention_kernel`), and each transformer block runs under a remat policy (`REMAT_POLICIES`: "none" /
@@ -286,10 +288,11 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, rope_cs, attn_block: int, rows=None):
+  def __call__(self, x, rope_cs, attn_block: int, rows=None, segment_ids=None):
     """Causal pass over x `[B, T, E]`; rope_cs: `rope_tables` of the positions; attention in
     blocks of `attn_block` positions (`causal_attention`). rows: optional sharding of the
-    rows of `[B, T, E]` activations (see `Transformer.__call__`).
+    rows of `[B, T, E]` activations (see `Transformer.__call__`); segment_ids: None or
+    `[B, T]` int32, packed rows (attention within a segment only; `Transformer.__call__`).
 
     Returns (x, (k, v)), k, v `[B, T, K, D]`.
     """
@@ -297,8 +300,8 @@ class Block(nnx.Module):
     q, k, v = self.attn.project_qkv(self.input_norm(x), rope_cs)  # [B, T, N|K, D]
     q = q * q.shape[-1] ** -0.5  # in the compute dtype, as `decode` scales it
     batch_axes = None if rows is None else getattr(rows, "spec", rows)[0]  # the Pallas kernel's rows
-    out = causal_attention(q, k, v, attn_block, kernel=self.attn.cfg.attention_kernel,
-                           batch_axes=batch_axes)  # [B, T, N, D]
+    out = causal_attention(q, k, v, attn_block, segment_ids=segment_ids,
+                           kernel=self.attn.cfg.attention_kernel, batch_axes=batch_axes)  # [B, T, N, D]
     x = pin(x + pin(self.attn.output(out)))
     x = pin(x + pin(self.mlp(self.post_attn_norm(x))))
     return x, (k, v)
@@ -314,9 +317,10 @@ REMAT_POLICIES = {
 
 
 def _scan_blocks(layers: list[Block], x, rope_cs, attn_block: int, remat: str, rows=None,
-                 return_kv: bool = True):
+                 return_kv: bool = True, segment_ids=None):
   """The blocks over x `[B, T, E]` as one `lax.scan` over their weights, each step one block
-  under `jax.checkpoint(policy=REMAT_POLICIES[remat])`.
+  under `jax.checkpoint(policy=REMAT_POLICIES[remat])`; rope_cs, rows, segment_ids: as `Block`
+  takes them.
 
   The weights are cast to x's dtype (the compute dtype: every block rounds its weights to it
   before use, so the numbers are those of the plain loop) and stacked, `[L, ...]` per weight.
@@ -329,12 +333,12 @@ def _scan_blocks(layers: list[Block], x, rope_cs, attn_block: int, remat: str, r
   if remat == "full" and not return_kv:  # the trainer's memory-lean path (below)
     splits = [_split_trainable(layer) for layer in layers]
     return _full_remat_scan((splits[0][0], attn_block, rows), x, [s[1] for s in splits],
-                            [s[2] for s in splits], rope_cs), []
+                            [s[2] for s in splits], rope_cs, segment_ids), []
   states = [jax.tree.map(lambda w: w.astype(x.dtype), nnx.state(layer)) for layer in layers]
   stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *states)  # [L, ...] per weight
 
   def step(x, state):
-    x, kv = nnx.merge(graphdef, state)(x, rope_cs, attn_block, rows)
+    x, kv = nnx.merge(graphdef, state)(x, rope_cs, attn_block, rows, segment_ids)
     return x, (kv if return_kv else None)
 
   x, kvs = jax.lax.scan(jax.checkpoint(step, policy=REMAT_POLICIES[remat]), x, stacked)
@@ -375,37 +379,38 @@ def _split_trainable(layer: Block):
   return graphdef, weights, adapters
 
 
-def _apply_block(static, x, state, frozen, rope_cs):
+def _apply_block(static, x, state, frozen, rope_cs, segment_ids):
   graphdef, attn_block, rows = static
-  return nnx.merge(graphdef, state, frozen)(x, rope_cs, attn_block, rows)[0]
+  return nnx.merge(graphdef, state, frozen)(x, rope_cs, attn_block, rows, segment_ids)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _full_remat_scan(static, x, states, frozen, rope_cs):
+def _full_remat_scan(static, x, states, frozen, rope_cs, segment_ids):
   """x `[B, T, E]` through the blocks `states` + `frozen` (lists over layers of weight states,
   any dtype, used in x's dtype; `_split_trainable`: the backward computes gradients of `states`
-  only, `frozen`'s are zeros); static: (graphdef, attn_block, rows). Returns x after the last
-  block."""
-  return _full_remat_fwd(static, x, states, frozen, rope_cs)[0]
+  only, `frozen`'s are zeros); static: (graphdef, attn_block, rows); segment_ids: None or
+  `[B, T]` int32 (no gradient). Returns x after the last block."""
+  return _full_remat_fwd(static, x, states, frozen, rope_cs, segment_ids)[0]
 
 
-def _full_remat_fwd(static, x, states, frozen, rope_cs):
+def _full_remat_fwd(static, x, states, frozen, rope_cs, segment_ids):
   bits, frozen_bits = _stack_bits(states, x.dtype), _stack_bits(frozen, x.dtype)
-  step = lambda x, b: (_apply_block(static, x, *_from_bits(b, x.dtype), rope_cs), x)  # noqa: E731
+  step = lambda x, b: (_apply_block(static, x, *_from_bits(b, x.dtype), rope_cs, segment_ids), x)  # noqa: E731
   y, inputs = jax.lax.scan(step, x, (bits, frozen_bits))  # inputs: [L, B, T, E], each block's input
   dtypes = jax.tree.map(lambda w: jnp.zeros((), w.dtype), states[0])  # the master dtypes
   zeros = jax.tree.map(lambda w: jnp.zeros((), w.dtype), frozen)  # the frozen weights' (no) gradients
-  return y, (bits, frozen_bits, inputs, rope_cs, dtypes, zeros)
+  return y, (bits, frozen_bits, inputs, rope_cs, segment_ids, dtypes, zeros)
 
 
 def _full_remat_bwd(static, residuals, dy):
-  bits, frozen_bits, inputs, rope_cs, dtypes, zeros = residuals
+  bits, frozen_bits, inputs, rope_cs, segment_ids, dtypes, zeros = residuals
   dtype = inputs.dtype
 
   def step(dy, xs):
     b, f, x = xs
     frozen = _from_bits(f, dtype)
-    _, vjp = jax.vjp(lambda x, w: _apply_block(static, x, w, frozen, rope_cs), x, _from_bits(b, dtype))
+    _, vjp = jax.vjp(lambda x, w: _apply_block(static, x, w, frozen, rope_cs, segment_ids), x,
+                     _from_bits(b, dtype))
     dx, dw = vjp(dy)
     return dx, jax.tree.map(_as_bits, dw)
 
@@ -415,7 +420,7 @@ def _full_remat_bwd(static, residuals, dy):
              for i in range(inputs.shape[0])]
   dfrozen = [jax.tree.map(lambda z, w: jnp.broadcast_to(z, w.shape[1:]), z, frozen_bits)
              for z in zeros]
-  return dx, dstates, dfrozen, jax.tree.map(jnp.zeros_like, rope_cs)
+  return dx, dstates, dfrozen, jax.tree.map(jnp.zeros_like, rope_cs), None
 
 
 _full_remat_scan.defvjp(_full_remat_fwd, _full_remat_bwd)
@@ -462,11 +467,16 @@ class Transformer(nnx.Module):
     return jnp.dot(x, w, preferred_element_type=jnp.float32)  # [B, T, V] float32
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
-               return_kv: bool = False, attn_block: int | None = None, remat: str = "none",
-               rows=None):
+               segment_ids: jax.Array | None = None, return_kv: bool = False,
+               attn_block: int | None = None, remat: str = "none", rows=None):
     """Full causal forward pass.
 
     tokens: `[B, T]` int; positions: `[B, T]` (default `arange(T)`).
+    segment_ids: None (one sequence per row), or `[B, T]` int32 for packed rows (several
+    sequences back to back in a row): query i attends key j iff j <= i and both have the same
+    segment id; each segment a contiguous run (`attention.causal_attention`). The caller passes
+    positions restarting at 0 in each segment; then each segment's outputs are those of the
+    segment run alone (to float32 rounding: other block boundaries).
     attn_block: attention query/key block length (None: `DEFAULT_ATTN_BLOCK`; any value
     gives the same numbers up to float rounding); remat: what each block keeps for the
     backward pass, one of `REMAT_POLICIES` (the same numbers for every policy); rows: None, or
@@ -476,20 +486,22 @@ class Transformer(nnx.Module):
     Returns logits `[B, T, V]` float32, and with `return_kv` also a list over layers of
     (k, v), each `[B, T, K, D]`.
     """
-    x, kvs = self._hidden(tokens, positions, attn_block, remat, rows, return_kv)
+    x, kvs = self._hidden(tokens, positions, attn_block, remat, rows, return_kv, segment_ids)
     logits = self._logits(x)
     return (logits, kvs) if return_kv else logits
 
   def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None, *,
-                    attn_block: int | None = None, remat: str = "none", rows=None) -> jax.Array:
+                    segment_ids: jax.Array | None = None, attn_block: int | None = None,
+                    remat: str = "none", rows=None) -> jax.Array:
     """Final hidden states `[B, T, E]` (after the final norm, compute dtype): the logits are
     `hidden_states(tokens) @ head_matrix()` in float32 (the tiled log-prob kernel's input).
-    attn_block, remat, rows: as in `__call__`."""
-    return self.final_norm(self._hidden(tokens, positions, attn_block, remat, rows, False)[0])
+    segment_ids, attn_block, remat, rows: as in `__call__`."""
+    x = self._hidden(tokens, positions, attn_block, remat, rows, False, segment_ids)[0]
+    return self.final_norm(x)
 
   def _hidden(self, tokens: jax.Array, positions: jax.Array | None,
               attn_block: int | None = None, remat: str = "none", rows=None,
-              return_kv: bool = True):
+              return_kv: bool = True, segment_ids: jax.Array | None = None):
     """Causal pass up to (excluding) the final norm: x `[B, T, E]` and each layer's (k, v)
     (with remat other than "none", only if return_kv).
 
@@ -508,10 +520,10 @@ class Transformer(nnx.Module):
       rope_cs = rope_tables(positions, rope_frequencies(self.cfg))
     x = self._embed(tokens, rows)
     if remat != "none":
-      return _scan_blocks(list(self.layers), x, rope_cs, block, remat, rows, return_kv)
+      return _scan_blocks(list(self.layers), x, rope_cs, block, remat, rows, return_kv, segment_ids)
     kvs = []
     for layer in self.layers:
-      x, kv = layer(x, rope_cs, block, rows)
+      x, kv = layer(x, rope_cs, block, rows, segment_ids)
       kvs.append(kv)
     return x, kvs
 
