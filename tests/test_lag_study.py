@@ -752,3 +752,97 @@ def test_a_reduced_mix_study_runs_the_mixed_task_with_both_grpo_variants(tmp_pat
   from oapl_jax.studies.report import _unpaired_line
   extra = [dataclasses.replace(runs[0], method="oapl")]
   assert _unpaired_line(runs + extra, definitions.STUDIES["mix"].pairs)[0].startswith("**Not in the findings below: oapl**")
+
+
+# --- the mixed-task study's step 2 (issue 62) ----------------------------------------------------
+
+def _flat(tree, prefix=""):
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def _committed_config(name: str) -> dict:
+  path = layout.result_path(os.path.join(os.path.dirname(__file__), "..", "docs", "mix_study", "results"),
+                            layout.RUNS, name)
+  with open(path) as f:
+    return _flat(json.load(f)["summary"]["config"])
+
+
+# the search's choices the committed study runs had (docs/mix_study.md, "Settings search")
+_CHOSEN = {"oapl_tied": {"rl.beta1": 0.1, "train.lr": 1e-4},
+           "grpo_tis": {"rl.grpo.eps_low": 0.8, "rl.grpo.eps_high": 1.12, "train.lr": 1e-3},
+           "grpo_tis_async": {"rl.grpo.is_cap": 2.0, "train.lr": 3e-4}}
+
+
+def _changed(method: str, committed: str) -> dict:
+  """{setting: (the study run's, the variant's)} where the variant's config (L = 200, seed 0)
+  differs from that of committed study run `committed` (`<method>_lag200_seed0`) as the code
+  makes it now (settings the config gained or changed since then move both alike)."""
+  def flat(c):
+    return _flat(json.loads(json.dumps(c.to_dict())))
+  mine = flat(definitions.study_config(method, 200, 0, study="mix"))
+  theirs = flat(definitions.study_config(committed, 200, 0, study="mix", overrides=_CHOSEN[committed]))
+  ran = _committed_config(f"{committed}_lag200_seed0")  # the choice is what those runs had
+  assert {k: ran[k] for k in _CHOSEN[committed]} == _CHOSEN[committed]
+  assert set(mine) == set(theirs)
+  return {k: (theirs[k], mine[k]) for k in mine if mine[k] != theirs[k]}
+
+
+def test_step2_variants_change_only_their_own_settings_from_the_committed_study_runs():
+  """Each variant is a committed study run with only the settings issue 62 moves: its runs share
+  the study's bases, task, budget and evaluation."""
+  from oapl_jax.rl.names import beta2_of
+  assert _changed("oapl_b1", "oapl_tied") == {
+      "rl.beta1": (0.1, 1.0), "rl.beta2_rule": ("tied", "fixed")}  # beta2 0.1 and lr 1e-4 as tied's
+  assert _changed("oapl_b1_len", "oapl_tied") == {
+      "rl.beta1": (0.1, 1.0), "rl.beta2_rule": ("tied", "per_token")}
+  c = definitions.study_config("oapl_b1_len", 200, 0, study="mix")
+  assert beta2_of(c) == pytest.approx(16.384 / 46) and round(beta2_of(c), 3) == 0.356
+  assert _changed("grpo_tis_lr3e-4", "grpo_tis") == {"train.lr": (1e-3, 3e-4)}
+  assert _changed("grpo_tis_lr3e-4", "grpo_tis_async") == {
+      "rl.grpo.prox": ("previous_step", "snapshot"), "rl.grpo.eps_low": (0.2, 0.8), "rl.grpo.eps_high": (0.28, 1.12)}
+  # the labels name the lr the variant fixes; the study's methods keep theirs
+  label = definitions.method_label
+  assert label("grpo_tis_lr3e-4", c_dict := definitions.study_config("grpo_tis_lr3e-4", 10, 0, study="mix").to_dict()) == \
+      "GRPO+IS (token TIS, C=2, clip 0.8/1.12, lr 0.0003)"
+  assert label("grpo_tis", {**c_dict, "train": {**c_dict["train"], "lr": 1e-3}}) == "GRPO+IS (token TIS, C=2, clip 0.8/1.12)"
+  assert label("oapl_b1_len", c.to_dict()) == "OAPL (beta1=1, beta2=0.356, lr 0.0001)"
+  assert label("oapl_b1", definitions.study_config("oapl_b1", 10, 0, study="mix").to_dict()) == \
+      "OAPL (beta1=1, beta2=0.1, lr 0.0001)"
+
+
+def test_method_lags_give_a_method_its_own_lags_in_the_order_of_lags(monkeypatch):
+  args = lag_study._parse(["--study", "mix", "--out", "/tmp/x", "--methods", "oapl_b1", "oapl_b1_len",
+                           "grpo_tis_lr3e-4", "--lags", "200", "100", "50", "10", "--method-lags",
+                           "oapl_b1=200,100,50", "oapl_b1_len=50,100,200", "--seeds", "0", "1"])
+  assert args.method_lags == {"oapl_b1": (200, 100, 50), "oapl_b1_len": (50, 100, 200)}
+  seen = []
+  monkeypatch.setattr(runner, "_run_all", lambda out, todo, **kw: seen.extend(todo) or [])
+  runner.run_study("/tmp/x", methods=args.methods, lags=args.lags, seeds=args.seeds, method_lags=args.method_lags)
+  order = [(r.seed, r.lag, r.method) for r in seen]
+  seed0 = [(0, 200, "oapl_b1"), (0, 200, "oapl_b1_len"), (0, 200, "grpo_tis_lr3e-4"),
+           (0, 100, "oapl_b1"), (0, 100, "oapl_b1_len"), (0, 100, "grpo_tis_lr3e-4"),
+           (0, 50, "oapl_b1"), (0, 50, "oapl_b1_len"), (0, 50, "grpo_tis_lr3e-4"), (0, 10, "grpo_tis_lr3e-4")]
+  assert order == seed0 + [(1, lag, m) for _, lag, m in seed0]
+  # the step's plan in definitions: every variant's lags among the issue's
+  assert definitions.MIX_STEP2_LAGS == {"oapl_b1": (200, 100, 50), "oapl_b1_len": (200, 100, 50),
+                                        "grpo_tis_lr3e-4": (200, 100, 50, 10)}
+  # the report counts a seed done once it has the runs planned, each method at its own lags
+  from oapl_jax.studies.report import _seeds_line
+  runs = [_fake_run(m, lag, 0) for _, lag, m in seed0]
+  line = _seeds_line(runs, definitions.STUDIES["mix"], (args.methods, args.lags, args.method_lags))
+  assert "**Seeds done: 1 of the 3" in line and "all 10 (method, L) runs" in line
+
+
+@pytest.mark.parametrize("bad", [["--method-lags", "oapl_tied=200"],  # not among --methods
+                                 ["--method-lags", "oapl_b1=200,20"],  # 20 not among --lags
+                                 ["--method-lags", "oapl_b1:200"]])  # not METHOD=L,L
+def test_bad_method_lags_are_refused(bad, capsys):
+  with pytest.raises(SystemExit) as e:
+    lag_study._parse(["--study", "mix", "--out", "/tmp/x", "--methods", "oapl_b1", "--lags", "200", "100", *bad])
+  assert e.value.code == 2 and "--method-lags" in capsys.readouterr().err

@@ -32,7 +32,30 @@ METHODS: dict[str, tuple[str, dict]] = {
     "oapl_per_token": ("OAPL, per-token beta2 (beta1=1, beta2=16.384/max_new_tokens)",
                        {"rl.loss": "oapl", "rl.beta1": 1.0, "rl.beta2_rule": "per_token",
                         "rl.beta2_per_token": 16.384}),
+    # The mixed-task study's step 2 (issue 62; docs/mix_study.md, "Step 2"): each a fixed setting
+    # (no search), lr included, beside the study's three. OAPL at the paper's beta1 = 1 with
+    # beta2 = 0.1, whose correct answers' targets (R - V_hat) / beta2 reach 8 nats per refresh
+    # (tied's: at most log G = 2.08); its control with the paper's per-token beta2
+    # (16.384 / sampling.max_new_tokens: 0.356 on the mixed task), whose largest correct-answer
+    # target is 2.26 nats, about tied's; GRPO+IS at the chosen clip with the asynchronous
+    # GRPO+TIS's lr 3e-4 (the search's near-tie with its chosen 1e-3), so the two GRPO rows
+    # differ by their anchor alone.
+    "oapl_b1": ("OAPL (beta1=1, beta2=0.1, lr 1e-4)",
+                {"rl.loss": "oapl", "rl.beta1": 1.0, "rl.beta2": 0.1, "rl.beta2_rule": "fixed",
+                 "train.lr": 1e-4}),
+    "oapl_b1_len": ("OAPL (beta1=1, per-token beta2=16.384/max_new_tokens, lr 1e-4)",
+                    {"rl.loss": "oapl", "rl.beta1": 1.0, "rl.beta2_rule": "per_token",
+                     "rl.beta2_per_token": 16.384, "train.lr": 1e-4}),
+    "grpo_tis_lr3e-4": ("GRPO+IS (token TIS, C=2, clip 0.8/1.12, lr 3e-4)",
+                        {"rl.loss": "grpo", "rl.grpo.is_level": "token", "rl.grpo.is_mode": "truncate",
+                         "rl.grpo.is_cap": 2.0, "rl.grpo.eps_low": 0.8, "rl.grpo.eps_high": 1.12,
+                         "train.lr": 3e-4}),
 }
+# Step 2 of the mixed-task study (issue 62): each variant's lags (`--method-lags`), in the order
+# its runs go (the longest lag first: the prediction is read there first). GRPO+IS at lr 3e-4 and
+# L = 1 is the asynchronous GRPO+TIS's run (one algorithm at L = 1), so it has no L = 1 run.
+MIX_STEP2_LAGS = {"oapl_b1": (200, 100, 50), "oapl_b1_len": (200, 100, 50),
+                  "grpo_tis_lr3e-4": (200, 100, 50, 10)}
 # The methods a study runs unless told (`--methods`): the lag studies' three. The others are
 # for the reachable-targets experiment and the studies to come (issue 41).
 DEFAULT_METHODS = ("oapl", "oapl_paper_betas", "grpo_tis")
@@ -120,13 +143,15 @@ def method_label(method: str, config: dict) -> str:
   """A method's name in reports, with the settings its runs had (`config`: a summary's config);
   METHODS' label where the config lacks them."""
   rl = config.get("rl", {})
+  # a method whose own settings fix the lr (a variant beside a searched method): the lr too
+  lr = f", lr {config['train']['lr']:g}" if "train.lr" in METHODS.get(method, ("", {}))[1] and "lr" in config.get("train", {}) else ""
   if method.startswith("oapl") and {"beta1", "beta2"} <= set(rl):
     beta2 = beta2_of(config) if "sampling" in config else rl["beta2"]  # as its rule resolved it
-    return f"OAPL (beta1={rl['beta1']:g}, beta2={beta2:.3g})"
+    return f"OAPL (beta1={rl['beta1']:g}, beta2={beta2:.3g}{lr})"
   g = rl.get("grpo", {})
   if method.startswith("grpo_tis") and {"is_cap", "eps_low", "eps_high"} <= set(g):
     name = "async GRPO+TIS" if g.get("prox") == "previous_step" else "GRPO+IS"
-    return f"{name} (token TIS, C={g['is_cap']:g}, clip {g['eps_low']:g}/{g['eps_high']:g})"
+    return f"{name} (token TIS, C={g['is_cap']:g}, clip {g['eps_low']:g}/{g['eps_high']:g}{lr})"
   return METHODS[method][0]
 
 

@@ -31,6 +31,9 @@ holds is skipped, and a process that ends with such runs left exits with code 4 
 once they finish). So does one that ends the search's first lag while the other still makes
 some of its runs: the later lags' runs follow from its scores. Given the same `--seeds`, two
 processes share the study's runs seed by seed, so the first seeds finish first.
+`--method-lags METHOD=L,L,...` gives a method its own lags among `--lags` (a study step whose
+variants run at different lags: docs/mix_study.md, "Step 2"); the runs still go seed by seed,
+lag by lag in `--lags` order.
 `--save-results` copies the finished runs' small results (results.compact: kilobytes each)
 from `--out` into `--results`, to be committed.
 From Python: `run_study(...)`, then `write_report(...)`.
@@ -108,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
                  help="default: the study's (STUDIES[...].methods)")
   p.add_argument("--lags", nargs="+", type=int, default=None, help="default: the study's")
+  p.add_argument("--method-lags", nargs="+", default=[], metavar="METHOD=L,L,...",
+                 help="a method's own lags, among --lags (e.g. oapl_b1=200,100,50); the others run "
+                      "at every --lags; the runs still go in the order of --lags")
   p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
   p.add_argument("--search", action="store_true",
                  help="pick each method's settings first by the joint search (search.study_grid)")
@@ -146,6 +152,7 @@ def _parse(argv) -> argparse.Namespace:
     args.sweep_lags = list(search_lib.SEARCH_LAGS) if args.search else [10]
   if any(l < 1 for l in args.lags + args.sweep_lags):
     p.error("--lags and --sweep-lags must be >= 1")
+  args.method_lags = dict(_method_lags(p, args, x) for x in args.method_lags)
   if searching and args.sweep_seed in args.seeds:
     p.error(f"--sweep-seed={args.sweep_seed} is one of --seeds: the search needs a separate seed")
   if args.sweep_lrs and any(lr <= 0 for lr in args.sweep_lrs):
@@ -161,6 +168,21 @@ def _parse(argv) -> argparse.Namespace:
     args.grid = search_lib.lr_grid(args.methods, args.sweep_lrs) if args.sweep_lrs else None
   args.beyond = [_edge_check(p, args, x) for x in args.beyond]
   return args
+
+
+def _method_lags(p, args, text: str) -> tuple[str, tuple[int, ...]]:
+  """A `--method-lags` METHOD=L,L,... as (method, lags), checked: a method of --methods, lags
+  among --lags (a lag outside them would never run)."""
+  method, _, lags = text.partition("=")
+  try:
+    picked = tuple(int(x) for x in lags.split(","))
+  except ValueError:
+    p.error(f"--method-lags {text}: expected METHOD=L,L,... with whole numbers, e.g. oapl_b1=200,100")
+  if method not in args.methods:
+    p.error(f"--method-lags {text}: {method!r} is not among --methods ({' '.join(args.methods)})")
+  if outside := [l for l in picked if l not in args.lags]:
+    p.error(f"--method-lags {text}: lags {outside} are not among --lags ({' '.join(map(str, args.lags))})")
+  return method, picked
 
 
 def _edge_check(p, args, text: str) -> tuple[str, str, float]:
@@ -194,7 +216,8 @@ def _run_pieces(args) -> int | None:
                        **common) if args.grid else None)
     elsewhere = None
     try:
-      run_study(args.out, methods=args.methods, lags=args.lags, seeds=args.seeds, settings=settings, **common)
+      run_study(args.out, methods=args.methods, lags=args.lags, seeds=args.seeds, settings=settings,
+                method_lags=args.method_lags, **common)
     except RunsElsewhere as e:  # the edge checks need the search only: make them meanwhile
       elsewhere = e
     if args.beyond:
@@ -234,7 +257,7 @@ def main(argv=None) -> int:
   report = args.report or os.path.join(args.out, "lag_study.md")
   try:
     written = write_report(args.out, report, command=command, study=args.study, results=args.results,
-                           planned=(args.methods, args.lags))
+                           planned=(args.methods, args.lags, args.method_lags))
     print(f"report: {written}")
   except FileNotFoundError as e:  # --report-only before any run finished
     print(f"error: {e}", file=sys.stderr)

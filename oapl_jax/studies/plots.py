@@ -84,7 +84,8 @@ def _passk_panel(ax, runs_by_method: dict, n_max: int) -> None:
   import matplotlib.ticker
   ks = np.arange(1, n_max + 1)
   # one colour per method (the lag studies' first three keep theirs)
-  method_colors = dict(zip(METHODS, ["tab:blue", "tab:green", "tab:red", "tab:orange", "tab:purple", "tab:brown"]))
+  method_colors = dict(zip(METHODS, ["tab:blue", "tab:green", "tab:red", "tab:orange", "tab:purple", "tab:brown",
+                                         "tab:pink", "tab:gray", "tab:olive"]))
   befores = {r.seed: r.passk("before", ks) for runs in runs_by_method.values() for r in runs}
   if befores:
     b = np.array(list(befores.values()))

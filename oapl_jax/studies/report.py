@@ -179,10 +179,12 @@ def _runs_line(results, spec) -> str:
 
 def _seeds_line(results, spec, planned=None) -> str:
   """How many of the launcher's seeds are done: a seed is done once it has a finished run of
-  every (method, lag) the command plans (`planned`: (methods, lags); None: every (method, lag)
-  that any finished run has); the seeds in progress with their runs."""
+  every (method, lag) the command plans (`planned`: (methods, lags) or (methods, lags, {method:
+  its own lags}); None: every (method, lag) that any finished run has); the seeds in progress
+  with their runs."""
   found = {(r.method, r.lag) for r in results}
-  pairs = {(m, lag) for m in planned[0] for lag in planned[1]} if planned else found
+  own = planned[2] if planned and len(planned) > 2 else {}
+  pairs = {(m, lag) for m in planned[0] for lag in own.get(m, planned[1])} if planned else found
   by_seed: dict[int, set] = {}
   for r in results:
     if (r.method, r.lag) in pairs:

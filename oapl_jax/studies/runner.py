@@ -165,14 +165,17 @@ def sweep(out: str, *, methods, lrs, lag: int, seed: int, **kwargs) -> dict[str,
 def run_study(out: str, *, methods=DEFAULT_METHODS, lags=DEFAULT_LAGS, seeds=DEFAULT_SEEDS,
               reduced: bool = False, overrides: dict | None = None, echo=print,
               study: str = "tiny", settings: dict[str, dict] | None = None,
-              deadline: float | None = None, results: str | None = None) -> list[str]:
+              deadline: float | None = None, results: str | None = None,
+              method_lags: dict | None = None) -> list[str]:
   """Runs every (seed, lag, method) not finished yet; returns the run folders.
 
   Seeds outermost, so a study stopped early has every method and lag for its first seeds.
   All runs of a seed share one warmed-up base model (`<out>/base_models`). settings: a method's
-  overrides chosen by `search` (others keep the config's); overrides: every run's.
+  overrides chosen by `search` (others keep the config's); overrides: every run's;
+  method_lags: a method's own lags ({method: lags}; a method not in it runs at every lag of
+  `lags`), run in the order of `lags`.
   """
   todo = [Run(s, l, m, {**(overrides or {}), **(settings or {}).get(m, {})})
-          for s in seeds for l in lags for m in methods]
+          for s in seeds for l in lags for m in methods if l in (method_lags or {}).get(m, lags)]
   return _run_all(out, todo, reduced=reduced, study=study, deadline=deadline, echo=echo,
                   results=results)
