@@ -106,3 +106,112 @@ def test_the_mix_report_carries_the_predictions_and_other_studies_do_not():
   assert "| async GRPO+TIS | 100 | 3 |" in mix and "15 of 30 |" in mix  # its zig-zag windows
   other = report_markdown([r for r in runs if r.method != ASYNC], study="reason", command="x", figures={})
   assert "registered predictions" not in other
+
+
+# --- step 2 (issue 62; oapl_jax/studies/step2.py) ------------------------------------------------
+
+from oapl_jax.studies import step2  # noqa: E402
+from oapl_jax.studies.step2 import ASYNC as S2_ASYNC, B1, B1_LEN, GRPO_3E4, TIED  # noqa: E402
+
+OPS = ("*", "+", "*", "-")  # the made-up runs' held-out problems: two of them "*"
+
+
+def _run2(method, lag, seed, last3=0.8, star=0.1, rise=0.3, zigzag=0.0, dips=()):
+  """A 1000-step run evaluated every 100 steps, pass@1 from 0.3 to `last3` at step 800 (`rise`:
+  the share of that climb made by step 100, so the area grows with it; `zigzag`: the evaluations
+  at steps 300, 500, 700, 900 that much lower; `dips`: the evaluations at these steps 0.2 lower);
+  at step 100 the "*" problems solved at `star`."""
+  curve = [0.3] + [0.3 + (last3 - 0.3) * (rise + (1 - rise) * min(i - 1, 7) / 7) for i in range(1, 11)]
+  curve = [c - zigzag * (i % 2) * (i > 1) - 0.2 * (100 * i in dips) for i, c in enumerate(curve)]
+  k = round(star * N)
+
+  def ev(i):
+    correct = [k, 10, k, 10] if i == 1 else [5, 5, 5, 5]
+    return {**_eval(correct), "pass@1": curve[i]}
+  summary = {"config": {"train": {"steps": 1000, "lr": 1e-4}, "seed": seed},
+             "eval_before": ev(0), "eval_after": ev(10),
+             "evals_during": [{"step": 100 * i, **ev(i), "samples_generated": 12800 * i} for i in range(1, 10)],
+             "samples_generated": 128000, "trainer_steps": 1000}
+  return results.RunResult(method, lag, seed, summary, [{"step": t, "entropy": 1.0} for t in range(1, 1001)], 60.0)
+
+
+def _step2(changes=None):
+  """The study's committed methods and step 2's variants, every step-2 prediction held unless
+  `changes` ({(method, lag): `_run2` keyword arguments}) says otherwise."""
+  changes = changes or {}
+  base = {TIED: {"last3": 0.76, "star": 0.12}, B1: {"last3": 0.82, "star": 0.5, "rise": 0.6},
+          B1_LEN: {"last3": 0.77, "star": 0.15}, GRPO: {"last3": 0.78, "rise": 0.1},
+          GRPO_3E4: {"last3": 0.84, "rise": 0.5}, S2_ASYNC: {"last3": 0.85, "rise": 0.5}}
+  lags = {TIED: (50, 100, 200), B1: (50, 100, 200), B1_LEN: (50, 100, 200), GRPO: (10, 50, 100, 200),
+          GRPO_3E4: (10, 50, 100, 200), S2_ASYNC: (10, 50, 100, 200)}
+  return [_run2(m, lag, s, **{**base[m], **changes.get((m, lag), {})}) for m in base for lag in lags[m] for s in range(3)]
+
+
+@pytest.fixture
+def made_up_tasks(monkeypatch):
+  monkeypatch.setattr(step2, "held_out_operations", lambda config: OPS)
+
+
+def _verdicts2(runs):
+  return {c.name.split(".")[0]: c.verdict for c in step2.claims(runs)}
+
+
+def test_step2_where_every_prediction_holds(made_up_tasks):
+  assert _verdicts2(_step2()) == {f"S2-{i}": HELD for i in range(1, 7)}
+
+
+@pytest.mark.parametrize("changes, name, verdict", [
+    ({(B1, 200): {"star": 0.3}}, "S2-1", MIXED),  # the rare skill not learnt in the first window
+    ({(B1, lag): {"rise": 0.3, "star": 0.3, "last3": 0.76} for lag in (50, 100, 200)}, "S2-1", NOT_HELD),  # as tied
+    ({(B1, 200): {"last3": 0.79}}, "S2-2", NOT_HELD),
+    ({(B1, 200): {"dips": (200, 600, 1000)}}, "S2-3", NOT_HELD),  # 2 windows of each run fall: a trade-off
+    ({(B1_LEN, 200): {"last3": 0.80}}, "S2-4", MIXED),  # the control ends 0.04 above tied
+    ({(GRPO_3E4, 100): {"last3": 0.80}}, "S2-5", MIXED),  # the anchor matters at L = 100
+    ({(GRPO_3E4, lag): {"rise": 0.05, "last3": 0.78} for lag in (100, 200)}, "S2-6", NOT_HELD),  # no faster
+])
+def test_a_step2_verdict_flips_with_its_figures(made_up_tasks, changes, name, verdict):
+  assert _verdicts2(_step2(changes))[name] == verdict
+
+
+def test_step2_counts_falls_both_ways_and_three_fallen_windows_are_mixed(made_up_tasks):
+  r = _run2(B1, 200, 0, zigzag=0.1)  # evaluations 300, 500, 700, 900 0.1 lower
+  assert step2.window_falls(r) == (0, 5)  # window ends (0, 200, ..., 1000) never fall
+  assert step2.eval_falls(r) == (4, 10)  # 200 -> 300, 400 -> 500, ...: 4 of the 10 pairs inside windows
+  r100 = _run2(B1, 100, 0, zigzag=0.1)
+  assert step2.eval_falls(r100) == step2.window_falls(r100) == (4, 10)  # at L = 100 the two coincide
+  assert step2.eval_falls(_run2(B1, 50, 0, zigzag=0.1))[1] == 0  # no two evaluations inside one window
+  # 3 fallen windows over the seeds: between "at most 2" and "more than 3"
+  runs = [r for r in _step2() if (r.method, r.lag) != (B1, 200)]
+  falls = [_run2(B1, 200, s, last3=0.82, star=0.5, rise=0.6) for s in range(3)]
+  for r in falls:  # one window (400 -> 600) falls in each seed
+    for e in r.summary["evals_during"]:
+      if e["step"] == 600:
+        e["pass@1"] -= 0.2
+  claim = {c.name.split(".")[0]: c for c in step2.claims(runs + falls)}["S2-3"]
+  assert [p.verdict for p in claim.parts] == [MIXED, HELD] and "3 of 15" in claim.parts[0].text
+
+
+def test_step2_reads_the_multiply_by_a_digit_problems_of_the_committed_runs():
+  """The held-out operations come from the run's task settings and seed: the issue's figures for
+  tied OAPL at L = 200, seed 0 ("*" 0.018 at the base, 0.081 at step 100)."""
+  import os
+  committed = os.path.join(os.path.dirname(__file__), "..", "docs", "mix_study", "results")
+  r = next(x for x in results.load_runs(None, results=committed) if (x.method, x.lag, x.seed) == (TIED, 200, 0))
+  ops = step2.held_out_operations(r.summary["config"])
+  assert len(ops) == 64 and {op: ops.count(op) for op in "+-*x"} == {"+": 13, "-": 14, "*": 19, "x": 18}
+  assert round(step2.op_pass1(r, 0), 3) == 0.018 and round(step2.op_pass1(r, 100), 3) == 0.081
+  assert step2.op_pass1(r, 150) is None
+
+
+def test_step2_has_no_section_without_its_runs_and_the_mix_report_carries_it(made_up_tasks):
+  study_only = [r for r in _step2() if r.method in (TIED, GRPO, S2_ASYNC)]
+  assert step2.section(study_only) == [] and step2.claims(study_only) == []
+  runs = _step2()
+  for r in runs:  # what report_markdown's tables read besides the predictions' figures
+    r.summary["config"].update(rl={"groups_per_step": 16, "group_size": 8}, task={"num_eval": 4},
+                               eval={"samples_per_problem": N})
+    r.summary["train_seconds"] = 5.0
+  text = report_markdown(runs, study="mix", command="cmd", figures={})
+  assert "## Step 2's registered predictions, checked" in text and "**S2-6. " in text
+  assert "| OAPL (beta1 = 1, beta2 = 0.1) | 200 | 3 |" in text
+  assert "| GRPO+IS (lr 3e-4) | 10 | 3 |" in text and "| async GRPO+TIS (lr 3e-4) | 10 | 3 |" in text

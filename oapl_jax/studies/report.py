@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from oapl_jax.studies import predictions
+from oapl_jax.studies import predictions, step2
 from oapl_jax.studies import search as search_lib
 from oapl_jax.studies.definitions import METHODS, STUDIES
 from oapl_jax.studies.stats import (
@@ -26,7 +26,7 @@ from oapl_jax.studies.stats import (
 from oapl_jax.studies.verdicts import restated
 
 # A study's registered predictions, checked (a function of its results -> the report's lines)
-PREDICTIONS = {"mix": predictions.section}
+PREDICTIONS = {"mix": lambda results: [*predictions.section(results), *step2.section(results)]}
 NOTES_BEGIN, NOTES_END = "<!-- notes: kept when the report is regenerated -->", "<!-- end notes -->"
 NO_NOTES = "_(no notes yet)_"
 
