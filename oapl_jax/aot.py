@@ -36,6 +36,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from oapl_jax import placement, sharding
@@ -248,11 +249,14 @@ def _trainer_programs(b: _Build) -> list[Program]:
     params = _sds(adapters, b.step.param_shardings)
     snapshot = _sds(adapters, b.step.param_shardings, jnp.dtype(config.model.dtype))
   rows, t = config.rl.groups_per_step * config.rl.group_size, seq_len(config)
-  micro = (tr.grad_accum, rows // tr.grad_accum)
-  batch = Batch(tokens=jax.ShapeDtypeStruct((*micro, t), jnp.int32),
-                mask=jax.ShapeDtypeStruct((*micro, t - 1), jnp.float32),
-                sampler_logprobs=jax.ShapeDtypeStruct((*micro, t - 1), jnp.float32),
-                rewards=jax.ShapeDtypeStruct(micro, jnp.float32))
+  if tr.packing:
+    batch = _packed_batch(config, rows, t)
+  else:
+    micro = (tr.grad_accum, rows // tr.grad_accum)
+    batch = Batch(tokens=jax.ShapeDtypeStruct((*micro, t), jnp.int32),
+                  mask=jax.ShapeDtypeStruct((*micro, t - 1), jnp.float32),
+                  sampler_logprobs=jax.ShapeDtypeStruct((*micro, t - 1), jnp.float32),
+                  rewards=jax.ShapeDtypeStruct(micro, jnp.float32))
   reference = params if uses_reference(config) else None
   opt_state = jax.eval_shape(b.step.optimizer.init, params)
   # pi_old is an argument only where the loss scores it (`losses.needs`): jit drops an argument
@@ -272,6 +276,18 @@ def _trainer_programs(b: _Build) -> list[Program]:
                              jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=b.step.replicated))
     out.append(b.compile("offline log-probs", "trainer", lowered, items["master weights"], None))
   return out
+
+
+def _packed_batch(config, answers: int, t: int):
+  """The abstract `PackedBatch` of a packed step (`rl.step.packing_shape`): K micro-batches of
+  R rows of S tokens, the B answers' map and loss inputs."""
+  from oapl_jax.rl.step import PackedBatch, packing_shape  # noqa: PLC0415
+  k, r, s = packing_shape(config)
+  sds = jax.ShapeDtypeStruct
+  rows, by_answer = (sds((k, r, s), jnp.int32),) * 3, (sds((k, answers), jnp.int32),) * 2
+  return PackedBatch(*rows, *by_answer, sds((k, answers), jnp.float32), sds((k,), jnp.bool_),
+                     sds((answers, t - 1), jnp.float32), sds((answers, t - 1), jnp.float32),
+                     sds((answers,), jnp.float32))
 
 
 def _engine_programs(b: _Build) -> list[Program]:
@@ -361,7 +377,7 @@ def compiled_peak(progs: list[Program], plan: plan_lib.Plan, scores_snapshot: bo
   return max(trainer_side + engine_state, trainer_state + engine_peak)
 
 
-def model_flops(config) -> dict[str, float]:
+def model_flops(config, tokens: float | None = None, pairs: float | None = None) -> dict[str, float]:
   """Matmul FLOPs of one train step over all devices (2 per multiply-add), analytic, from the
   architecture: per token the projections (q, k, v, o, gate, up, down) of every layer and the LM
   head (the embedding lookup is a gather: no FLOPs; biases and norms are not matmuls), plus
@@ -374,7 +390,10 @@ def model_flops(config) -> dict[str, float]:
   the step also computes: a second forward under train.remat "full" or "dots" (counted whole: an
   upper bound for "dots"), and the frozen forward passes of the snapshot and the reference
   where the loss scores them. XLA's cost analysis counts a loop's body once (micro-batches,
-  log-prob tiles, attention blocks), so it cannot give these."""
+  log-prob tiles, attention blocks), so it cannot give these.
+
+  tokens, pairs: the positions the step computes and the (query, key) pairs attention computes
+  (`packing_flops`); None: the padded step's, rows x (T-1) and rows x (T-1)^2 / 2."""
   from oapl_jax.rl import losses  # noqa: PLC0415
   m = config.model
   rows, t = config.rl.groups_per_step * config.rl.group_size, seq_len(config) - 1
@@ -387,13 +406,56 @@ def model_flops(config) -> dict[str, float]:
   adapters = rank * m.num_layers * sum(i + o for name, (i, o) in shapes.items() if name in lora.targets) \
       if rank else 0
   trained = adapters if rank else base
-  tokens = rows * t
-  attention = rows * 4 * m.num_layers * m.num_heads * m.head_dim * t * t / 2
+  if tokens is None:  # the padded step: every row T positions, causal attention over all of them
+    tokens, pairs = rows * t, rows * t * t / 2
+  attention = 4 * m.num_layers * m.num_heads * m.head_dim * pairs
   forward = 2 * (base + adapters) * tokens + attention
   backward = 2 * (base + adapters) * tokens + 2 * trained * tokens + 2 * attention
   needs = losses.needs(config)
   extra = (config.train.remat != "none") + needs.snapshot + needs.reference
   return {"useful": forward + backward, "hardware": forward + backward + extra * forward}
+
+
+# The length distribution `--dry_run=compile` states the packed step's cost for: answers spread
+# evenly over 1..sampling.max_new_tokens (a long-tailed reasoning run is shorter still), each
+# with a prompt of half of sampling.max_prompt_len; one step's answers, drawn with this seed.
+PACKING_SEED = 0
+
+
+def stated_lengths(config) -> np.ndarray:
+  """`[B]` prompt + answer tokens of one step's answers under the stated distribution."""
+  s = config.sampling
+  rng = np.random.default_rng(PACKING_SEED)
+  answers = rng.integers(1, s.max_new_tokens + 1, config.rl.groups_per_step * config.rl.group_size)
+  return answers + s.max_prompt_len // 2
+
+
+def packing_flops(config, lengths: np.ndarray) -> dict[str, dict]:
+  """The padded and the packed step's cost on one step of answers of `lengths` (prompt +
+  answer tokens): micro-batches run, rows x tokens each, and `model_flops` of what they compute.
+  Padded: train.grad_accum micro-batches of B / accum rows of T, attention over every row's
+  causal triangle. Packed (`rl.step.packing_shape`, whether or not train.packing is on):
+  first-fit decreasing, the micro-batches it fills, every position of their rows computed,
+  attention over each segment's causal triangle (blocks outside a segment skipped; the
+  kernel's block granularity adds up to a block per segment, not counted)."""
+  from oapl_jax.rl import packing  # noqa: PLC0415
+  from oapl_jax.rl.step import packing_shape  # noqa: PLC0415
+  rows, t = len(lengths), seq_len(config) - 1
+  packed = config.copy_and_resolve_references()
+  packed.train.packing = True
+  k_max, r, s = packing_shape(packed)
+  row, start = packing.first_fit_decreasing(lengths, s, k_max * r)
+  filled = np.zeros(k_max * r, np.int64)
+  np.add.at(filled, row, lengths)
+  k = int(-(-(row.max() + 1) // r))
+  pairs = float((lengths.astype(np.float64) ** 2).sum() / 2
+                + ((s - filled[:k * r]).astype(np.float64) ** 2).sum() / 2)  # segments, padding
+  accum = config.train.grad_accum
+  return {"padded": {"micro_batches": accum, "rows": rows // accum, "tokens": t,
+                     "flops": model_flops(config)},
+          "packed": {"micro_batches": k, "of": k_max, "rows": r, "tokens": s - 1,
+                     "flops": model_flops(config, tokens=k * r * (s - 1), pairs=pairs)},
+          "real_tokens": int(lengths.sum())}
 
 
 @dataclasses.dataclass
@@ -460,7 +522,32 @@ class Report:
         f"{decode.bytes_accessed / GiB:.2f} GiB accessed, {decode.flops / 1e9:.1f} GFLOP "
         "(loop bodies counted once)",
     ]
-    return [lines[0], lines[2]] if self.plan.sampler_job else lines
+    if self.plan.sampler_job:
+      return [lines[0], lines[2]]
+    return lines + self.packing_lines(flops_s)
+
+  def packing_lines(self, flops_s: float) -> list[str]:
+    """The padded and the packed train step side by side on the stated lengths
+    (`packing_flops`): micro-batches, FLOPs and the roofline time of each; the compiled train
+    step's FLOPs from XLA's cost analysis (its loop bodies, a micro-batch among them, once)."""
+    c = self.plan_config
+    cost = packing_flops(c, stated_lengths(c))
+    s = c.sampling
+    out = [f"  packed vs padded train step, one step of answers spread evenly over 1..{s.max_new_tokens} "
+           f"tokens with {s.max_prompt_len // 2}-token prompts ({cost['real_tokens']:,} real tokens; "
+           f"train.packing={c.train.packing}):"]
+    for name, x in (("padded", cost["padded"]), ("packed", cost["packed"])):
+      of = f" of {x['of']}" if "of" in x else ""
+      hw = x["flops"]["hardware"]
+      out.append(f"    {name}: {x['micro_batches']}{of} micro-batch(es) of {x['rows']} x {x['tokens']} "
+                 f"positions, {hw / 1e15:.2f} PFLOP ({hw / x['micro_batches'] / 1e15:.3f} per micro-batch)"
+                 f" -> >= {hw / (self.devices * flops_s):.2f} s")
+    ratio = cost["padded"]["flops"]["hardware"] / cost["packed"]["flops"]["hardware"]
+    step = next((p for p in self.programs if p.name == "train step"), None)
+    out.append(f"    packed / padded: {ratio:.2f}x fewer FLOPs" + (
+        f"; the compiled train step: {step.flops * self.devices / 1e12:.1f} TFLOP by XLA's cost "
+        "analysis (loop bodies once: about one micro-batch)" if step is not None else ""))
+    return out
 
   def format(self) -> str:
     """The programs' table (GiB per device), the compiled peak against the device and the

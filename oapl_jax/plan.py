@@ -196,8 +196,39 @@ def _ceil(a: int, b: int) -> int:
 
 
 def micro_batch_rows(config) -> int:
-  """Rows of one micro-batch: rl.groups_per_step x rl.group_size / train.grad_accum."""
+  """Rows of one micro-batch: rl.groups_per_step x rl.group_size / train.grad_accum; under
+  train.packing the packed rows of one (`rl.step.packing_shape`)."""
+  if config.train.packing:
+    return config.train.pack_rows or config.rl.groups_per_step * config.rl.group_size // config.train.grad_accum
   return config.rl.groups_per_step * config.rl.group_size // config.train.grad_accum
+
+
+def micro_batches(config) -> int:
+  """Micro-batches a step's program holds: train.grad_accum, or under train.packing the worst
+  case's (`rl.packing.max_micro_batches`; a step runs those its answers fill)."""
+  if not config.train.packing:
+    return config.train.grad_accum
+  from oapl_jax.rl.packing import max_micro_batches  # noqa: PLC0415
+  return max_micro_batches(config.rl.groups_per_step * config.rl.group_size, seq_len(config),
+                           rows=micro_batch_rows(config), budget=row_tokens(config))
+
+
+def row_tokens(config) -> int:
+  """Tokens of one trainer row: seq_len, or under train.packing the packed row's budget."""
+  return (config.train.pack_budget or seq_len(config)) if config.train.packing else seq_len(config)
+
+
+def train_batch_bytes(config, shards: int) -> int:
+  """Bytes per device of the step's batch: tokens, mask and sampler log-probs (int32, f32, f32)
+  of every row; under train.packing the K x R packed rows' tokens, positions and segment ids
+  (int32), the answers' map (3 x [K, B]) and their mask and sampler log-probs in the padded
+  layout, plus a micro-batch's per-answer log-probs, entropy and loss terms gathered back into
+  that layout (~6 f32 [B, T-1]: `rl.step.unpack`)."""
+  answers, t = config.rl.groups_per_step * config.rl.group_size, seq_len(config)
+  if not config.train.packing:
+    return _ceil(answers, shards) * t * 12
+  r, s, k = micro_batch_rows(config), row_tokens(config), micro_batches(config)
+  return k * _ceil(r, shards) * s * 12 + k * _ceil(answers, shards) * 12 + _ceil(answers, shards) * t * (8 + 6 * 4)
 
 
 def head_rows(config, mesh_shape: dict) -> int:
@@ -216,7 +247,7 @@ def train_dims(config, mesh_shape: dict) -> Dims:
   m = config.model
   split = lambda logical: sharding.axis_shards(mesh_shape, config.sharding.rules, logical)  # noqa: E731
   return Dims(bh=head_rows(config, mesh_shape), b=_ceil(micro_batch_rows(config), split("batch")),
-              t=seq_len(config) - 1, e=m.hidden_size, n=_ceil(m.num_heads, split("q_heads")),
+              t=row_tokens(config) - 1, e=m.hidden_size, n=_ceil(m.num_heads, split("q_heads")),
               k=_ceil(m.num_kv_heads, split("kv_heads")), d=m.head_dim,
               f=_ceil(m.mlp_dim, split("mlp")), v=_ceil(m.vocab_size, split("vocab")),
               layers=m.num_layers, c=np.dtype(m.dtype).itemsize)
@@ -464,7 +495,7 @@ def train_temp_bytes(config, mesh: dict) -> dict[str, int]:
   memory): "gradients" (model.param_dtype like the weights; with train.grad_accum > 1 the
   running sum and one micro-batch's), "activations" and "log-prob kernel" of one micro-batch."""
   specs = param_specs(trained_params(config), config.sharding.rules)
-  grads = weights_bytes(specs, config.model.param_dtype, mesh) * (2 if config.train.grad_accum > 1 else 1)
+  grads = weights_bytes(specs, config.model.param_dtype, mesh) * (2 if micro_batches(config) > 1 else 1)
   x = train_dims(config, mesh)
   return {"gradients": grads, "activations": activation_bytes(x, config.train.remat, config.train.attn_block),
           "log-prob kernel": logprob_bytes(x, config.train.logprob_tile)}
@@ -539,8 +570,9 @@ def make_plan(config) -> Plan:
   items += [
       Item("gradients", temp["gradients"], "trainer", "step",
            f"{pd.name} like the {what}" + (": running sum + a micro-batch's" if tr.grad_accum > 1 else "")),
-      Item("train batch", _ceil(rows * tr.grad_accum, sharding.batch_shards(mesh, config.sharding.rules)) * seq_len(config) * 12,
-           "trainer", "step", "the step's tokens, mask and sampler log-probs (int32, f32, f32)"),
+      Item("train batch", train_batch_bytes(config, sharding.batch_shards(mesh, config.sharding.rules)),
+           "trainer", "step", "the step's tokens, mask and sampler log-probs (int32, f32, f32)"
+           + ("; packed rows' positions and segment ids, answers gathered back" if tr.packing else "")),
       Item("activations", temp["activations"], "trainer", "step",
            f"{x.b} row(s) x {x.t} tokens per device per micro-batch, remat={tr.remat}, "
            f"attn_block={tr.attn_block}", activation_settings(config, x)),

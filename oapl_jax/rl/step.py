@@ -36,7 +36,7 @@ from oapl_jax.errors import ConfigError
 from oapl_jax.models import build
 from oapl_jax.models import lora as lora_lib
 from oapl_jax.models.names import compiler_options
-from oapl_jax.rl import losses
+from oapl_jax.rl import losses, packing
 from oapl_jax.rl.buffer import Rows
 from oapl_jax.rl.logprobs import token_logprobs
 from oapl_jax.sampling.processing import SamplingParams
@@ -55,6 +55,54 @@ class Batch:
   def from_rows(cls, rows: Rows) -> "Batch":
     return cls(tokens=rows.tokens, mask=rows.mask, sampler_logprobs=rows.sampler_logprobs,
                rewards=rows.rewards)
+
+
+@struct.dataclass
+class PackedBatch:
+  """One trainer step's batch as packed rows (`train.packing`, `rl/packing.py`): K
+  micro-batches of R rows of S tokens, the B answers' loss inputs in the padded layout."""
+
+  tokens: jax.Array  # [K, R, S] int32: segments (prompt + answer) back to back
+  positions: jax.Array  # [K, R, S] int32: restarting at 0 in each segment
+  segment_ids: jax.Array  # [K, R, S] int32: 1.. along a row (never decreasing; padding: the last + 1)
+  answer_row: jax.Array  # [K, B] int32: the row of micro-batch k that holds answer i
+  answer_start: jax.Array  # [K, B] int32: where answer i's segment starts in it
+  member: jax.Array  # [K, B] float32: 1 where micro-batch k holds answer i
+  active: jax.Array  # [K] bool: micro-batches that hold answers (the rest are skipped)
+  mask: jax.Array  # [B, T-1] float32: the padded layout's (Batch.mask)
+  sampler_logprobs: jax.Array  # [B, T-1] float32
+  rewards: jax.Array  # [B] float32
+
+  @classmethod
+  def from_rows(cls, rows: Rows, packed: packing.Packed) -> "PackedBatch":
+    return cls(tokens=packed.tokens, positions=packed.positions, segment_ids=packed.segment_ids,
+               answer_row=packed.answer_row, answer_start=packed.answer_start,
+               member=packed.member, active=packed.active, mask=rows.mask,
+               sampler_logprobs=rows.sampler_logprobs, rewards=rows.rewards)
+
+
+@struct.dataclass
+class _PackedMicro:
+  """One packed micro-batch as `_micro_loss_fn` reads it: R rows of S tokens, and the step's
+  B answers' loss inputs, `mask` zero outside the answers this micro-batch holds."""
+
+  tokens: jax.Array  # [R, S]
+  positions: jax.Array  # [R, S]
+  segment_ids: jax.Array  # [R, S]
+  answer_row: jax.Array  # [B]
+  answer_start: jax.Array  # [B]
+  mask: jax.Array  # [B, T-1]
+  sampler_logprobs: jax.Array  # [B, T-1]
+  rewards: jax.Array  # [B]
+
+
+def unpack(x: jax.Array, answer_row: jax.Array, answer_start: jax.Array, length: int) -> jax.Array:
+  """Per-token values of packed rows `x` `[R, S-1]` (target t of a row: its token t+1) in the
+  padded layout `[B, length]`: answer i's target t is the packed target `answer_start[i] + t`
+  of row `answer_row[i]`. Past a row's end the index is clamped: those entries lie outside
+  every answer's mask (as do entries of answers the micro-batch does not hold)."""
+  cols = jnp.minimum(answer_start[:, None] + jnp.arange(length), x.shape[1] - 1)  # [B, length]
+  return x[answer_row[:, None], cols]  # [B, length]
 
 
 def make_optimizer(train, total_steps: int) -> optax.GradientTransformation:
@@ -152,7 +200,13 @@ class TrainStep:
     self.batch_sharding = NamedSharding(
         mesh, PartitionSpec(None, sharding_lib.batch_axes(config.sharding.rules)))  # [accum, rows, ...]
     reference = self.param_shardings if uses_reference(config) else None
-    batch = Batch(*(self.batch_sharding,) * 4)
+    self.packing = packing_shape(config) if config.train.packing else None
+    if self.packing is None:
+      batch = Batch(*(self.batch_sharding,) * 4)
+    else:  # [K, R, S] and [K, B]: rows / answers split; [K] replicated; [B, ...] answers split
+      by_answers = NamedSharding(mesh, PartitionSpec(sharding_lib.batch_axes(config.sharding.rules)))
+      batch = PackedBatch(*(self.batch_sharding,) * 6, self.replicated, *(by_answers,) * 3)
+    self.packed_shardings = None if self.packing is None else batch
     self.jitted = jax.jit(
         fn, donate_argnums=(0, 1),
         in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings, batch,
@@ -178,6 +232,23 @@ class TrainStep:
     with jax.set_mesh(self.mesh):
       return self.jitted(params, opt_state, snapshot, self.place_batch(batch), reference, base)
 
+  def batch_of(self, rows: Rows) -> tuple["Batch | PackedBatch", dict[str, float]]:
+    """(batch, layout metrics) of `rows` (whole groups, the padded layout): a `Batch`, or under
+    `train.packing` a `PackedBatch` (first-fit decreasing into the compiled shape).
+
+    Metrics: `pad_fraction` (of the token positions the step computes, the share that is
+    padding: not a prompt or answer token of an answer that counts), and under packing
+    `rows_filled` and `micro_batches` (those that run; the others are skipped)."""
+    real = int(packing.used_lengths(rows).sum())
+    if self.packing is None:
+      return Batch.from_rows(rows), {"pad_fraction": 1.0 - real / rows.tokens.size}
+    k, r, s = self.packing
+    packed = packing.pack(rows, rows_per_micro=r, budget=s, micro_batches=k)
+    ran = int(packed.active.sum())
+    return PackedBatch.from_rows(rows, packed), {
+        "pad_fraction": 1.0 - real / (ran * r * s), "rows_filled": packed.rows_filled,
+        "micro_batches": ran}
+
   def place_batch(self, batch: "Batch") -> "Batch":
     """`batch` `[B, ...]` as `[accum, B / accum, ...]` on the mesh, rows split over the batch
     shards: host arrays by `jax.make_array_from_callback` (each device reads its own block),
@@ -190,6 +261,8 @@ class TrainStep:
     shuffle puts every row where a single process with all the replicas would have it
     (`parallel.global_row_order`), so the step computes on exactly that batch."""
     processes = jax.process_count()
+    if isinstance(batch, PackedBatch):
+      return self._place_packed(batch)
     check_batch_divides(self.config, self.mesh, batch.tokens.shape[0] * processes)
     if processes > 1:
       rows = batch.tokens.shape[0] * processes
@@ -204,6 +277,14 @@ class TrainStep:
       return jax.tree.map(place, batch)
     with jax.set_mesh(self.mesh):
       return self._relayout(batch)
+
+  def _place_packed(self, batch: PackedBatch) -> PackedBatch:
+    """A host `PackedBatch` on the mesh, in the step's shardings (one process: train.packing
+    is refused with several, `config.validate`)."""
+    if jax.process_count() > 1:
+      raise ValueError("train.packing runs on one process (multi-host packing is not built yet)")
+    return jax.tree.map(lambda x, sh: jax.make_array_from_callback(
+        np.shape(x), sh, lambda index: np.asarray(x)[index]), batch, self.packed_shardings)
 
   def _to_global_order(self, rows: int):
     """Jitted: the processes' rows as assembled `[rows, ...]` -> the global order, as
@@ -253,6 +334,17 @@ class TrainStep:
       return self._merge(base, adapters)
 
 
+def packing_shape(config) -> tuple[int, int, int]:
+  """(K micro-batches, R rows each, S tokens per row) of a packed step (`train.packing`): R =
+  `train.pack_rows` (0: a padded micro-batch's rows), S = `train.pack_budget` (0: seq_len),
+  K enough for the worst case (`packing.max_micro_batches`)."""
+  rows = config.rl.groups_per_step * config.rl.group_size * jax.process_count()
+  t = placement.seq_len(config)
+  r = config.train.pack_rows or rows // config.train.grad_accum
+  s = config.train.pack_budget or t
+  return packing.max_micro_batches(rows, t, rows=r, budget=s), r, s
+
+
 def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
                     mesh: Mesh | None = None) -> TrainStep:
   """The `TrainStep` (params, opt_state, snapshot, batch, reference) -> (params, opt_state,
@@ -281,12 +373,18 @@ def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
   by_rows = lambda x: jax.lax.with_sharding_constraint(x, rows)  # noqa: E731  [b, ...] rows split
 
   def train_step(params, opt_state, snapshot, micro, reference=None, base=None):
-    """micro: the batch as `[accum, B / accum, ...]` (`TrainStep.place_batch`); base: the
-    frozen base under `model.lora` (params, snapshot, reference: adapters), else None."""
-    grads, loss, m = _accumulate(grad_fn, accum, by_rows, params, snapshot, reference, base, micro)
+    """micro: the batch as `[accum, B / accum, ...]` (`TrainStep.place_batch`), or a
+    `PackedBatch` (`train.packing`); base: the frozen base under `model.lora` (params,
+    snapshot, reference: adapters), else None."""
+    if isinstance(micro, PackedBatch):
+      grads, loss, m, active = _accumulate_packed(grad_fn, by_rows, params, snapshot, reference,
+                                                  base, micro)
+    else:
+      grads, loss, m = _accumulate(grad_fn, accum, by_rows, params, snapshot, reference, base, micro)
+      active = None
     params, opt_state, grad_norm, finite = _update_if_finite(optimizer, grads, loss, params,
-                                                             opt_state)
-    return params, opt_state, _step_metrics(loss, grad_norm, finite, m)
+                                                             opt_state, active)
+    return params, opt_state, _step_metrics(loss, grad_norm, finite, m, active)
 
   return TrainStep(config, mesh, train_step, optimizer)
 
@@ -309,22 +407,32 @@ def _micro_loss_fn(config, graphdef, sampling: SamplingParams, rows: NamedShardi
   def model(params, base):  # base: the frozen base under model.lora, else None
     return nnx.merge(graphdef, params) if base is None else nnx.merge(graphdef, params, base)
 
-  def frozen_logprobs(params, base, tokens):
-    return jax.lax.stop_gradient(token_logprobs(model(params, base), tokens, sampling, **kernel)[0])
+  def score(params, base, mb, **kw):
+    """(logprobs, entropy) `[b, T-1]` of the micro-batch's targets in the padded layout; a
+    packed micro-batch is scored on its packed rows, then gathered back (`unpack`)."""
+    if not isinstance(mb, _PackedMicro):
+      return token_logprobs(model(params, base), mb.tokens, sampling, **kw, **kernel)
+    lp, ent = token_logprobs(model(params, base), mb.tokens, sampling, positions=mb.positions[:, :-1],
+                             segment_ids=mb.segment_ids[:, :-1], **kw, **kernel)  # [R, S-1]
+    t = mb.mask.shape[1]
+    return (unpack(lp, mb.answer_row, mb.answer_start, t),
+            unpack(ent, mb.answer_row, mb.answer_start, t))  # [B, T-1]
+
+  def frozen_logprobs(params, base, mb):
+    return jax.lax.stop_gradient(score(params, base, mb)[0])
 
   def micro_loss(params, snapshot, reference, base, mb, num_tokens, num_answers):
-    logp, ent = token_logprobs(model(params, base), mb.tokens, sampling,
-                               remat=config.train.remat, **kernel)  # [b, T-1]
+    logp, ent = score(params, base, mb, remat=config.train.remat)  # [b, T-1]
     mask, sampler = mb.mask, mb.sampler_logprobs
     m, snap, ref = {}, None, None
     if needs.snapshot:
-      snap = frozen_logprobs(snapshot, base, mb.tokens)  # [b, T-1]
+      snap = frozen_logprobs(snapshot, base, mb)  # [b, T-1]
       m["snapshot_vs_sampler_abs"] = _token_mean(jnp.abs(snap - sampler), mask)
     if needs.reference:
       if reference is None:
         raise ValueError(f"rl.loss={config.rl.loss!r} needs the reference policy "
                          "(uses_reference): pass `reference` to the step")
-      ref = frozen_logprobs(reference, base, mb.tokens)  # [b, T-1]
+      ref = frozen_logprobs(reference, base, mb)  # [b, T-1]
     loss, loss_metrics = loss_fn(losses.LossInputs(
         logprobs=logp, sampler_logprobs=sampler, snapshot_logprobs=snap, reference_logprobs=ref,
         mask=mask, rewards=mb.rewards, num_tokens=num_tokens, num_answers=num_answers))
@@ -370,15 +478,56 @@ def _accumulate(grad_fn, accum: int, by_rows, params, snapshot, reference, base,
   return grads, loss, m
 
 
-def _update_if_finite(optimizer, grads, loss, params, opt_state):
+def _accumulate_packed(grad_fn, by_rows, params, snapshot, reference, base, batch: PackedBatch):
+  """`(grads, loss [K], (metrics {name: [K]}, counts {kind: [K]}), active [K])` over the K
+  packed micro-batches of `batch`: the mean gradient over the active ones (the others are
+  skipped by a `lax.cond`: no compute, zero loss, metrics and counts), each micro-batch's loss
+  dividing by its share of the full batch's counted tokens and answers, as `_accumulate`'s."""
+  k_active = jnp.maximum(batch.active.sum(), 1).astype(jnp.float32)
+  num_tokens = batch.mask.sum() / k_active
+  num_answers = (batch.mask.sum(axis=-1) > 0).sum() / k_active
+
+  def micro(k):  # micro-batch k: [R, S] rows, the step's answers with mask outside it 0
+    member = batch.member[k]  # [B]
+    return jax.tree.map(by_rows, _PackedMicro(
+        tokens=batch.tokens[k], positions=batch.positions[k], segment_ids=batch.segment_ids[k],
+        answer_row=batch.answer_row[k], answer_start=batch.answer_start[k],
+        mask=jnp.where(member[:, None] > 0, batch.mask, 0.0), sampler_logprobs=batch.sampler_logprobs,
+        rewards=batch.rewards))
+
+  def run(k):
+    (loss, m), g = grad_fn(params, snapshot, reference, base, micro(k), num_tokens, num_answers)
+    return g, (loss, m)
+
+  count = batch.active.shape[0]
+  if count == 1:  # one micro-batch, always active (`packing.pack`): no accumulator
+    grads, (loss, m) = run(0)
+    return grads, *jax.tree.map(lambda x: x[None], (loss, m)), batch.active
+
+  out = jax.eval_shape(run, 0)[1]
+  skipped = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out)
+
+  def body(grads, k):
+    def on(grads):
+      g, out = run(k)
+      return jax.tree.map(jnp.add, grads, g), out
+    return jax.lax.cond(batch.active[k], on, lambda grads: (grads, skipped), grads)
+
+  grads, (loss, m) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), jnp.arange(count))
+  return jax.tree.map(lambda g: g / k_active, grads), loss, m, batch.active
+
+
+def _update_if_finite(optimizer, grads, loss, params, opt_state, active=None):
   """`(params, opt_state, grad_norm, finite)`: the optimizer's update of `params` by `grads`,
-  or params and state unchanged when the loss or the gradient norm is not finite."""
+  or params and state unchanged when the loss or the gradient norm is not finite (of the
+  active micro-batches' losses under packing: `active`)."""
   grad_norm = optax.global_norm(grads)
   # A step whose loss or gradient is not finite is skipped: params and optimizer state stay
   # as they were (the run counts these and stops after train.max_nonfinite_steps). A `cond`
   # rather than a select of new against old: the update then writes the donated buffers in
   # place (a select kept a copy of the old AdamW mu and nu through the whole step on XLA:CPU).
-  finite = jnp.isfinite(loss).all() & jnp.isfinite(grad_norm)
+  finite = jnp.isfinite(loss if active is None else jnp.where(active, loss, 0.0)).all() \
+      & jnp.isfinite(grad_norm)
 
   def update(state):
     params, opt_state = state
@@ -394,21 +543,28 @@ STEP_METRIC_REDUCTION = {"entropy": "tokens", "trainer_vs_sampler_abs": "tokens"
                          "snapshot_vs_sampler_abs": "tokens"}
 
 
-def _step_metrics(loss, grad_norm, finite, m_counts) -> dict[str, jax.Array]:
+def _step_metrics(loss, grad_norm, finite, m_counts, active=None) -> dict[str, jax.Array]:
   """The step's metrics: mean loss, grad norm, `step_skipped`, and each micro-batch metric
   reduced over the micro-batches as the full batch's figure: a mean weighted by the counted
-  tokens or answers it is a mean over (equal weights for "rows"), or the min / max."""
+  tokens or answers it is a mean over (equal weights for "rows"), or the min / max.
+  active: `[accum]` bool under packing (the skipped micro-batches count in no figure)."""
   m, counts = m_counts  # {name: [accum]}, {"tokens" | "answers": [accum]}
   kinds = {**losses.METRIC_REDUCTION, **STEP_METRIC_REDUCTION}
+  on = None if active is None else active.astype(jnp.float32)  # [accum]
+
+  def mean(v):  # [accum] -> []: over the micro-batches that ran
+    return jnp.mean(v) if on is None else jnp.sum(v * on) / jnp.maximum(on.sum(), 1.0)
 
   def reduce(name, v):  # [accum] -> []
     kind = kinds[name]
     if kind in ("min", "max"):
+      if on is not None:
+        v = jnp.where(active, v, jnp.inf if kind == "min" else -jnp.inf)
       return getattr(jnp, kind)(v)
     if v.shape[0] == 1 or kind == "rows":  # one micro-batch: its own figure, bit for bit
-      return jnp.mean(v)
+      return mean(v)
     w = counts[kind]  # [accum]
     return jnp.sum(v * w) / jnp.maximum(w.sum(), 1.0)
 
-  return {"loss": loss.mean(), "grad_norm": grad_norm, "step_skipped": 1.0 - finite,
+  return {"loss": mean(loss), "grad_norm": grad_norm, "step_skipped": 1.0 - finite,
           **{k: reduce(k, v) for k, v in m.items()}}
