@@ -215,3 +215,13 @@ def test_step2_has_no_section_without_its_runs_and_the_mix_report_carries_it(mad
   assert "## Step 2's registered predictions, checked" in text and "**S2-6. " in text
   assert "| OAPL (beta1 = 1, beta2 = 0.1) | 200 | 3 |" in text
   assert "| GRPO+IS (lr 3e-4) | 10 | 3 |" in text and "| async GRPO+TIS (lr 3e-4) | 10 | 3 |" in text
+
+
+def test_step2_compares_a_cell_with_fewer_seeds_to_tied_on_the_same_seeds(made_up_tasks):
+  runs = [r for r in _step2({(TIED, 200): {"last3": 0.9}}) if not (r.method == B1 and r.seed > 0)]
+  runs = [r for r in runs if not (r.method == TIED and r.lag == 200 and r.seed == 0)]
+  runs.append(_run2(TIED, 200, 0, last3=0.5, star=0.12))  # tied's seed 0 far lower than its others
+  claims = {c.name.split(".")[0]: c for c in step2.claims(runs)}
+  text = claims["S2-2"].parts[0].text
+  assert "(seed 0: 0.820); tied 0.500 (0.500)" in text  # not tied's mean over its 3 seeds
+  assert "(seed 0;" in claims["S2-3"].name

@@ -123,15 +123,15 @@ def speed_claim(by) -> Claim | None:
   parts = []
   if rs := _runs(by, B1, LONG):
     mean, xs = _mean_of(rs, lambda r: op_pass1(r, SKILL_STEP))
-    tied = [op_pass1(r, SKILL_STEP) for r in _runs(by, TIED, LONG)]
+    tied = [op_pass1(r, SKILL_STEP) for r in _beside(by, TIED, LONG, rs)]
     parts.append(_on_mean(f"\"{SKILL_OP}\" pass@1 at step {SKILL_STEP}, L={LONG}, >= {SKILL_AT_LEAST} (mean over seeds)",
-                          mean >= SKILL_AT_LEAST, f"{mean:.3f} (per seed {_fmt(xs)})"
+                          mean >= SKILL_AT_LEAST, f"{mean:.3f} ({_seeds_of(rs)}: {_fmt(xs)})"
                           + (f"; tied {np.mean(tied):.3f} ({_fmt(tied)})" if tied else "")))
   for lag in SPEED_LAGS:
-    if (rs := _runs(by, B1, lag)) and (ts := _runs(by, TIED, lag)):
+    if (rs := _runs(by, B1, lag)) and (ts := _beside(by, TIED, lag, rs)):
       (a, xa), (t, xt) = _mean_of(rs, pass1_area), _mean_of(ts, pass1_area)
-      parts.append(_on_mean(f"area under pass@1, L={lag}, above tied's (means over seeds)", a > t,
-                            f"{a:.3f} ({_fmt(xa)}) vs {t:.3f} ({_fmt(xt)})"))
+      parts.append(_on_mean(f"area under pass@1, L={lag}, above tied's on the same seeds (means over seeds)", a > t,
+                            f"{a:.3f} ({_seeds_of(rs)}: {_fmt(xa)}) vs {t:.3f} ({_fmt(xt)})"))
   return Claim("S2-1. With beta1 = 1, beta2 = 0.1 OAPL learns faster per refresh than tied", parts) if parts else None
 
 
@@ -141,10 +141,10 @@ def end_claim(by) -> Claim | None:
   if not (rs := _runs(by, B1, LONG)):
     return None
   mean, xs = _mean_of(rs, last_evals_mean)
-  tied = [last_evals_mean(r) for r in _runs(by, TIED, LONG)]
+  tied = [last_evals_mean(r) for r in _beside(by, TIED, LONG, rs)]
   return Claim(f"S2-2. OAPL (beta1 = 1, beta2 = 0.1) ends at L = {LONG} at pass@1 >= {END_AT_LEAST}", [_on_mean(
       f"mean of last 3 evals, L={LONG} (mean over seeds)", mean >= END_AT_LEAST,
-      f"{mean:.3f} (per seed {_fmt(xs)})" + (f"; tied {np.mean(tied):.3f} ({_fmt(tied)})" if tied else ""))])
+      f"{mean:.3f} ({_seeds_of(rs)}: {_fmt(xs)})" + (f"; tied {np.mean(tied):.3f} ({_fmt(tied)})" if tied else ""))])
 
 
 def stability_claim(by) -> Claim | None:
@@ -156,13 +156,15 @@ def stability_claim(by) -> Claim | None:
     return None
   n, w = _count(rs, window_falls)
   m, p = _count(rs, eval_falls)
-  tied_w, tied_p = _count(_runs(by, TIED, LONG), window_falls), _count(_runs(by, TIED, LONG), eval_falls)
+  tied = _beside(by, TIED, LONG, rs)
+  tied_w, tied_p = _count(tied, window_falls), _count(tied, eval_falls)
   window = HELD if n <= WINDOW_FALLS_AT_MOST else NOT_HELD if n > TRADE_OFF_ABOVE else MIXED
   parts = [Part(f"refresh windows fallen > {FALL}, L={LONG}, at most {WINDOW_FALLS_AT_MOST} "
                 f"(more than {TRADE_OFF_ABOVE}: a trade-off): {n} of {w}; tied {tied_w[0]} of {tied_w[1]}", window),
            Part(f"consecutive evaluations inside a window fallen > {FALL}, L={LONG}, at most {EVAL_FALLS_AT_MOST}: "
                 f"{m} of {p}; tied {tied_p[0]} of {tied_p[1]}", HELD if m <= EVAL_FALLS_AT_MOST else NOT_HELD)]
-  return Claim(f"S2-3. OAPL (beta1 = 1, beta2 = 0.1) at L = {LONG} stays stable", parts)
+  return Claim(f"S2-3. OAPL (beta1 = 1, beta2 = 0.1) at L = {LONG} stays stable ({_seeds_of(rs)}; "
+               "the counts are registered for 3 seeds)", parts)
 
 
 def control_claim(by) -> Claim | None:
@@ -172,14 +174,25 @@ def control_claim(by) -> Claim | None:
   if not (rs := _runs(by, B1_LEN, LONG)):
     return None
   parts = []
-  if ts := _runs(by, TIED, LONG):
+  if ts := _beside(by, TIED, LONG, rs):
     (c, xc), (t, xt) = _mean_of(rs, last_evals_mean), _mean_of(ts, last_evals_mean)
-    parts.append(_on_mean(f"mean of last 3 evals, L={LONG}, within {CONTROL_NEAR} of tied's (means over seeds)",
-                          abs(c - t) <= CONTROL_NEAR + 1e-12, f"{c - t:+.3f}: {c:.3f} ({_fmt(xc)}) vs {t:.3f} ({_fmt(xt)})"))
+    parts.append(_on_mean(f"mean of last 3 evals, L={LONG}, within {CONTROL_NEAR} of tied's on the same seeds "
+                          "(means over seeds)", abs(c - t) <= CONTROL_NEAR + 1e-12,
+                          f"{c - t:+.3f}: {c:.3f} ({_seeds_of(rs)}: {_fmt(xc)}) vs {t:.3f} ({_fmt(xt)})"))
   mean, xs = _mean_of(rs, lambda r: op_pass1(r, SKILL_STEP))
   parts.append(_on_mean(f"\"{SKILL_OP}\" pass@1 at step {SKILL_STEP}, L={LONG}, at most {CONTROL_SKILL_AT_MOST} "
-                        "(mean over seeds)", mean <= CONTROL_SKILL_AT_MOST, f"{mean:.3f} (per seed {_fmt(xs)})"))
+                        "(mean over seeds)", mean <= CONTROL_SKILL_AT_MOST, f"{mean:.3f} ({_seeds_of(rs)}: {_fmt(xs)})"))
   return Claim("S2-4. The control with tied's step per refresh (beta1 = 1, beta2 = 0.356) runs as tied", parts)
+
+
+def _seeds_of(rs) -> str:
+  return "seed " + ", ".join(str(r.seed) for r in rs) if len(rs) == 1 else "seeds " + ", ".join(str(r.seed) for r in rs)
+
+
+def _beside(by, method: str, lag: int, rs) -> list:
+  """`method`'s runs at `lag` on the seeds of runs `rs` (a comparison on the same seeds while a
+  step-2 cell has fewer seeds than the study's)."""
+  return [by[(method, lag, r.seed)] for r in rs if (method, lag, r.seed) in by]
 
 
 def _paired(by, a: str, b: str, lag: int, f) -> list[float]:
