@@ -8,7 +8,10 @@ fall at other places in a packed row, so the online softmax and the sums run in 
 (relative differences ~1e-6 in the loss and gradients; see `_close`).
 """
 
-import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,7 @@ from oapl_jax.rl.buffer import Rows
 from oapl_jax.rl.step import Batch, PackedBatch, make_optimizer, make_train_step
 from oapl_jax.sampling import SamplingParams
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def rows_of(lengths, prompt_lengths, t: int, *, vocab: int, seed: int = 0, pad_id: int = 0,
             counted=None) -> Rows:
@@ -189,3 +193,64 @@ def test_packing_is_refused_on_several_processes_and_with_a_short_budget():
   c.distributed.coordinator_address, c.distributed.num_processes, c.distributed.process_id = "h:1", 2, 0
   with pytest.raises(ConfigError, match="train.packing"):
     validate(c)
+
+
+# --- on a mesh of 8 devices, with accumulation and with adapters ---------------------------
+
+MESH_CHILD = textwrap.dedent("""
+    import jax, numpy as np
+    from oapl_jax import sharding
+    from oapl_jax.models import build
+    from oapl_jax.rl.step import PackedBatch, make_optimizer, make_train_step
+    from oapl_jax.sampling import SamplingParams
+    from test_packing import _answers, _config
+
+    def one_step(c, devices, lora):
+      mesh = sharding.make_mesh(c.mesh, devices)
+      key = iter(jax.random.split(jax.random.key(5), 1000))
+      move = lambda t, s: jax.tree.map(lambda x: x + s * jax.random.normal(next(key), x.shape), t)
+      if lora:
+        _, _, base = build.init_model(c, mesh=mesh, param_dtype=c.model.dtype)
+        graphdef, params = build.init_adapters(c, mesh=mesh)
+      else:
+        base, (_, graphdef, params) = None, build.init_model(c, mesh=mesh)
+      step = make_train_step(c, graphdef, make_optimizer(c.train, c.train.steps),
+                             SamplingParams.from_config(c.sampling), mesh)
+      base = None if base is None else step.base_of(base)
+      params = step.place_params(move(params, 0.05))  # adapters: B != 0, A gets gradients too
+      snapshot = step.snapshot_of(move(params, 0.01))
+      batch, _ = step.batch_of(_answers(c, seed=1))
+      assert isinstance(batch, PackedBatch) == c.train.packing
+      new, _, m = step(params, step.init_opt_state(params), snapshot, batch, None, base)
+      return jax.tree.map(np.asarray, m), jax.tree.map(np.asarray, new)
+
+    assert jax.device_count() == 8
+    for lora in (False, True):
+      c = _config("oapl", accum=1 if lora else 2)
+      c.rl.groups_per_step = 8  # 32 answers: 8 per batch shard
+      if lora:
+        c.model.lora.rank, c.model.lora.alpha, c.train.remat = 4, 8.0, "full"
+      want = one_step(c, jax.devices()[:1], lora)
+      p = c.copy_and_resolve_references()
+      p.train.packing, p.train.pack_rows, p.train.pack_budget = True, 4, 40
+      p.mesh.fsdp, p.mesh.tensor = 4, 2
+      got = one_step(p, jax.devices(), lora)
+      assert abs(want[0]["loss"]) > 1e-4, want[0]
+      for k in ("loss", "grad_norm", "snapshot_vs_sampler_abs", "entropy"):
+        np.testing.assert_allclose(got[0][k], want[0][k], rtol=2e-5, err_msg=k)
+      for x, y in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6)
+      print("lora" if lora else "full", "packed on fsdp 4 x tensor 2 = padded on one device; loss",
+            want[0]["loss"], "micro-batches run", got[0].get("micro_batches"))
+    print("OK")
+""")
+
+
+def test_the_packed_step_on_an_fsdp_tensor_mesh_equals_the_padded_step_on_one_device():
+  """Packed on fsdp 4 x tensor 2 (8 CPU devices, a child process) against padded on one
+  device: full fine-tuning with train.grad_accum 2, and low-rank adapters (remat full)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+         "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+  out = subprocess.run([sys.executable, "-c", MESH_CHILD], env=env, capture_output=True, text=True,
+                       timeout=1800)
+  assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
