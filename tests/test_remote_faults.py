@@ -218,7 +218,8 @@ def test_a_sampler_with_other_settings_is_refused_at_its_start_in_one_line(tmp_p
           "task": ["--config=configs/reason.py:smoke", *SAMPLER[1:]]}
   procs = {k: subprocess.Popen([sys.executable, "-m", "oapl_jax.sample", *args, f"--workdir={tmp_path}"], cwd=REPO,
                                env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True) for k, args in runs.items()}
+                               stderr=subprocess.PIPE, text=True, start_new_session=True) for k, args in runs.items()}
+  _STARTED.extend(procs.values())
   out = {k: (p.communicate(timeout=300), p.returncode) for k, p in procs.items()}
   for k, ((_, err), rc) in out.items():
     lines = err.strip().splitlines()
@@ -282,7 +283,7 @@ def test_a_sampler_beside_a_finished_run_being_extended_keeps_sampling(tmp_path)
   run = _trainer(c2, tmp_path)
   run.counters.step = run.counters.rollouts = 2
   run.source.close()  # the run finished: done
-  run.source._announce()  # the same run started again without more steps: still done
+  _trainer(c2, tmp_path)  # the same run started again without more steps: still done
   assert remote.read_status(run.source.root)["done"] is True
   log = tmp_path / "sampler.log"
   sampler = _start("oapl_jax.sample", [*SAMPLER, "--config.train.steps=4", f"--workdir={tmp_path}"], log)

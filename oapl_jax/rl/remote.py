@@ -20,8 +20,12 @@ next is not written. A sampler claims the lowest rollout from the trainer's next
 no file and no live claim, at most `rl.remote.ahead` ahead, samples it with the newest
 snapshot (with `rl.remote.reproducible`: with the snapshot a sync run would use, version
 index // rl.lag, so one sampler gives the sync run's losses bit for bit), writes it and drops
-its claim. A claim older than `rl.remote.claim_timeout_s` with no file is a dead sampler's and
-is taken over (a slow sampler's rollout may then be sampled twice; the trainer reads one).
+its claim. A sampler renews its claim while it samples and drops it however it stops
+(`holding`); a claim with no file whose process is gone (on the claim's own host) or that was not
+renewed for `rl.remote.claim_timeout_s` is a dead sampler's and is taken over (a paused sampler's
+rollout may then be sampled twice; the trainer reads one). The trainer publishes in its status
+the settings a sampler must share with it (`served_settings`); a sampler that differs is refused
+at its start (`check_serves`).
 
 Every file is written whole and made visible at once (written aside and renamed; in a bucket,
 one upload), with a sha256 of its contents: a sampler killed mid-file leaves nothing a reader
