@@ -60,6 +60,18 @@ SAMPLER = textwrap.dedent("""
     np.testing.assert_array_equal(ro.answers, single.answers)
     np.testing.assert_array_equal(ro.lengths, single.lengths)
     prompt_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(5, dtype=np.uint32))
+    # ... whichever slot it lands in (above, an answer may sit in the same slot in both runs, so a
+    # key that depended on the slot would pass): an engine of 2 slots, one group at a time, so
+    # answer g of every prompt is in slot g, given the prompts in another order with their own
+    # keys, gives the replicas' answers (there prompts 0 and 3 sit in slots 2-3)
+    narrow = Engine(graphdef, cfg, sampling, max_slots=2, max_prefill_length=8, max_len=20,
+                    mesh=replicas.meshes[1], **defaults)
+    order = [4, 1, 3, 0, 2]
+    moved = rollout(narrow, narrow.load_params(params, version=3), [prompts[p] for p in order],
+                    key=prompt_keys[np.array(order)], **kw)
+    rows = np.concatenate([np.arange(p * 2, p * 2 + 2) for p in order])
+    np.testing.assert_array_equal(moved.lengths, ro.lengths[rows])
+    np.testing.assert_array_equal(moved.answers, ro.answers[rows])
     for i in range(2):  # row order: replica i has prompts i::2, with their own keys
       alone = rollout(replicas.engines[i], weights[i], prompts[i::2], key=prompt_keys[i::2], **kw)
       rows = np.concatenate([np.arange(p * 2, p * 2 + 2) for p in range(i, 5, 2)])
