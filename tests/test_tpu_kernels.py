@@ -178,3 +178,64 @@ def test_kernels_under_a_mesh_run_per_device_and_equal_blockwise():
   done = subprocess.run([sys.executable, "-c", _MESH_CHECK], env=env, capture_output=True,
                         text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
   assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+# --- Compiled for a TPU by the TPU compiler (libtpu; skipped without it, failed in CI) -------
+
+# Splash with segment ids (packed rows), forward + backward, bfloat16, compiled for the 4 chips
+# of a v5p-8 slice under a ("data", "tensor") mesh: rows over "data", heads over "tensor", the
+# segment ids split by rows into the kernel's shard_map. Prints the Mosaic kernels' names found
+# in the compiled HLO.
+_TPU_SPLASH_SEGMENTS = r"""
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec as P
+from oapl_jax.models.attention import causal_attention
+topology = topologies.get_topology_desc("v5:2x2x1", chip_config_name="megacore",
+                                        chips_per_host_bounds=(2, 2, 1))
+mesh = jax.sharding.Mesh(np.array(topology.devices).reshape(2, 2), ("data", "tensor"))
+b, t, n, kv, d = 4, 1000, 8, 4, 128
+rows = NamedSharding(mesh, P("data", None, "tensor", None))
+sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=rows)
+seg = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=NamedSharding(mesh, P("data", None)))
+def step(q, k, v, seg):
+  fn = lambda q, k, v: causal_attention(q, k, v, segment_ids=seg, kernel="pallas", batch_axes="data")
+  out, vjp = jax.vjp(fn, q, k, v)
+  return out, vjp(out)
+with jax.set_mesh(mesh):
+  hlo = jax.jit(step).lower(sds(b, t, n, d), sds(b, t, kv, d), sds(b, t, kv, d), seg).compile().as_text()
+names = [k for k in ("splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv") if k in hlo]
+print("COMPILED", hlo.count('custom_call_target="tpu_custom_call"'), " ".join(names))
+"""
+
+
+def _libtpu_path() -> str | None:
+  """A PYTHONPATH entry under which libtpu imports ("" if this environment has it), or None
+  (as tests/test_aot.py finds it: OAPL_LIBTPU_DIR, which .ci/run sets)."""
+  import importlib.util  # noqa: PLC0415
+  if importlib.util.find_spec("libtpu") is not None:
+    return ""
+  folder = os.environ.get("OAPL_LIBTPU_DIR")
+  return folder if folder and os.path.isdir(os.path.join(folder, "libtpu")) else None
+
+
+def test_splash_with_segment_ids_compiles_for_tpu():
+  """The packed rows' splash call (segment ids, forward + backward, under a mesh) compiles for
+  a TPU v5p with the TPU compiler: the forward, dq and dkv Mosaic kernels in the program."""
+  from conftest import in_ci  # noqa: PLC0415
+  path = _libtpu_path()
+  if path is None:
+    message = "libtpu not found (set OAPL_LIBTPU_DIR to a `pip install --no-deps --target DIR libtpu==...` folder)"
+    if in_ci():
+      pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (path, root) if p),
+         "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1"}
+  env.pop("XLA_FLAGS", None)
+  done = subprocess.run([sys.executable, "-c", _TPU_SPLASH_SEGMENTS], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=1200)
+  lines = [line for line in done.stdout.splitlines() if line.startswith("COMPILED")]
+  assert done.returncode == 0 and lines, done.stderr[-3000:]
+  calls, *names = lines[0].split()[1:]
+  assert int(calls) >= 3 and names == ["splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"], lines
