@@ -138,7 +138,7 @@ def _run(config, workdir: str, stop: StopSignals) -> dict:
   writer = distributed.is_writer()  # multi-host: process 0 writes metrics and the bar
   metrics_log = (MetricsLog(workdir, resume_step=r.counters.step, tensorboard=config.log.tensorboard)
                  if writer else None)
-  r.useful_flops = model_flops(config)["useful"]  # for the step's MFU (oapl_jax/timing.py)
+  r.useful_flops = lambda **cost: model_flops(config, **cost)["useful"]  # a step's MFU (oapl_jax/timing.py)
   bar = tqdm.tqdm(total=config.train.steps, initial=r.counters.step,
                   disable=not (config.log.progress and writer), desc=config.rl.loss, unit="step")
   # evaluations of a resumed run's earlier steps come back from its metrics (each is logged)

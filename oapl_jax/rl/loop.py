@@ -47,7 +47,7 @@ from oapl_jax.models.build import init_model
 from oapl_jax.rl.buffer import GroupBuffer, Rows, stamp
 from oapl_jax.rl.logprobs import make_batch
 from oapl_jax.rl.sources import SOURCES, Drawn
-from oapl_jax.rl.step import Batch, make_optimizer, make_train_step, uses_reference
+from oapl_jax.rl.step import make_optimizer, make_train_step, uses_reference
 from oapl_jax.sampling import SamplingParams
 from oapl_jax.placement import seq_len
 from oapl_jax.sampling.parallel import global_row_order
@@ -213,7 +213,7 @@ class Run:
     self.counters = Counters()
     # for the step's throughput and MFU (oapl_jax/timing.py)
     self.engine_device_count = max(distributed.total(len(engine_devices(config))), 1)
-    self.useful_flops = 0.0  # the train step's useful FLOPs (aot.model_flops): set by train.py; 0: no MFU
+    self.useful_flops = None  # (tokens, pairs) -> a step's useful FLOPs (aot.model_flops): set by train.py; None: no MFU
     self.peak_flops, self.peak_source = timing.device_peak(self.mesh.devices.flat[0], config.log.peak_flops)
     if self.lora:
       self.set_base(params)
@@ -386,9 +386,11 @@ class Run:
     wait_seconds = t1 - t0  # with overlapped sampling: only the wait for it
     rows = self.buffer.take(self.groups_per_step)
     lags = c.step - rows.snapshot_step
+    batch, layout = self.train_step.batch_of(rows)
+    cost = self.train_step.cost_of(batch)  # what the step computes ({}: the padded step's fixed figures)
     self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, self.snapshot,
-                                                     Batch.from_rows(rows), self.reference, self.base)
-    m = jax.device_get(m)
+                                                     batch, self.reference, self.base)
+    m = {**jax.device_get(m), **layout}
     t2 = time.perf_counter()
     c.step += 1
     c.steps_skipped += bool(m["step_skipped"])
@@ -420,9 +422,11 @@ class Run:
     metrics |= timing.rollout_rates(answer_tokens=answer_tokens, seconds_sampling=taken["seconds_sampling"],
                                     engine_devices=self.engine_device_count, live_slot_steps=taken["live_slot_steps"],
                                     slot_steps=taken["slot_steps"])
-    metrics |= timing.train_rates(positions=self.groups_per_step * jax.process_count() * rl.group_size
-                                  * (seq_len(self.config) - 1), seconds_training=t2 - t1,
-                                  devices=self.mesh.devices.size, useful_flops=self.useful_flops,
+    positions = cost.get("tokens", self.groups_per_step * jax.process_count() * rl.group_size
+                         * (seq_len(self.config) - 1))
+    metrics |= timing.train_rates(positions=positions, seconds_training=t2 - t1,
+                                  devices=self.mesh.devices.size,
+                                  useful_flops=self.useful_flops(**cost) if self.useful_flops else 0.0,
                                   peak_flops=self.peak_flops)
     return metrics
 

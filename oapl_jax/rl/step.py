@@ -249,6 +249,18 @@ class TrainStep:
         "pad_fraction": 1.0 - real / (ran * r * s), "rows_filled": packed.rows_filled,
         "micro_batches": ran}
 
+  def cost_of(self, batch: "Batch | PackedBatch") -> dict[str, float]:
+    """What a host batch makes the step compute, as `aot.model_flops` takes it: {} for the
+    padded step (its fixed figures); under packing the model's input positions of the
+    micro-batches that run (`tokens`) and the (query, key) pairs causal attention computes
+    within their segments (`pairs`)."""
+    if not isinstance(batch, PackedBatch):
+      return {}
+    ids = np.asarray(batch.segment_ids)[np.asarray(batch.active)][..., :-1]  # [k, R, S-1] the input
+    ids = ids.reshape(-1, ids.shape[-1])
+    sizes = np.concatenate([np.bincount(row) for row in ids]).astype(np.float64)  # segments' lengths
+    return {"tokens": ids.size, "pairs": float((sizes ** 2).sum() / 2)}
+
   def place_batch(self, batch: "Batch") -> "Batch":
     """`batch` `[B, ...]` as `[accum, B / accum, ...]` on the mesh, rows split over the batch
     shards: host arrays by `jax.make_array_from_callback` (each device reads its own block),
