@@ -6,11 +6,16 @@
   over, a dead one is, and of two samplers taking the same dead claim over only one wins (the
   take-over is a write conditional on the generation read);
 * in free mode (`rl.remote.reproducible=False`) a rollout file's rows carry the stamps of the
-  snapshot that sampled them, and groups older than `rl.max_lag` are dropped and counted.
+  snapshot that sampled them, and groups older than `rl.max_lag` are dropped and counted;
+* a trainer of two processes beside a sampler job gives the sync run's rewards and losses on a
+  base that earns rewards (tiny.py:smoke's own base never does, so rewards written as 0, or a
+  process training on the other's share of a file, were invisible or within float noise).
 """
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -158,3 +163,76 @@ def test_free_mode_rows_carry_their_files_stamps_and_groups_past_max_lag_are_dro
   got = [(m["lag_mean"], m["groups_dropped_stale"], m["rollouts"]) for m in metrics]
   assert got == [(0.0, 0, 1), (1.0, 0, 2), (2.0, 0, 3), (1.0, g, 5)], got
   assert metrics[-1]["samples_generated"] == 5 * g * c.rl.group_size  # the dropped rollout was taken, then dropped
+
+
+# --- end to end, on a base that earns rewards ---------------------------------------------------
+
+# tiny.py:smoke on one-digit sums, with a longer warm-up: its base solves about half the problems
+# (reward means 0.4-0.7 a step), where smoke's own base solves none (every reward 0).
+EARNS = ["--config.task.min_digits=1", "--config.task.max_digits=1", "--config.warmup.steps=100",
+         "--config.warmup.noisy_steps=10"]
+COMMON = ["--config=configs/tiny.py:smoke", *EARNS, "--config.rl.groups_per_rollout=4", "--config.log.progress=False",
+          "--config.log.every=1", "--config.rl.remote.poll_s=0.1"]
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture
+def started():
+  """The processes a test starts: none is left running when it ends (a sampler job would wait
+  for its trainer)."""
+  yield _STARTED
+  while _STARTED:
+    proc = _STARTED.pop()
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+
+
+def _start(argv, log, env):
+  proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, stdout=open(log, "w"),
+                          stderr=subprocess.STDOUT, start_new_session=True)
+  _STARTED.append(proc)
+  return proc
+
+
+def _wait(proc, log, timeout=600):
+  try:
+    rc = proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    raise AssertionError(f"{log} did not end:\n" + open(log).read()[-3000:]) from None
+  assert rc == 0, open(log).read()[-3000:]
+
+
+def _steps(metrics_path):
+  return [(r["step"], r["reward_mean"], r["loss"], r["policy_version"])
+          for r in map(json.loads, open(metrics_path))]
+
+
+def test_a_two_process_trainer_beside_a_sampler_job_gives_the_sync_runs_rewards_and_losses(tmp_path, started):
+  """launch/local_multihost.sh 2 in remote mode (each process trains on its share of every
+  rollout file's groups) beside one sampler job, vs one sync process with the same two engine
+  replicas, from a base that earns rewards: every step's reward mean is the sync run's, exactly
+  (so rewards written as 0, or a process's share taken twice, show at once), and every loss
+  within 1e-4 of it, relatively (the multi-host step's float differences are about 1e-7)."""
+  warm = [f"--config.warmup.cache_dir={tmp_path / 'warm'}"]
+  two = {"JAX_NUM_CPU_DEVICES": "2"}
+  sync = tmp_path / "sync"
+  _wait(_start([sys.executable, "-m", "oapl_jax.main", *COMMON, *warm, "--config.sampling.engines=2",
+                f"--workdir={sync}"], tmp_path / "sync.log", two), tmp_path / "sync.log")
+  want = _steps(sync / "metrics.jsonl")
+  assert all(0.2 <= r <= 0.9 for _, r, _, _ in want), want  # the base earns rewards, and not every one
+  workdir = tmp_path / "remote"
+  args = [*COMMON[1:], *warm, "--config.rl.mode=remote", "--config.rl.remote.reproducible=True",
+          f"--workdir={workdir}"]
+  trainer = _start(["bash", os.path.join(REPO, "launch", "local_multihost.sh"), "2", "configs/tiny.py:smoke", *args],
+                   tmp_path / "trainer.log", {"PYTHON": sys.executable})
+  sampler = _start([sys.executable, "-m", "oapl_jax.sample", COMMON[0], *args, "--config.sampling.engines=2"],
+                   tmp_path / "sampler.log", two)
+  _wait(trainer, tmp_path / "trainer.log")
+  _wait(sampler, tmp_path / "sampler.log")
+  got = _steps(workdir / "metrics.jsonl")
+  assert [(s, r, v) for s, r, _, v in got] == [(s, r, v) for s, r, _, v in want], (got, want)
+  worst = max(abs(a[2] - b[2]) / max(abs(b[2]), 1e-3) for a, b in zip(got, want))
+  assert worst <= 1e-4, (worst, got, want)
+  summary, ref = (json.load(open(w / "summary.json")) for w in (workdir, sync))
+  assert summary["eval_after"]["correct_per_problem"] == ref["eval_after"]["correct_per_problem"]
