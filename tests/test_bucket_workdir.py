@@ -164,6 +164,52 @@ def test_a_run_in_a_bucket_killed_then_resumed_from_another_host_is_the_straight
   assert sorted(os.listdir(run_dir)) == ["eval_before.json", "metrics.jsonl", "summary.json"]
 
 
+def test_a_two_process_run_in_a_bucket_killed_then_resumed_redoes_its_lost_steps_alike(tmp_path):
+  """The reduced form of the next test (CI), without its straight run: launch/local_multihost.sh 2
+  with a short warm-up and the workdir in the fake bucket, kill -9 of both processes once step 3
+  is logged (checkpoint 2 written), the lock made another host's stale lease, the same command
+  again: it takes the lock over, resumes from checkpoint 2, and the steps it redoes log what the
+  killed run logged (all but wall times); every step once, the summary written, the lock gone."""
+  root = tmp_path / "bucket"
+  root.mkdir()
+  env = {**os.environ, fake_bucket.ROOT_VAR: str(root), "PYTHONPATH": FAKE, "JAX_PLATFORMS": "cpu",
+         "PYTHON": sys.executable}
+  env.pop("XLA_FLAGS", None)
+
+  def launch(logs):
+    return subprocess.Popen(["bash", "launch/local_multihost.sh", "2", "configs/tiny.py:smoke",
+                             f"--workdir={URL}", *_CONFIG[1:], "--config.warmup.steps=10",
+                             "--config.warmup.noisy_steps=4", f"--config.checkpoint.directory={tmp_path / 'ckpt'}"],
+                            cwd=REPO, env={**env, "LOG_DIR": str(logs)}, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+  run_dir = root / "bkt" / "runs" / "r1"
+  first = launch(tmp_path / "logs1")
+  t0 = time.time()
+  while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+    assert first.poll() is None, first.communicate()[0][-3000:]
+    assert time.time() - t0 < 900
+    time.sleep(0.05)
+  os.killpg(first.pid, signal.SIGKILL)  # the launcher and both processes, at once
+  first.wait()
+  killed = _rows((run_dir / "metrics.jsonl").read_text())
+  assert not (run_dir / "summary.json").exists()
+  lock = json.loads((run_dir / "run.lock").read_text())
+  (run_dir / "run.lock").write_text(json.dumps({**lock, "host": "old-slice-w0", "heartbeat": time.time() - 400}))
+  resumed = launch(tmp_path / "logs2")
+  out, _ = resumed.communicate(timeout=900)
+  assert resumed.returncode == 0, out[-3000:]
+  assert re.search(r"on old-slice-w0: not renewed for 4\d\d s", out), out[-3000:]
+  start = int(re.search(r"resumed from step (\d+)", out).group(1))
+  assert start < len(killed), (start, len(killed))  # steps after the checkpoint were lost and redone
+  rows = _rows((run_dir / "metrics.jsonl").read_text())
+  assert [r["step"] for r in rows] == list(range(1, 7))
+  assert rows[:len(killed)] == killed
+  summary = json.loads((run_dir / "summary.json").read_text())
+  assert summary["trainer_steps"] == 6 and [e["step"] for e in summary["evals_during"]] == [3]
+  assert not (run_dir / "run.lock").exists()
+
+
 @pytest.mark.slow
 def test_a_two_process_run_in_a_bucket_killed_then_resumed_is_the_straight_run(tmp_path):
   """launch/local_multihost.sh 2 with the workdir in the fake bucket: kill -9 of both processes
