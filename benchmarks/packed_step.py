@@ -4,9 +4,12 @@ One process times our train step on packed rows (`train.packing`, oapl_jax/rl/pa
 against the same step on padded rows, side by side: the repetitions alternate between the
 sides and the two length distributions, so all see the same machine load.
 
-    python benchmarks/packed_step.py [--reps 5] [--torch]   # the comparison (~3 min, idle 2 cores)
+    python benchmarks/packed_step.py [--reps 5] [--torch]   # the comparison (~4 min on idle 2 cores*)
     python benchmarks/packed_step.py --sweep [--torch]      # settings: --sweep-accum, --sweep-packed
     python benchmarks/packed_step.py --quick [--torch]      # tiny shapes (the test)
+
+(*) estimated from the CPU seconds measured on a loaded machine (docs/performance.md, "Packed
+rows"): about 56 CPU seconds a repetition with --torch, plus the two compiles.
 
 Model: benchmarks/train_step.py's tiny Qwen3 (vocab 1024, hidden 256, 4 layers, 4 query / 2 KV
 heads of 64, MLP 768, QK-norm, tied embeddings, float32), `nnx.Rngs(0)`, written with `to_hf`
