@@ -195,7 +195,7 @@ def _start(argv, log, env):
   return proc
 
 
-def _wait(proc, log, timeout=600):
+def _wait(proc, log, timeout=1200):  # a safety net only: 11 min at a load of 30 on 2 cores
   try:
     rc = proc.wait(timeout=timeout)
   except subprocess.TimeoutExpired:
