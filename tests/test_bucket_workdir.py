@@ -161,7 +161,8 @@ def test_a_run_in_a_bucket_killed_then_resumed_from_another_host_is_the_straight
   ref = json.loads((tmp_path / "straight" / "summary.json").read_text())
   assert summary["eval_after"] == ref["eval_after"] and summary["evals_during"] == ref["evals_during"]
   assert not (run_dir / "run.lock").exists()
-  assert sorted(os.listdir(run_dir)) == ["eval_before.json", "metrics.jsonl", "summary.json"]
+  # config.json: the run's settings, which a resume is compared with (oapl_jax/run_config.py)
+  assert sorted(os.listdir(run_dir)) == ["config.json", "eval_before.json", "metrics.jsonl", "summary.json"]
 
 
 def test_a_two_process_run_in_a_bucket_killed_then_resumed_redoes_its_lost_steps_alike(tmp_path):
