@@ -217,6 +217,12 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.train.remat = "none"  # Per transformer block: "none" (keep activations), "dots" (keep matmul outputs only), "full" (recompute the block).
   c.train.attn_block = 512  # Blockwise attention: query/key block length (online softmax; causal blocks above the diagonal skipped). CPU, 2k-token answers: 256 ran 12% faster (docs/performance.md, "Train-step speed").
   c.train.logprob_tile = 512  # Log-prob kernel: tokens per tile of [tile, V] logits (LM head inside the tile; no [B, T, V] tensor).
+  # Packed rows (oapl_jax/rl/packing.py, docs/performance.md "Packed rows"): the step's answers, each with its prompt,
+  # back to back in rows of pack_budget tokens (first-fit decreasing), attention within each; a step runs as many
+  # micro-batches of pack_rows rows as its answers fill (the worst case compiled, the rest skipped); one process only.
+  c.train.packing = False  # True: train on packed rows; False: one answer per row, padded to seq_len.
+  c.train.pack_rows = 0  # Packed rows per micro-batch; 0 = a padded micro-batch's rows (rl.groups_per_step x rl.group_size / train.grad_accum).
+  c.train.pack_budget = 0  # Tokens per packed row (>= max_prompt_len + max_new_tokens); 0 = exactly that.
   # A step whose loss or grad norm is not finite is skipped (params and optimizer unchanged);
   # this many in a row stop the run with an error.
   c.train.max_nonfinite_steps = 3
@@ -580,6 +586,14 @@ def validate(c, *, dry_run: bool = False) -> None:
   _check(c.train.remat in REMAT_POLICIES, "train.remat", c.train.remat, f"must be one of {REMAT_POLICIES}")
   _int(c, "train.attn_block", 1)
   _int(c, "train.logprob_tile", 1)
+  _check(isinstance(c.train.packing, bool), "train.packing", c.train.packing, "must be True or False")
+  _int(c, "train.pack_rows", 0)
+  _int(c, "train.pack_budget", 0)
+  seq = c.sampling.max_prompt_len + c.sampling.max_new_tokens
+  _check(c.train.pack_budget in (0,) or c.train.pack_budget >= seq, "train.pack_budget", c.train.pack_budget,
+         f"must be 0 or >= max_prompt_len + max_new_tokens = {seq} (the longest answer fits one row)")
+  _check(not (c.train.packing and c.distributed.num_processes not in (None, 1)), "train.packing",
+         c.train.packing, "runs on one process: multi-host packing is not built yet (set it False)")
   _validate_mesh(c)
 
   _int(c, "warmup.steps", 0)
