@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from oapl_jax.config import ConfigError, validate
+from oapl_jax.config import ConfigError, repo_config, validate
 from oapl_jax.models.build import init_model
 from oapl_jax.placement import seq_len
 from oapl_jax.rl import packing
@@ -105,10 +105,15 @@ def test_an_answer_with_no_counted_token_is_not_packed():
 # --- the packed step equals the padded step -------------------------------------------------
 
 
-def _config(loss="oapl", accum=1, **changes):
-  c = tiny.get_config("smoke")
+def _config(loss="oapl", accum=1, base="tiny", **changes):
+  """base: "tiny" (tiny.py:smoke with room for long-tailed answers, T = 28), "reason" or "mix"
+  (their :smoke configs, their own row lengths: T = 78 and 70)."""
+  if base == "tiny":
+    c = tiny.get_config("smoke")
+    c.sampling.max_new_tokens = 20
+  else:
+    c = repo_config(f"{base}.py:smoke")
   c.rl.group_size, c.rl.groups_per_step, c.train.grad_accum = 4, 4, accum  # 16 answers
-  c.sampling.max_new_tokens = 20  # room for long-tailed answers (T = 28)
   c.rl.loss, c.rl.old_logprobs = loss, "snapshot"
   c.sampling.temperature, c.sampling.top_p = 0.8, 0.9
   c.train.lr, c.train.warmup_ratio, c.train.eps = 1e-3, 0.0, 1e-3  # eps: see test_mesh_train
@@ -170,6 +175,18 @@ def test_the_packed_step_equals_the_padded_step(loss, accum, rows, budget):
   if budget:
     assert packed[2]["pad_fraction"] < padded[2]["pad_fraction"] - 0.2
     assert packed[2]["micro_batches"] < packing.max_micro_batches(16, seq_len(c), rows=rows, budget=budget)
+
+
+@pytest.mark.parametrize("base", ["reason", "mix"])
+def test_the_packed_step_equals_the_padded_step_on_the_built_in_tasks_configs(base):
+  c = _config("oapl", 2, base)
+  t = seq_len(c)
+  answers = _answers(c, seed=2)
+  padded = _one_step(c, answers)
+  packed = _one_step(_config("oapl", 2, base, **{"train.packing": True, "train.pack_rows": 2,
+                                                 "train.pack_budget": 2 * t}), answers)
+  _close(padded, packed)
+  assert packed[0]["loss"] != 0.0 and packed[2]["pad_fraction"] < padded[2]["pad_fraction"]
 
 
 def test_the_packed_step_with_the_k3_kl_and_truncated_answers_left_out():
