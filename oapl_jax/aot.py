@@ -546,7 +546,8 @@ class Report:
     step = next((p for p in self.programs if p.name == "train step"), None)
     out.append(f"    packed / padded: {ratio:.2f}x fewer FLOPs" + (
         f"; the compiled train step: {step.flops * self.devices / 1e12:.1f} TFLOP by XLA's cost "
-        "analysis (loop bodies once: about one micro-batch)" if step is not None else ""))
+        "analysis (each loop body counted once: micro-batches, layers, attention blocks, log-prob "
+        "tiles; not comparable with the analytic figures)" if step is not None else ""))
     return out
 
   def format(self) -> str:
