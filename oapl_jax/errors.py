@@ -63,7 +63,11 @@ def run_command(main: Callable[[list[str]], Any]) -> None:
       if flags.FLAGS.verbose:
         traceback.print_exc()
       print("error: stopped by Ctrl-C (SIGINT)", file=sys.stderr, flush=True)
-      sys.exit(INTERRUPTED_EXIT)
+      # out at once, without the interpreter's teardown: interrupted mid-computation, XLA's
+      # threads were seen to crash it (a segfault, exit -11, after the line above); nothing
+      # is left to flush (outputs are written whole, elsewhere, before they count)
+      sys.stdout.flush()
+      os._exit(INTERRUPTED_EXIT)
 
   def parse(argv):
     """The command line; a flag it cannot take (an unknown or malformed setting, a config file

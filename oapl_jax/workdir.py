@@ -177,9 +177,16 @@ def check_output_folder(flag: str, path: str) -> None:
 
 
 def _check_can_write(flag: str, path: str, folder: str) -> None:
-  probe = os.path.join(folder, f".write_check.{os.getpid()}")
+  """A file is made and removed in `folder`, or, where it does not exist yet, in the nearest
+  folder above it that does (whoever writes first makes it): nothing is left behind, so a run
+  refused later (its memory plan, another run's config) has not touched its workdir."""
+  existing = os.path.abspath(folder)
+  while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+    existing = os.path.dirname(existing)
+  probe = os.path.join(existing, f".write_check.{os.getpid()}")
   try:
-    os.makedirs(folder, exist_ok=True)
+    if not os.path.isdir(existing):
+      raise NotADirectoryError(20, "not a folder", existing)
     with open(probe, "w"):
       pass
     os.remove(probe)
