@@ -165,6 +165,18 @@ def test_a_run_in_a_bucket_killed_then_resumed_from_another_host_is_the_straight
   assert sorted(os.listdir(run_dir)) == ["config.json", "eval_before.json", "metrics.jsonl", "summary.json"]
 
 
+
+def _kill_after_steps(launcher, run_dir, steps: int) -> None:
+  """SIGKILL the launcher and both its processes at once, as soon as the run has logged `steps`
+  steps (a 15-minute safety net, not a timing check)."""
+  t0 = time.time()
+  while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < steps:
+    assert launcher.poll() is None, launcher.communicate()[0][-3000:]
+    assert time.time() - t0 < 900
+    time.sleep(0.05)
+  os.killpg(launcher.pid, signal.SIGKILL)
+  launcher.wait()
+
 def test_a_two_process_run_in_a_bucket_killed_then_resumed_redoes_its_lost_steps_alike(tmp_path):
   """The reduced form of the next test (CI), without its straight run: launch/local_multihost.sh 2
   on one-digit sums (the smoke base earns rewards there) with the workdir in the fake bucket, kill -9 of both processes once step 3
@@ -189,13 +201,7 @@ def test_a_two_process_run_in_a_bucket_killed_then_resumed_redoes_its_lost_steps
 
   run_dir = root / "bkt" / "runs" / "r1"
   first = launch(tmp_path / "logs1")
-  t0 = time.time()
-  while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
-    assert first.poll() is None, first.communicate()[0][-3000:]
-    assert time.time() - t0 < 900
-    time.sleep(0.05)
-  os.killpg(first.pid, signal.SIGKILL)  # the launcher and both processes, at once
-  first.wait()
+  _kill_after_steps(first, run_dir, 3)
   killed = _rows((run_dir / "metrics.jsonl").read_text())
   assert any(r["reward_mean"] > 0 for r in killed), killed  # one-digit sums: rewards to tell answers apart
   assert not (run_dir / "summary.json").exists()
@@ -239,13 +245,7 @@ def test_a_two_process_run_in_a_bucket_killed_then_resumed_is_the_straight_run(t
   want = _rows((tmp_path / "straight" / "metrics.jsonl").read_text())
   run_dir = root / "bkt" / "runs" / "r1"
   first = launch(URL, tmp_path / "ckpt", tmp_path / "logs1")
-  t0 = time.time()
-  while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 3:
-    assert first.poll() is None, first.communicate()[0][-3000:]
-    assert time.time() - t0 < 900
-    time.sleep(0.05)
-  os.killpg(first.pid, signal.SIGKILL)  # the launcher and both processes, at once
-  first.wait()
+  _kill_after_steps(first, run_dir, 3)
   assert not (run_dir / "summary.json").exists()
   lock = json.loads((run_dir / "run.lock").read_text())
   (run_dir / "run.lock").write_text(json.dumps({**lock, "host": "old-slice-w0", "heartbeat": time.time() - 400}))
