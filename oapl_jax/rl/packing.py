@@ -118,8 +118,7 @@ def pack(rows: Rows, *, rows_per_micro: int, budget: int, micro_batches: int, pa
     answer_row[mb, i], answer_start[mb, i], member[mb, i] = g % r, a, 1.0
   # the padding after a row's last segment: a segment of its own, numbered past the last, so
   # that ids never decrease along a row (the attention kernel skips key blocks by them)
-  for g in range(k * r):
-    segment_ids[g, segment_ids[g] == 0] = segments[g] + 1
+  segment_ids = np.where(segment_ids == 0, segments[:, None] + 1, segment_ids).astype(np.int32)
   filled = segments > 0  # [k * r]
   active = filled.reshape(k, r).any(axis=1)
   active[0] = True  # a step runs at least one micro-batch (all-empty: loss 0, as padded)

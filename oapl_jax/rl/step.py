@@ -239,14 +239,14 @@ class TrainStep:
     Metrics: `pad_fraction` (of the token positions the step computes, the share that is
     padding: not a prompt or answer token of an answer that counts), and under packing
     `rows_filled` and `micro_batches` (those that run; the others are skipped)."""
-    real = int(packing.used_lengths(rows).sum())
     if self.packing is None:
+      real = int(packing.used_lengths(rows).sum())
       return Batch.from_rows(rows), {"pad_fraction": 1.0 - real / rows.tokens.size}
     k, r, s = self.packing
     packed = packing.pack(rows, rows_per_micro=r, budget=s, micro_batches=k)
     ran = int(packed.active.sum())
     return PackedBatch.from_rows(rows, packed), {
-        "pad_fraction": 1.0 - real / (ran * r * s), "rows_filled": packed.rows_filled,
+        "pad_fraction": 1.0 - packed.real_tokens / (ran * r * s), "rows_filled": packed.rows_filled,
         "micro_batches": ran}
 
   def cost_of(self, batch: "Batch | PackedBatch") -> dict[str, float]:
