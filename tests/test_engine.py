@@ -232,7 +232,9 @@ def test_narrowing_the_drain_changes_nothing_but_the_width(small_model):
   np.testing.assert_array_equal(a.answers, b.answers)
   np.testing.assert_array_equal(a.lengths, b.lengths)
   np.testing.assert_array_equal(a.finish, b.finish)
-  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+  # float32 at another decode width: XLA may tile the narrower batch's matmuls otherwise (jax
+  # 0.12 moved one log-prob by 1.9e-6), so equal to 1e-5 like the trainer's below
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
   assert a.stats["live_slot_steps"] == b.stats["live_slot_steps"] == a.lengths.sum()
   assert a.stats["slot_steps"] < b.stats["slot_steps"] and a.slot_utilisation > b.slot_utilisation
   assert a.queued_slot_utilisation == b.queued_slot_utilisation
