@@ -1,9 +1,12 @@
 """Shared fixtures: a tiny random model, the smoke config, `requires_sandbox`, `requires_torch` and
-`requires_peft`."""
+`requires_peft`; `start_session` for the runs a test starts in the background, none left running
+when it ends."""
 
 import importlib.util
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 
 # One persistent XLA compilation cache for the whole test session, fresh per session, inherited
@@ -89,6 +92,31 @@ def requires_peft(requires_torch):
     pytest.fail("peft is not installed (pip install -e '.[test]'); a failure, not a skip: CI is set",
                 pytrace=False)
   pytest.skip(NO_PEFT)
+
+
+# The background runs of the test in progress (trainers, sampler jobs, launchers): `start_session`
+# adds them, `_no_process_left` kills what is still running when the test ends.
+_STARTED: list[subprocess.Popen] = []
+
+
+def start_session(argv, **popen) -> subprocess.Popen:
+  """`subprocess.Popen(argv, **popen)` as the leader of a new session, killed with all its
+  children (its process group) when the test ends if still running: a test that fails midway
+  leaves no trainer, sampler job (which would wait for its trainer up to --max_idle_s) or
+  launcher behind."""
+  proc = subprocess.Popen(argv, start_new_session=True, **popen)
+  _STARTED.append(proc)
+  return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left():
+  yield
+  while _STARTED:
+    proc = _STARTED.pop()
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
 
 
 @pytest.fixture(scope="session")

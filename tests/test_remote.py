@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import start_session
 from oapl_jax import config as config_lib
 from oapl_jax import storage
 from oapl_jax.models.build import abstract_model, init_model
@@ -166,26 +167,9 @@ def _env(bucket=None):
   return env
 
 
-_STARTED: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _no_process_left():
-  """A test that fails midway leaves no trainer or sampler job running (a sampler waits for its
-  trainer up to --max_idle_s otherwise)."""
-  yield
-  while _STARTED:
-    proc = _STARTED.pop()
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
-
-
 def _start(module, args, log, env):
-  proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=open(log, "w"),
-                          stderr=subprocess.STDOUT, start_new_session=True)
-  _STARTED.append(proc)
-  return proc
+  return start_session([sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=open(log, "w"),
+                       stderr=subprocess.STDOUT)
 
 
 def _losses(metrics_path):
@@ -246,11 +230,10 @@ def test_a_trainer_of_two_processes_with_one_sampler_job_gives_the_sync_runs_los
   (workdir / "remote" / "rollouts").mkdir(parents=True)
   (workdir / "remote" / "rollouts" / "r000000000.npz").write_bytes(b"PK\x03\x04 not a whole file")
   assert args[0] == "--config=configs/tiny.py:smoke"  # the launcher takes the config bare
-  trainer = subprocess.Popen(["bash", os.path.join(REPO, "launch", "local_multihost.sh"), "2", "configs/tiny.py:smoke",
-                              *args[1:]], cwd=REPO,
-                             env={**_env(), "PYTHON": sys.executable}, stdout=open(tmp_path / "trainer.log", "w"),
-                             stderr=subprocess.STDOUT, start_new_session=True)
-  _STARTED.append(trainer)
+  trainer = start_session(["bash", os.path.join(REPO, "launch", "local_multihost.sh"), "2", "configs/tiny.py:smoke",
+                          *args[1:]], cwd=REPO,
+                         env={**_env(), "PYTHON": sys.executable}, stdout=open(tmp_path / "trainer.log", "w"),
+                         stderr=subprocess.STDOUT)
   sampler = _start("oapl_jax.sample", [*args, "--config.sampling.engines=2"], tmp_path / "sampler.log",
                    {**_env(), "JAX_NUM_CPU_DEVICES": "2"})
   _wait(trainer, tmp_path / "trainer.log")

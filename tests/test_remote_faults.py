@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from conftest import start_session
 from oapl_jax import config as config_lib
 from oapl_jax import storage
 from oapl_jax.rl import remote
@@ -45,25 +46,9 @@ def _trainer(config, workdir):
   return run
 
 
-_STARTED: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _no_process_left():
-  """A failing test leaves no sampler or trainer running."""
-  yield
-  while _STARTED:
-    proc = _STARTED.pop()
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
-
-
 def _start(module, args, log):
-  proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                          stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-  _STARTED.append(proc)
-  return proc
+  return start_session([sys.executable, "-m", module, *args], cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                       stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
 def _until(what, proc, log, timeout=300):
@@ -95,9 +80,7 @@ def _write_claim(root, index, owner, age_s=0.0):
 
 
 def _live_process() -> subprocess.Popen:
-  proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
-  _STARTED.append(proc)
-  return proc
+  return start_session(["sleep", "300"])
 
 
 def _dead_pid() -> int:
@@ -220,10 +203,9 @@ def test_a_sampler_with_other_settings_is_refused_at_its_start_in_one_line(tmp_p
   root = tmp_path / "remote"
   runs = {"seed": [*SAMPLER, "--config.seed=3"],
           "task": ["--config=configs/reason.py:smoke", *SAMPLER[1:]]}
-  procs = {k: subprocess.Popen([sys.executable, "-m", "oapl_jax.sample", *args, f"--workdir={tmp_path}"], cwd=REPO,
-                               env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True) for k, args in runs.items()}
-  _STARTED.extend(procs.values())
+  procs = {k: start_session([sys.executable, "-m", "oapl_jax.sample", *args, f"--workdir={tmp_path}"], cwd=REPO,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for k, args in runs.items()}
   out = {k: (p.communicate(timeout=300), p.returncode) for k, p in procs.items()}
   for k, ((_, err), rc) in out.items():
     lines = err.strip().splitlines()

@@ -15,7 +15,6 @@
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import start_session
 from oapl_jax import config as config_lib
 from oapl_jax.models.build import abstract_model, init_model
 from oapl_jax.rl import remote
@@ -173,26 +173,9 @@ EARNS = ["--config.task.min_digits=1", "--config.task.max_digits=1", "--config.w
          "--config.warmup.noisy_steps=10"]
 COMMON = ["--config=configs/tiny.py:smoke", *EARNS, "--config.rl.groups_per_rollout=4", "--config.log.progress=False",
           "--config.log.every=1", "--config.rl.remote.poll_s=0.1"]
-_STARTED: list[subprocess.Popen] = []
-
-
-@pytest.fixture
-def started():
-  """The processes a test starts: none is left running when it ends (a sampler job would wait
-  for its trainer)."""
-  yield _STARTED
-  while _STARTED:
-    proc = _STARTED.pop()
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
-
-
 def _start(argv, log, env):
-  proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, stdout=open(log, "w"),
-                          stderr=subprocess.STDOUT, start_new_session=True)
-  _STARTED.append(proc)
-  return proc
+  return start_session(argv, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, stdout=open(log, "w"),
+                       stderr=subprocess.STDOUT)
 
 
 def _wait(proc, log, timeout=1200):  # a safety net only: 11 min at a load of 30 on 2 cores
@@ -208,7 +191,7 @@ def _steps(metrics_path):
           for r in map(json.loads, open(metrics_path))]
 
 
-def test_a_two_process_trainer_beside_a_sampler_job_gives_the_sync_runs_rewards_and_losses(tmp_path, started):
+def test_a_two_process_trainer_beside_a_sampler_job_gives_the_sync_runs_rewards_and_losses(tmp_path):
   """launch/local_multihost.sh 2 in remote mode (each process trains on its share of every
   rollout file's groups) beside one sampler job, vs one sync process with the same two engine
   replicas, from a base that earns rewards: every step's reward mean is the sync run's, exactly
