@@ -56,6 +56,24 @@ def test_the_fake_bucket_refuses_what_object_storage_lacks(bucket):
   assert storage.read_text(f"{URL}/a.txt") == "one" and (bucket / "bkt/runs/r1/a.txt").is_file()
 
 
+def test_the_fake_buckets_objects_appear_whole_when_their_writer_closes_them(bucket):
+  """As a Cloud Storage upload: while an object is written, readers and listings see the previous
+  object (or none), never a part of the new one, nor the file it is written to."""
+  from etils import epath  # noqa: PLC0415
+  storage.write_text(f"{URL}/a.txt", "old")
+  with epath.Path(f"{URL}/a.txt").open("w") as f:
+    f.write("new, ")
+    f.flush()
+    with epath.Path(f"{URL}/b.txt").open("wb") as g:
+      g.write(b"half")
+      g.flush()
+      assert storage.read_text(f"{URL}/a.txt") == "old" and not storage.exists(f"{URL}/b.txt")
+      assert storage.listdir(URL) == ["a.txt"] and os.listdir(bucket / "bkt" / "runs" / "r1") == ["a.txt"]
+    f.write("whole")
+  assert storage.read_text(f"{URL}/a.txt") == "new, whole" and storage.read_text(f"{URL}/b.txt") == "half"
+  assert storage.listdir(URL) == ["a.txt", "b.txt"] and not os.listdir(bucket / ".partial")
+
+
 def test_bucket_lock_refuses_a_second_run_takes_over_a_stale_lease_and_is_released(bucket, caplog):
   with WorkdirLock(URL) as lock:
     assert lock.path == f"{URL}/run.lock"

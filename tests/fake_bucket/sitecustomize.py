@@ -6,20 +6,50 @@ Python runs this file at start-up in a process whose PYTHONPATH names this folde
 process. etils.epath then sends gs:// paths to fsspec (instead of tf.io.gfile), and fsspec's
 "gs" protocol to `FakeBucket`: a local file system that refuses what object storage lacks and a
 local disk has (appending to an object, renaming), so a workdir that leans on them fails here as
-it would on a bucket; and it keeps generations for the workdir lock's conditional writes
-(below). What it does not fake: Cloud Storage's own clients (tf.io.gfile, gcsfs,
+it would on a bucket; an object appears whole when its writer closes it, never half-written (as
+an upload does: written under $OAPL_FAKE_BUCKET/.partial, outside every bucket, then moved in with
+os.replace); and it keeps generations for the workdir lock's conditional writes (below). What it does not fake: Cloud Storage's own clients (tf.io.gfile, gcsfs,
 google-cloud-storage) and orbax's writes to gs:// (tensorstore); the tests keep
 `checkpoint.directory` on local disk. tests/test_gcs_emulator.py runs the real clients against
 an emulator.
 """
 
 import os
+import tempfile
 
 from etils.epath import gpath
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.local import LocalFileOpener, LocalFileSystem, get_umask
 
 ROOT_VAR = "OAPL_FAKE_BUCKET"
+PARTIAL = ".partial"  # $OAPL_FAKE_BUCKET/.partial: objects being written (no bucket's name starts with ".")
+
+
+class _Upload(LocalFileOpener):
+  """An object opened for writing: written to a file in $OAPL_FAKE_BUCKET/.partial (the same
+  file system, outside every bucket: no listing or folder check sees it), moved to its name by
+  os.replace when closed, so a reader sees the previous object or the whole new one (a writer
+  killed before its close leaves the previous one)."""
+
+  def __init__(self, path, mode, fs):
+    super().__init__(path, mode, autocommit=False, fs=fs)
+
+  def _open(self):
+    if self.f is None:
+      partial = os.path.join(os.environ[ROOT_VAR], PARTIAL)
+      os.makedirs(partial, exist_ok=True)
+      fd, self.temp = tempfile.mkstemp(dir=partial, prefix=os.path.basename(self.path) + ".")
+      os.chmod(self.temp, 0o666 & ~get_umask())  # as open() makes files (mkstemp: 0o600)
+      self.f = os.fdopen(fd, self.mode)
+
+  def close(self):
+    if not self.f.closed:
+      self.f.close()
+      os.replace(self.temp, self.path)
+
+  def __exit__(self, *exc):
+    self._incontext = False
+    self.close()
 
 
 class FakeBucket(LocalFileSystem):
@@ -40,6 +70,10 @@ class FakeBucket(LocalFileSystem):
   def _open(self, path, mode="rb", **kwargs):
     if "a" in mode or "+" in mode:
       raise OSError(f"fake bucket: objects cannot be appended to or updated ({path}, mode {mode!r})")
+    if "w" in mode:
+      path = self._strip_protocol(path)
+      self.makedirs(self._parent(path), exist_ok=True)  # the folders only: the object comes at close
+      return _Upload(path, mode, self)
     return super()._open(path, mode, **kwargs)
 
   def mv(self, *args, **kwargs):
