@@ -15,6 +15,7 @@ import os
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from oapl_jax.envs.registry import ENVS  # environment names -> builders: no JAX
 from oapl_jax.errors import ConfigError
 from oapl_jax.models.names import LOGICAL_AXES, LORA_TARGETS, ROPE_SCALING_TYPES, dtype_name
 from oapl_jax.models.pallas_names import ATTENTION_KERNELS  # names only: no JAX
@@ -230,6 +231,15 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.samples_per_problem = 16  # n answers per held-out problem for pass@k (k = 1, 2, 4, ... n).
   c.eval.every = 0  # Also evaluate every this many trainer steps; 0 = before and after only.
+
+  # Multi-turn environment (oapl_jax/envs/, docs/agents.md): tools the model may call between
+  # its turns. Built: the interface, the calculator, stored traces (python -m oapl_jax.import_traces);
+  # not yet: the engine pausing a slot on a tool call, so runs still sample single answers.
+  c.env = ml_collections.ConfigDict()
+  c.env.name = placeholder(str)  # Environment in oapl_jax.envs.ENVS (e.g. "calculator"); None = single-turn answers.
+  c.env.max_turns = 4  # Model turns per episode; the episode ends at the last whatever it holds.
+  c.env.tool_timeout_s = 5.0  # Wall-clock seconds per tool call; a tool still running is killed and the model told so.
+  c.env.tool_output_chars = 2000  # Characters of a tool's output the model sees; the rest is cut and the model told so.
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50  # Save the train state every this many trainer steps (and at the end).
@@ -480,6 +490,7 @@ def validate(c, *, dry_run: bool = False) -> None:
       _check(source.startswith("tfds:") or os.path.isfile(source), f"task.{field}", c.task[field],
              "no such file (give a .jsonl/.json/.parquet file or tfds:NAME[/CONFIG])")
   _validate_task(c)
+  _validate_env(c)
   if c.model.path is not None and not dry_run:
     _check(os.path.isfile(os.path.join(c.model.path, "config.json")), "model.path", c.model.path,
            "not a Hugging Face checkpoint folder (no config.json); for the :tiny configs make one "
@@ -628,6 +639,16 @@ def _validate_distributed(c) -> None:
     _check(d.process_id < d.num_processes, "distributed.process_id", d.process_id,
            f"must be below distributed.num_processes={d.num_processes}")
   _int(c, "distributed.initialization_timeout", 1)
+
+
+def _validate_env(c) -> None:
+  """`c.env` (a config from before it existed has none)."""
+  if "env" not in c:
+    return
+  _check(c.env.name is None or c.env.name in ENVS, "env.name", c.env.name, f"must be None or one of {tuple(ENVS)}")
+  _int(c, "env.max_turns", 1)
+  _number(c, "env.tool_timeout_s", 0, lo_open=True)
+  _int(c, "env.tool_output_chars", 1)
 
 
 def _validate_offline(c, dry_run: bool) -> None:

@@ -62,6 +62,7 @@ RULES = {
     "train.steps": (SAID, "how long the run trains, and the lr schedule's length (its decay is "
                     "stretched or shortened from here on)"),
     "train.lr": (SAID, "the lr schedule's peak from here on"),
+    "env": (RUN, "the environment the trajectories are sampled in: their tools and limits"),
     "eval": (SAID, "how often the policy is evaluated"),
     "eval.samples_per_problem": (RUN, "eval before was taken with it: before and after compare "
                                  "at the same n"),

@@ -26,7 +26,7 @@ LAYERS = (
     ("oapl_jax.data",),
     ("oapl_jax.rewards",),
     ("oapl_jax.models", "oapl_jax.sharding"),
-    ("oapl_jax.tasks",),
+    ("oapl_jax.tasks", "oapl_jax.envs"),
     ("oapl_jax.sampling", "oapl_jax.checkpoint"),
     ("oapl_jax.eval",),
     ("oapl_jax.rl", "oapl_jax.warmup", "oapl_jax.policies"),
@@ -35,6 +35,7 @@ LAYERS = (
     ("oapl_jax.train",),
     # the commands
     ("oapl_jax.main", "oapl_jax.generate", "oapl_jax.evaluate", "oapl_jax.export", "oapl_jax.sample",
+     "oapl_jax.import_traces",
      "oapl_jax.studies"),
 )
 CONFIG = "oapl_jax.config"
