@@ -31,6 +31,13 @@ of `rl.offline.check_rows` rows are rescored with pi_old by the trainer's kernel
 Once checked, its rows are samples of the run's pi_old and carry the run's stamps (version,
 snapshot step) of the round's start; the policy the header names is kept as provenance.
 
+Imported traces (`python -m oapl_jax.import_traces`, docs/agents.md) are a round file with one
+more array, `answer_model` (1 on the tokens the model wrote, 0 on the environment's: tool
+results, user turns), whose rows have the environment's tokens out of the targets
+(`trajectory.only_model_targets`); a header's `"logprobs": "none"` says no sampler log-probs are
+stored, and the run takes pi_old's by rescoring every answer with its pi_old (`fill_logprobs`,
+said in the run's log) instead of checking them.
+
 The whole file is read into host memory (about 8 bytes per answer token plus 4 per prompt
 token; nothing is padded).
 """
@@ -52,6 +59,7 @@ from oapl_jax.errors import UserError
 from oapl_jax.models.names import compiler_options
 from oapl_jax.rl.buffer import Rows
 from oapl_jax.rl.logprobs import make_batch, token_logprobs
+from oapl_jax.rl.trajectory import only_model_targets
 from oapl_jax.sampling.processing import SamplingParams
 from oapl_jax.sampling.rollout import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout
 from oapl_jax.tasks.base import Problem
@@ -61,6 +69,13 @@ FORMAT = "oapl_jax.offline/1"
 # prompt; answer i (= p * G + g) is answer_tokens / answer_logprobs[answer_offsets[i]:...[i+1]].
 ARRAYS = ("prompt_tokens", "prompt_offsets", "answer_tokens", "answer_logprobs",
           "answer_offsets", "finish", "rewards", "version")
+# Optional: a trajectory's file (imported traces, docs/agents.md) flags each answer token 1 if
+# the model wrote it, 0 if the environment did (a tool result, a user turn: context, no target).
+# Without it every answer token is the model's.
+SPAN_ARRAY = "answer_model"
+# A header's "logprobs": "sampler" (default) stores pi_old's log-probs of the answer tokens;
+# "none" stores zeros, and the run takes pi_old's log-probs by rescoring (`fill_logprobs`).
+NO_LOGPROBS = "none"
 KEY_SALT = 2_000_003  # round r samples with fold_in(key(seed), KEY_SALT + r)
 
 
@@ -179,8 +194,20 @@ class OfflineData:
     rollout = Rollout(prompts=[a["prompt_tokens"][po[p]:po[p + 1]].tolist() for p in groups],
                       group_size=g, answers=tokens, logprobs=logprobs, lengths=lengths,
                       finish=a["finish"][answers], versions=a["version"][answers])
-    return make_batch(rollout, a["rewards"][answers], seq_len=seq_len, pad_id=pad_id,
+    rows = make_batch(rollout, a["rewards"][answers], seq_len=seq_len, pad_id=pad_id,
                       count_truncated=count_truncated)
+    if SPAN_ARRAY not in a:
+      return rows
+    model = np.zeros((len(answers), width), np.int8)  # [n, A] 1 on the model's tokens
+    for row, i in enumerate(answers):
+      model[row, :lengths[row]] = a[SPAN_ARRAY][ao[i]:ao[i + 1]]
+    prompt_lengths = np.repeat(po[np.asarray(groups) + 1] - po[np.asarray(groups)], g)  # [n]
+    return only_model_targets(rows, model, prompt_lengths)
+
+  @property
+  def has_logprobs(self) -> bool:
+    """Whether the file stores pi_old's log-probs (else the run rescores them: `fill_logprobs`)."""
+    return self.header.get("logprobs", "sampler") != NO_LOGPROBS
 
 
 def read(path: str) -> OfflineData:
@@ -198,7 +225,7 @@ def read(path: str) -> OfflineData:
   missing = [n for n in ("header", "sha256", *ARRAYS) if n not in members]
   if missing:
     _fail(path, f"not an offline file: no {', '.join(missing)}")
-  text, arrays = str(members["header"]), {n: members[n] for n in ARRAYS}
+  text, arrays = str(members["header"]), {n: members[n] for n in (*ARRAYS, SPAN_ARRAY) if n in members}
   if digest(text, arrays) != str(members["sha256"]):
     _fail(path, "checksum mismatch: the file is corrupted or was edited")
   try:
@@ -236,6 +263,12 @@ def _check_shapes(data: OfflineData) -> None:
         and (np.diff(a["answer_offsets"]) >= 1).all() and (np.diff(a["prompt_offsets"]) >= 1).all())
   if not ok:
     _fail(path, f"its arrays disagree with its header ({data.groups} groups of {data.group_size})")
+  if SPAN_ARRAY in a:
+    spans = a[SPAN_ARRAY]
+    if spans.ndim != 1 or spans.dtype.kind not in "iu" or len(spans) != len(a["answer_tokens"]):
+      _fail(path, f"{SPAN_ARRAY}: not one integer flag per answer token")
+    if not np.isin(spans, (0, 1)).all():
+      _fail(path, f"{SPAN_ARRAY}: a flag that is not 0 (environment) or 1 (model)")
 
 
 def check_matches(data: OfflineData, config, model_meta: dict) -> None:
@@ -371,6 +404,27 @@ def check_logprobs(data: OfflineData, config, recompute, params, *, seq_len: int
           f"token over {int(mask.sum())} tokens of {len(answers)} rows (rl.offline.logprob_tol="
           f"{off.logprob_tol}); it names its sampler as {policy.get('source', '?')!r}")
   return mean
+
+
+def fill_logprobs(data: OfflineData, recompute, params, *, seq_len: int, pad_id: int) -> int:
+  """A file stored without log-probs (`has_logprobs` False: imported traces of another
+  sampler): sets its answer log-probs to `params`' (the run's pi_old) rescoring through
+  `recompute` (`logprob_fn`), on the model's tokens (0 on the environment's), so that pi_old is
+  the policy the run starts the round from. One group at a time. Returns the tokens rescored."""
+  a, g = data.arrays, data.group_size
+  po, ao = a["prompt_offsets"], a["answer_offsets"]
+  filled = np.zeros_like(a["answer_logprobs"])
+  flags = a.get(SPAN_ARRAY, np.ones(len(a["answer_tokens"]), np.int8))
+  for group in range(data.groups):
+    rows = data.rows(np.array([group]), seq_len=seq_len, pad_id=pad_id, count_truncated=True)
+    lp = recompute(params, rows.tokens)  # [g, T-1]
+    p = int(po[group + 1] - po[group])
+    for j in range(g):
+      i = group * g + j
+      n = int(ao[i + 1] - ao[i])
+      filled[ao[i]:ao[i + 1]] = lp[j, p - 1:p - 1 + n] * flags[ao[i]:ao[i + 1]]
+  data.arrays = {**a, "answer_logprobs": filled.astype(np.float32)}
+  return int(flags.sum())
 
 
 # --- the schedule of the offline phase ----------------------------------------------------------

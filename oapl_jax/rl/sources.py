@@ -177,6 +177,10 @@ class OfflineSource:
       self._first = offline.read(off.path)
       offline.check_matches(self._first, config, run.model_meta())
       offline.check_problems(self._first, run.sampler.tokenizer)
+      if offline.SPAN_ARRAY in self._first.arrays and off.rounds > 1:
+        raise ConfigError(f"config.rl.offline.rounds={off.rounds}: {off.path} holds multi-turn "
+                          "trajectories (imported traces), and a later round would be sampled by "
+                          "the run, which samples single answers only (docs/agents.md); use 1")
     groups = self._first.groups if self._first else off.problems
     if groups < config.rl.groups_per_step:
       raise ConfigError(f"config.rl.groups_per_step={config.rl.groups_per_step}: more than the "
@@ -233,6 +237,15 @@ class OfflineSource:
     offline.check_problems(data, run.sampler.tokenizer)
     if self._recompute is None:
       self._recompute = offline.logprob_fn(config, run.graphdef, run.mesh)
+    if not data.has_logprobs:  # imported traces without the sampler's log-probs (docs/agents.md)
+      tokens = offline.fill_logprobs(data, self._recompute, run.snapshot, seq_len=seq_len(config),
+                                     pad_id=run.sampler.tokenizer.pad_id)
+      say(f"offline round {round_index + 1}: {data.groups} groups from {data.path} "
+          f"(traces of {data.header['policy'].get('source')}; stored without log-probs: pi_old is "
+          f"this run's pi_old (version {run.counters.version}: the base in round 1) rescoring the "
+          f"{tokens} model tokens)")
+      self._loaded = (round_index, data)
+      return data
     gap = offline.check_logprobs(data, config, self._recompute, run.snapshot,
                                  seq_len=seq_len(config), pad_id=run.sampler.tokenizer.pad_id,
                                  what=f"this run's pi_old (version {run.counters.version})")
