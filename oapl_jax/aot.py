@@ -250,7 +250,7 @@ def _trainer_programs(b: _Build) -> list[Program]:
     snapshot = _sds(adapters, b.step.param_shardings, jnp.dtype(config.model.dtype))
   rows, t = config.rl.groups_per_step * config.rl.group_size, seq_len(config)
   if tr.packing:
-    batch = _packed_batch(config, rows, t)
+    batch = _packed_batch(config, rows, t, b.processes)
   else:
     micro = (tr.grad_accum, rows // tr.grad_accum)
     batch = Batch(tokens=jax.ShapeDtypeStruct((*micro, t), jnp.int32),
@@ -278,11 +278,11 @@ def _trainer_programs(b: _Build) -> list[Program]:
   return out
 
 
-def _packed_batch(config, answers: int, t: int):
-  """The abstract `PackedBatch` of a packed step (`rl.step.packing_shape`): K micro-batches of
-  R rows of S tokens, the B answers' map and loss inputs."""
+def _packed_batch(config, answers: int, t: int, processes: int):
+  """The abstract `PackedBatch` of a packed step (`rl.step.packing_shape` over `processes`): K
+  micro-batches of R rows of S tokens, the B answers' map and loss inputs."""
   from oapl_jax.rl.step import PackedBatch, packing_shape  # noqa: PLC0415
-  k, r, s = packing_shape(config)
+  k, r, s = packing_shape(config, processes)
   sds = jax.ShapeDtypeStruct
   rows, by_answer = (sds((k, r, s), jnp.int32),) * 3, (sds((k, answers), jnp.int32),) * 2
   return PackedBatch(*rows, *by_answer, sds((k, answers), jnp.float32), sds((k,), jnp.bool_),
@@ -430,26 +430,32 @@ def stated_lengths(config) -> np.ndarray:
   return answers + s.max_prompt_len // 2
 
 
-def packing_flops(config, lengths: np.ndarray) -> dict[str, dict]:
+def packing_flops(config, lengths: np.ndarray, processes: int = 1) -> dict[str, dict]:
   """The padded and the packed step's cost on one step of answers of `lengths` (prompt +
-  answer tokens): micro-batches run, rows x tokens each, and `model_flops` of what they compute.
-  Padded: train.grad_accum micro-batches of B / accum rows of T, attention over every row's
-  causal triangle. Packed (`rl.step.packing_shape`, whether or not train.packing is on):
-  first-fit decreasing, the micro-batches it fills, every position of their rows computed,
-  attention over each segment's causal triangle (blocks outside a segment skipped; the
-  kernel's block granularity adds up to a block per segment, not counted)."""
+  answer tokens, in groups of rl.group_size): micro-batches run, rows x tokens each, and
+  `model_flops` of what they compute. Padded: train.grad_accum micro-batches of B / accum rows
+  of T, attention over every row's causal triangle. Packed (`rl.step.packing_shape`, whether
+  or not train.packing is on): each of `processes` packs its groups (p, p + processes, ...)
+  first-fit decreasing into its R / processes rows of each micro-batch; a step runs the
+  micro-batches any process fills, every position of their rows computed, attention over each
+  segment's causal triangle and each row's trailing padding (blocks outside a segment skipped;
+  the kernel's block granularity adds up to a block per segment, not counted)."""
   from oapl_jax.rl import packing  # noqa: PLC0415
   from oapl_jax.rl.step import packing_shape  # noqa: PLC0415
-  rows, t = len(lengths), seq_len(config) - 1
+  rows, t, g = len(lengths), seq_len(config) - 1, config.rl.group_size
   packed = config.copy_and_resolve_references()
   packed.train.packing = True
-  k_max, r, s = packing_shape(packed)
-  row, start = packing.first_fit_decreasing(lengths, s, k_max * r)
-  filled = np.zeros(k_max * r, np.int64)
-  np.add.at(filled, row, lengths)
-  k = int(-(-(row.max() + 1) // r))
-  pairs = float((lengths.astype(np.float64) ** 2).sum() / 2
-                + ((s - filled[:k * r]).astype(np.float64) ** 2).sum() / 2)  # segments, padding
+  k_max, r, s = packing_shape(packed, processes)
+  mine = r // processes  # packed rows of a micro-batch per process
+  groups = np.arange(rows).reshape(-1, g)  # [groups, G] answer indices
+  fills = []  # [k_max * mine] tokens per packed row, per process
+  for p in range(processes):
+    share = lengths[groups[p::processes].ravel()]
+    row, _ = packing.first_fit_decreasing(share, s, k_max * mine)
+    fills.append(np.bincount(row[row >= 0], weights=share[row >= 0], minlength=k_max * mine))
+  k = max(int(-(-(np.flatnonzero(f).max() + 1) // mine)) for f in fills)
+  padding = np.concatenate([s - f[:k * mine] for f in fills])  # each run row's trailing padding
+  pairs = float((lengths.astype(np.float64) ** 2).sum() / 2 + (padding ** 2).sum() / 2)
   accum = config.train.grad_accum
   return {"padded": {"micro_batches": accum, "rows": rows // accum, "tokens": t,
                      "flops": model_flops(config)},
@@ -469,6 +475,7 @@ class Report:
   chip: tuple[str, float, float] | None  # (name, peak bf16 FLOP/s, HBM bytes/s) per device
   flops: dict[str, float]
   plan_config: object  # the config the plan was made for
+  processes: int = 1  # the hosts of the topology (each packs its own answers under train.packing)
 
   @property
   def peak(self) -> int:
@@ -531,7 +538,7 @@ class Report:
     (`packing_flops`): micro-batches, FLOPs and the roofline time of each; the compiled train
     step's FLOPs from XLA's cost analysis (its loop bodies, a micro-batch among them, once)."""
     c = self.plan_config
-    cost = packing_flops(c, stated_lengths(c))
+    cost = packing_flops(c, stated_lengths(c), self.processes)
     s = c.sampling
     out = [f"  packed vs padded train step, one step of answers spread evenly over 1..{s.max_new_tokens} "
            f"tokens with {s.max_prompt_len // 2}-token prompts ({cost['real_tokens']:,} real tokens; "
@@ -596,7 +603,8 @@ def compile_run(config, keep_hlo: bool = False, only: tuple[str, ...] | None = N
   # The default device is one compiled for: Pallas' TPU lowering reads the chip from it.
   with jax.default_device(devices[0]):
     progs = programs(_for_platform(config, devices[0].platform), devices, plan, keep_hlo, only)
-  return Report(plan.topology, len(devices), plan, progs, chip, model_flops(config), config)
+  return Report(plan.topology, len(devices), plan, progs, chip, model_flops(config), config,
+                len({d.process_index for d in devices}))
 
 
 def dry_run(config, mode: str, sampler_job: bool = False) -> None:

@@ -220,7 +220,8 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.train.logprob_tile = 512  # Log-prob kernel: tokens per tile of [tile, V] logits (LM head inside the tile; no [B, T, V] tensor).
   # Packed rows (oapl_jax/rl/packing.py, docs/performance.md "Packed rows"): the step's answers, each with its prompt,
   # back to back in rows of pack_budget tokens (first-fit decreasing), attention within each; a step runs as many
-  # micro-batches of pack_rows rows as its answers fill (the worst case compiled, the rest skipped); one process only.
+  # micro-batches of pack_rows rows as its answers fill (the worst case compiled, the rest skipped); multi-host:
+  # each process packs its own answers into its pack_rows / processes rows of each micro-batch.
   c.train.packing = False  # True: train on packed rows; False: one answer per row, padded to seq_len.
   c.train.pack_rows = 0  # Packed rows per micro-batch; 0 = a padded micro-batch's rows (rl.groups_per_step x rl.group_size / train.grad_accum).
   c.train.pack_budget = 0  # Tokens per packed row (>= max_prompt_len + max_new_tokens); 0 = exactly that.
@@ -603,8 +604,6 @@ def validate(c, *, dry_run: bool = False) -> None:
   seq = c.sampling.max_prompt_len + c.sampling.max_new_tokens
   _check(c.train.pack_budget in (0,) or c.train.pack_budget >= seq, "train.pack_budget", c.train.pack_budget,
          f"must be 0 or >= max_prompt_len + max_new_tokens = {seq} (the longest answer fits one row)")
-  _check(not (c.train.packing and c.distributed.num_processes not in (None, 1)), "train.packing",
-         c.train.packing, "runs on one process: multi-host packing is not built yet (set it False)")
   _validate_mesh(c)
 
   _int(c, "warmup.steps", 0)

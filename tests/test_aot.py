@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import in_ci
@@ -256,3 +257,38 @@ def test_a_program_outside_the_plans_band_fails_the_compile_check_in_one_line():
   assert str(e.value).startswith(f"compiled for {report.topology}, the train step compiles to ")
   assert "outside the plan's band (+-15% + 64 MiB: docs/memory.md)" in str(e.value)
   assert "1 program(s) OUTSIDE the plan's band" in report.format()
+
+
+def _packed_tiny(pack_rows: int):
+  c = tiny.get_config()
+  c.rl.groups_per_step, c.rl.group_size = 2, 2  # 4 answers in 2 groups
+  c.train.packing, c.train.pack_rows = True, pack_rows
+  return c
+
+
+def test_packing_flops_count_what_each_process_packs():
+  """Answers of 3 + 4 and 2 + 4 tokens (two groups; rows of 14): one process packs all four into one row
+  of its two; over two processes each packs its group into its one row. Either way one
+  micro-batch runs, every position of its rows computed, attention over each segment and each
+  row's trailing padding."""
+  c = _packed_tiny(2)
+  s = plan.seq_len(c)
+  lengths = np.array([3, 4, 2, 4])
+  segments = (9 + 16 + 4 + 16) / 2
+  for processes, padding in ((1, [s - 13, s]), (2, [s - 7, s - 6])):
+    cost = aot.packing_flops(c, lengths, processes)
+    assert (cost["packed"]["micro_batches"], cost["packed"]["rows"], cost["real_tokens"]) == (1, 2, 13)
+    pairs = segments + sum(p * p for p in padding) / 2
+    assert cost["packed"]["flops"] == aot.model_flops(c, tokens=2 * (s - 1), pairs=pairs), processes
+  assert cost["padded"]["flops"] == aot.model_flops(c)
+  with pytest.raises(ConfigError, match="train.pack_rows: 3 packed rows"):
+    aot.packing_flops(_packed_tiny(3), lengths, 2)
+
+
+def test_the_packed_step_compiles_and_prints_both_layouts():
+  report = aot.compile_run(_packed_tiny(2))
+  assert report.programs[0].name == "train step" and report.programs[0].temp > 0
+  text = "\n".join(report.packing_lines(1e12))
+  # rows of 14 tokens hold one of these answers (5-10 tokens) each: 2 micro-batches of 2 rows
+  assert "train.packing=True" in text and "padded: 1 micro-batch(es) of 4 x 13 positions" in text
+  assert "packed: 2 of 2 micro-batch(es) of 2 x 13 positions" in text

@@ -290,6 +290,8 @@ STEP8 = textwrap.dedent("""
     c = config(1, 8, 1)
     c.sampling.engines = 2  # one engine replica per process (or two in one process)
     c.rl.group_size, c.rl.groups_per_step = int(sys.argv[3]), 32 // int(sys.argv[3])
+    if sys.argv[4:] == ["packed"]:  # rows of 2T, 8 per micro-batch: 4 on each process
+      c.train.packing, c.train.pack_rows, c.train.pack_budget = True, 8, 2 * seq_len(c)
     # argv[2] "interleaved": the mesh's fsdp axis alternates processes, as a TPU slice's may
     # (v5p-64's runs over processes 0, 2, 4, 6, 0, ...): process p's rows are not rows p*n on.
     devices = jax.devices()
@@ -307,6 +309,12 @@ STEP8 = textwrap.dedent("""
     # this process's share: its replica's groups p, p + n, ... (one engine per process)
     rows = np.concatenate([np.arange(j * g, (j + 1) * g) for j in range(p, c.rl.groups_per_step, n)])
     mine = jax.tree.map(lambda x: x[rows], b)
+    if c.train.packing:  # each process packs its own answers (`TrainStep.batch_of`)
+      from oapl_jax.rl.buffer import Rows
+      k = len(rows)
+      mine, layout = step.batch_of(Rows(**vars(mine), answer_lengths=mine.mask.sum(1).astype(np.int64),
+                                        version=np.zeros(k, np.int32), snapshot_step=np.zeros(k, np.int32)))
+      print("LAYOUT", layout, step.cost_of(mine), flush=True)
     new_params, _, metrics = step(params, step.init_opt_state(params), snapshot, mine)
     with jax.set_mesh(mesh):
       whole = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, PartitionSpec()))(new_params)
@@ -334,6 +342,27 @@ def test_two_processes_of_four_devices_step_like_one_process_of_eight(tmp_path, 
   assert abs(float(want["loss"])) > 1e-3 and float(got["step_skipped"]) == 0.0
   for name in want.files:
     np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_two_processes_packing_their_own_answers_step_like_one_padded_process(tmp_path):
+  """train.packing over 2 processes of 4 devices (interleaved on the fsdp axis, groups of 8):
+  each process packs its own 16 answers into its 4 rows of each micro-batch; the step equals
+  the padded step of one process of 8 devices on the same 32 answers to float32 rounding
+  (rtol 2e-5, as tests/test_packing.py: attention blocks and log-prob tiles fall elsewhere in
+  a packed row). Answers mapped to another process's rows, or groups out of the global order,
+  change the loss far beyond that."""
+  runs = (_start(STEP8, 2, 4, str(tmp_path / "multi.npz"), "interleaved", "8", "packed"),
+          _start(STEP8, 0, 8, str(tmp_path / "single.npz"), "interleaved", "8"))
+  out = _outputs(runs[0])
+  _outputs(runs[1])
+  got, want = np.load(tmp_path / "multi.npz"), np.load(tmp_path / "single.npz")
+  assert sorted(got.files) == sorted(want.files)
+  assert abs(float(want["loss"])) > 1e-3 and float(got["step_skipped"]) == 0.0
+  layouts = [line for text in out for line in text.splitlines() if line.startswith("LAYOUT")]
+  assert len(layouts) == 2 and layouts[0] == layouts[1]  # the step's figures agree over processes
+  assert "'micro_batches': 2" in layouts[0]  # both micro-batches run: neither process fits in one
+  for name in want.files:
+    np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=2e-6, err_msg=name)
 
 
 # --- end to end through launch/local_multihost.sh ----------------------------------------------

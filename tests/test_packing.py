@@ -24,7 +24,8 @@ from oapl_jax.models.build import init_model
 from oapl_jax.placement import seq_len
 from oapl_jax.rl import packing
 from oapl_jax.rl.buffer import Rows
-from oapl_jax.rl.step import Batch, PackedBatch, make_optimizer, make_train_step
+from oapl_jax.rl.packing import max_micro_batches
+from oapl_jax.rl.step import Batch, PackedBatch, make_optimizer, make_train_step, packing_shape
 from oapl_jax.sampling import SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,14 +203,24 @@ def test_the_packed_step_with_the_k3_kl_and_truncated_answers_left_out():
   assert packed[0]["kl"] > 0
 
 
-def test_packing_is_refused_on_several_processes_and_with_a_short_budget():
+def test_a_short_budget_and_rows_that_do_not_split_over_processes_are_refused():
   c = _config(**{"train.packing": True, "train.pack_budget": 20})
   with pytest.raises(ConfigError, match="train.pack_budget"):
     validate(c)
-  c = _config(**{"train.packing": True})
-  c.distributed.coordinator_address, c.distributed.num_processes, c.distributed.process_id = "h:1", 2, 0
-  with pytest.raises(ConfigError, match="train.packing"):
-    validate(c)
+  c = _config(**{"train.packing": True, "train.pack_rows": 6})
+  validate(c)  # the process count is known at the run's start, not in the config
+  assert packing_shape(c, 2)[1:] == packing_shape(c, 1)[1:] == (6, seq_len(c))
+  with pytest.raises(ConfigError, match="train.pack_rows: 6 packed rows .* 4 processes"):
+    packing_shape(c, 4)
+
+
+def test_each_process_packs_its_share_into_its_rows():
+  """Over P processes K is one process's worst case: B / P answers into R / P rows."""
+  c = _config(**{"train.packing": True, "train.pack_rows": 4})
+  b, t = c.rl.groups_per_step * c.rl.group_size, seq_len(c)
+  for p in (1, 2, 4):
+    k, r, s = packing_shape(c, p)
+    assert (r, s) == (4, t) and k == max_micro_batches(b // p, t, rows=4 // p, budget=t)
 
 
 # --- on a mesh of 8 devices, with accumulation and with adapters ---------------------------

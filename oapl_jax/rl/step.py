@@ -21,6 +21,7 @@ numbers are the unsharded ones.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -30,7 +31,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from oapl_jax import placement
+from oapl_jax import distributed, placement
 from oapl_jax import sharding as sharding_lib
 from oapl_jax.errors import ConfigError
 from oapl_jax.models import build
@@ -240,14 +241,17 @@ class TrainStep:
     padding: not a prompt or answer token of an answer that counts), and under packing
     `rows_filled` and `micro_batches` (those that run; the others are skipped)."""
     if self.packing is None:
-      real = int(packing.used_lengths(rows).sum())
-      return Batch.from_rows(rows), {"pad_fraction": 1.0 - real / rows.tokens.size}
+      real, size = distributed.totals(int(packing.used_lengths(rows).sum()), rows.tokens.size)
+      return Batch.from_rows(rows), {"pad_fraction": 1.0 - real / size}
     k, r, s = self.packing
-    packed = packing.pack(rows, rows_per_micro=r, budget=s, micro_batches=k)
+    processes = jax.process_count()  # each packs its own answers into its r / processes rows
+    packed = packing.pack(rows, rows_per_micro=r // processes, budget=s, micro_batches=k)
+    if processes > 1:  # a micro-batch runs where any process filled it (one compiled cond)
+      packed = dataclasses.replace(packed, active=distributed.allgather(packed.active).any(axis=0))
+    real, filled = distributed.totals(packed.real_tokens, packed.rows_filled)
     ran = int(packed.active.sum())
     return PackedBatch.from_rows(rows, packed), {
-        "pad_fraction": 1.0 - packed.real_tokens / (ran * r * s), "rows_filled": packed.rows_filled,
-        "micro_batches": ran}
+        "pad_fraction": 1.0 - real / (ran * r * s), "rows_filled": filled, "micro_batches": ran}
 
   def cost_of(self, batch: "Batch | PackedBatch") -> dict[str, float]:
     """What a host batch makes the step compute, as `aot.model_flops` takes it: {} for the
@@ -259,7 +263,9 @@ class TrainStep:
     ids = np.asarray(batch.segment_ids)[np.asarray(batch.active)][..., :-1]  # [k, R, S-1] the input
     ids = ids.reshape(-1, ids.shape[-1])
     sizes = np.concatenate([np.bincount(row) for row in ids]).astype(np.float64)  # segments' lengths
-    return {"tokens": ids.size, "pairs": float((sizes ** 2).sum() / 2)}
+    mine = np.array([ids.size, (sizes ** 2).sum() / 2])  # this process's rows
+    tokens, pairs = distributed.allgather(mine).sum(axis=0) if jax.process_count() > 1 else mine
+    return {"tokens": int(tokens), "pairs": float(pairs)}
 
   def place_batch(self, batch: "Batch") -> "Batch":
     """`batch` `[B, ...]` as `[accum, B / accum, ...]` on the mesh, rows split over the batch
@@ -291,12 +297,53 @@ class TrainStep:
       return self._relayout(batch)
 
   def _place_packed(self, batch: PackedBatch) -> PackedBatch:
-    """A host `PackedBatch` on the mesh, in the step's shardings (one process: train.packing
-    is refused with several, `config.validate`)."""
-    if jax.process_count() > 1:
-      raise ValueError("train.packing runs on one process (multi-host packing is not built yet)")
-    return jax.tree.map(lambda x, sh: jax.make_array_from_callback(
-        np.shape(x), sh, lambda index: np.asarray(x)[index]), batch, self.packed_shardings)
+    """A host `PackedBatch` on the mesh, in the step's shardings.
+
+    Multi-host: `batch` is this process's (its own answers packed into its R / processes rows
+    of each micro-batch, `batch_of`; `active` agreed over processes). The rows become one
+    `[K, R, S]` array (each process's on its own devices); its answers' map, with each packed
+    row renamed to its global row (`sharding.process_rows`), and their loss inputs are
+    assembled by answer and shuffled into the global answer order as the padded step's rows
+    are (`_to_global_order`), so groups stay whole for V_hat."""
+    if jax.process_count() == 1:
+      return jax.tree.map(lambda x, sh: jax.make_array_from_callback(
+          np.shape(x), sh, lambda index: np.asarray(x)[index]), batch, self.packed_shardings)
+    k, r, s = self.packing
+    mine = r // jax.process_count()  # packed rows of a micro-batch on this process
+    global_row = sharding_lib.process_rows(self.rows_sharding, r)[
+        jax.process_index() * mine + np.arange(mine)]  # [mine] where each local row lies
+    assemble = lambda x, sh, shape: jax.make_array_from_process_local_data(  # noqa: E731
+        sh, np.asarray(x), shape)
+    rows = {name: assemble(getattr(batch, name), self.batch_sharding, (k, r, s))
+            for name in ("tokens", "positions", "segment_ids")}
+    b = len(batch.rewards) * jax.process_count()
+    by_answer = dict(answer_row=global_row[batch.answer_row].T.astype(np.int32),
+                     answer_start=batch.answer_start.T, member=batch.member.T, mask=batch.mask,
+                     sampler_logprobs=batch.sampler_logprobs, rewards=batch.rewards)
+    by_answer = {name: assemble(x, self.rows_sharding, (b, *np.shape(x)[1:]))
+                 for name, x in by_answer.items()}
+    active = jax.make_array_from_callback((k,), self.replicated, lambda index: batch.active[index])
+    with jax.set_mesh(self.mesh):
+      return self._packed_to_global_order(b)(rows, by_answer, active)
+
+  def _packed_to_global_order(self, answers: int):
+    """Jitted (multi-host packing): the assembled packed rows and per-answer arrays (`[B, ...]`
+    in process order; the map `[B, K]`) -> a `PackedBatch` with the answers in the global order
+    and the map `[K, B]`."""
+    key = ("packed", answers)
+    if key not in self._orders:
+      g, n = self.config.rl.group_size, jax.process_count()
+      from oapl_jax.sampling.parallel import global_row_order  # noqa: PLC0415 (imports the engine)
+      wanted = global_row_order(answers // g // n, g, n, placement.local_engines(self.config, n))
+      order = sharding_lib.process_rows(self.rows_sharding, answers)[wanted]
+
+      def relayout(rows, by_answer, active):
+        a = {name: x[order] for name, x in by_answer.items()}
+        return PackedBatch(**rows, answer_row=a["answer_row"].T, answer_start=a["answer_start"].T,
+                           member=a["member"].T, active=active, mask=a["mask"],
+                           sampler_logprobs=a["sampler_logprobs"], rewards=a["rewards"])
+      self._orders[key] = jax.jit(relayout, out_shardings=self.packed_shardings)
+    return self._orders[key]
 
   def _to_global_order(self, rows: int):
     """Jitted: the processes' rows as assembled `[rows, ...]` -> the global order, as
@@ -346,15 +393,23 @@ class TrainStep:
       return self._merge(base, adapters)
 
 
-def packing_shape(config) -> tuple[int, int, int]:
+def packing_shape(config, processes: int | None = None) -> tuple[int, int, int]:
   """(K micro-batches, R rows each, S tokens per row) of a packed step (`train.packing`): R =
   `train.pack_rows` (0: a padded micro-batch's rows), S = `train.pack_budget` (0: seq_len),
-  K enough for the worst case (`packing.max_micro_batches`)."""
-  rows = config.rl.groups_per_step * config.rl.group_size * jax.process_count()
+  K enough for the worst case (`packing.max_micro_batches`). Over `processes` (default
+  `jax.process_count()`) each process packs its own B / processes answers into R / processes
+  rows of each micro-batch, so K is one process's worst case (the same on every process).
+  A ConfigError if R does not split evenly over the processes."""
+  processes = jax.process_count() if processes is None else processes
+  rows = config.rl.groups_per_step * config.rl.group_size  # B: the step's answers, all processes
   t = placement.seq_len(config)
   r = config.train.pack_rows or rows // config.train.grad_accum
   s = config.train.pack_budget or t
-  return packing.max_micro_batches(rows, t, rows=r, budget=s), r, s
+  if r % processes:
+    raise ConfigError(f"train.pack_rows: {r} packed rows per micro-batch do not split over "
+                      f"{processes} processes (each packs its own answers into its share of "
+                      "the rows); use a multiple of the process count")
+  return packing.max_micro_batches(rows // processes, t, rows=r // processes, budget=s), r, s
 
 
 def make_train_step(config, graphdef, optimizer, sampling: SamplingParams,
