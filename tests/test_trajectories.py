@@ -367,3 +367,28 @@ def test_imported_traces_train_offline_with_pi_old_rescored(tmp_path):
   metrics = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   step = [m for m in metrics if m.get("step") == 1][0]
   assert step["reward_mean"] == 0.5 and abs(step["trainer_vs_sampler_abs"]) < 1e-5  # pi_theta = pi_old at step 1
+
+
+@pytest.mark.parametrize("loss", ["grpo"])  # with the k3 KL: the reference is scored packed too
+def test_the_packed_step_equals_the_padded_step_on_rows_with_environment_spans(loss):
+  """Rows whose answers have holes (environment spans inside them): the packed step computes
+  the padded step's loss, metrics and update (a step's scoring does not depend on the loss;
+  "oapl" passes too, left out for time)."""
+  from test_packing import _answers, _close, _config, _one_step
+
+  from oapl_jax.rl.trajectory import only_model_targets
+  c = _config(loss, 2)
+  rows = _answers(c, seed=4)
+  prompt_lengths = np.argmax(rows.mask > 0, axis=1) + 1  # [N] the first target predicts the first answer token
+  width = rows.tokens.shape[1]
+  rng = np.random.default_rng(4)
+  model = (rng.random((len(rows), width)) > 0.3).astype(np.int8)  # ~30% of answer tokens the environment's
+  model[:, 0] = 1  # every trajectory starts with a model turn
+  holed = only_model_targets(rows, model, prompt_lengths)
+  assert 0 < holed.mask.sum() < rows.mask.sum()
+  packed_config = _config(loss, 2, **{"train.packing": True, "train.pack_rows": 2, "train.pack_budget": 60})
+  if loss == "grpo":
+    c.rl.grpo.kl_coef = packed_config.rl.grpo.kl_coef = 0.05
+  padded, packed = _one_step(c, holed), _one_step(packed_config, holed)
+  _close(padded, packed)
+  assert packed[0]["loss"] != 0.0
