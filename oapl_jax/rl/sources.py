@@ -241,7 +241,7 @@ class OfflineSource:
       tokens = offline.fill_logprobs(data, self._recompute, run.snapshot, seq_len=seq_len(config),
                                      pad_id=run.sampler.tokenizer.pad_id)
       say(f"offline round {round_index + 1}: {data.groups} groups from {data.path} "
-          f"(traces of {data.header['policy'].get('source')}; stored without log-probs: pi_old is "
+          f"({data.header['policy'].get('source')}, stored without log-probs: pi_old is "
           f"this run's pi_old (version {run.counters.version}: the base in round 1) rescoring the "
           f"{tokens} model tokens)")
       self._loaded = (round_index, data)
