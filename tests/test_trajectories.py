@@ -310,6 +310,28 @@ def test_a_round_file_of_traces_gives_the_trajectories_rows(tmp_path, tokenizer)
   assert got.answer_lengths.tolist() == [n0 + n1] * 2
 
 
+def test_the_rescoring_check_compares_model_tokens_only(tmp_path, tokenizer):
+  """offline.check_logprobs on a file of traces: a kernel that agrees with the stored log-probs
+  on the model's tokens and not at all on the environment's passes; one off on a model token fails."""
+  import types
+  traj, _, _ = traces.parse_row(_line(), tokenizer, max_prompt_len=512, max_new_tokens=512)
+  n0, n1 = (len(traj.spans[0].tokens), len(traj.spans[2].tokens))
+  imported = _read([_line(logprobs=[[-0.1] * n0, [-0.2] * n1])] * 2, tokenizer)
+  data = _round_file(tmp_path, imported, tokenizer)
+  config = types.SimpleNamespace(seed=0, rl=types.SimpleNamespace(offline=types.SimpleNamespace(
+      check_rows=2, logprob_tol=0.01)))
+  rows = data.rows(np.array([0]), seq_len=256, pad_id=0, count_truncated=True)
+  env = rows.mask == 0
+
+  def agrees(params, tokens):
+    return np.where(env, -50.0, rows.sampler_logprobs).astype(np.float32)
+
+  assert offline.check_logprobs(data, config, agrees, None, seq_len=256, pad_id=0, what="pi_old") == 0.0
+  with pytest.raises(offline.OfflineFileError, match="its log-probs are not those of pi_old"):
+    offline.check_logprobs(data, config, lambda p, t: agrees(p, t) - 0.5, None, seq_len=256, pad_id=0,
+                           what="pi_old")
+
+
 def test_without_log_probs_pi_old_is_the_rescoring_of_the_model_tokens(tmp_path, tokenizer):
   imported = _read([_line(), _line(0.0)], tokenizer)
   assert not imported.has_logprobs
