@@ -470,6 +470,22 @@ def test_local_multihost_smoke_run_is_the_two_engine_run(tmp_path):
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
 
 
+def test_local_multihost_packed_run_is_the_one_process_packed_run(tmp_path):
+  """train.packing end to end over 2 processes (each packs its own answers into its row of
+  each micro-batch) vs one process with both engines packing all of them: the same losses (to
+  1e-5; float32 rounding, the segments lie elsewhere), rewards, rollouts and evaluation, and the
+  layout metrics in metrics.jsonl."""
+  packed = ("--config.train.packing=True", "--config.train.pack_rows=2", "--config.train.pack_budget=28")
+  multi, single = tmp_path / "multi", tmp_path / "single"
+  procs = [_launch(2, multi, *SMALL, *packed), _single_run(single, *SMALL, *packed)]
+  _finish(procs[0])
+  _finish(procs[1])
+  print(f"max loss difference {_check_same_run(multi, single, 4):.3g}")
+  for got, want in zip(_metrics(multi), _metrics(single)):
+    assert 0.0 <= got["pad_fraction"] < 1.0 and got["rows_filled"] >= want["rows_filled"] >= 1
+    assert 1 <= got["micro_batches"] and 1 <= want["micro_batches"]
+
+
 def test_local_multihost_lora_run_is_the_two_engine_run(tmp_path):
   """The same with low-rank adapters (model.lora): each process rebuilds the frozen base, the
   base's sha256 is agreed over both processes' shards, and the losses, metrics and the saved
