@@ -15,6 +15,7 @@ an emulator.
 """
 
 import os
+import sys
 import tempfile
 
 from etils.epath import gpath
@@ -151,4 +152,10 @@ def install() -> None:
 
 
 if os.environ.get(ROOT_VAR):
+  # At start-up, before `python -m` puts the working directory on sys.path: install() imports
+  # oapl_jax, which must be this checkout's (the one whose tests/ holds this file), not the one
+  # an editable install elsewhere names (a clone's tests then ran the other tree's code).
+  _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
   install()
