@@ -58,7 +58,8 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   # adapter beside each targeted projection (x W + alpha/rank x A B; B starts at zero); the base
   # is frozen and held in model.dtype, the adapters and their AdamW state in model.param_dtype;
   # pi_old is a copy of the adapters, which the engines see merged into the base. Checkpoints
-  # hold the adapters and the base's model.path and sha256 (another base is refused).
+  # hold the adapters and the base's model.path and sha256 (another base is refused); in remote
+  # mode the published snapshots are the adapters too, merged by each sampler job into its base.
   c.model.lora = ml_collections.ConfigDict()
   c.model.lora.rank = 0  # Adapter rank r; 0 = full fine-tuning (every weight trained).
   c.model.lora.alpha = 32.0  # Scale alpha: the adapter's output is multiplied by alpha / rank.
@@ -689,8 +690,10 @@ def _validate_model(c) -> None:
     targets = c.model.lora.targets
     _check(isinstance(targets, (tuple, list)) and bool(targets) and set(targets) <= set(LORA_TARGETS),
            "model.lora.targets", targets, f"must be a non-empty tuple of {LORA_TARGETS}")
-    _check(not c.model.lora.rank or c.rl.mode in ("sync", "async"), "model.lora.rank",
-           c.model.lora.rank, f"adapters train in rl.mode 'sync' or 'async' (not {c.rl.mode!r}) for now")
+    # remote mode publishes pi_old as the adapters (a sampler job merges them into its own base);
+    # offline round files name no adapters yet
+    _check(not c.model.lora.rank or c.rl.mode != "offline", "model.lora.rank",
+           c.model.lora.rank, "adapters train in rl.mode 'sync', 'async' or 'remote' (not 'offline') for now")
 
 
 def _validate_sharding(c) -> None:

@@ -295,9 +295,9 @@ class Run:
   # the loop
   def engine_weights(self) -> list:
     """The snapshot on every engine's device, stamped with the version (placed once per snapshot)."""
-    return self.sampler.load(self._engine_snapshot(), self.counters.version)
+    return self.sampler.load(self.engine_snapshot(), self.counters.version)
 
-  def _engine_snapshot(self):
+  def engine_snapshot(self):
     """pi_old as the engines hold it: the snapshot, or under model.lora the base merged with
     the snapshot's adapters (merged once per snapshot)."""
     if self.lora is None:

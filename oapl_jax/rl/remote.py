@@ -66,6 +66,12 @@ class SnapshotError(UserError):
   """A published snapshot that cannot be loaded: unreadable, damaged, or another model's."""
 
 
+class OtherBase(UserError):
+  """A LoRA run's snapshot (its adapters) trained on another frozen base than the sampler job's:
+  no snapshot of that trainer will ever do, so the job stops (not a `SnapshotError`, which a job
+  outlives by keeping the snapshot it holds)."""
+
+
 # --- where things are ---------------------------------------------------------------------------
 
 
@@ -110,7 +116,9 @@ def _as_stored(x: np.ndarray) -> np.ndarray:
 
 def publish_snapshot(root: str, params, *, version: int, snapshot_step: int, model_meta: dict) -> str:
   """Writes pi_old `params` (an nnx.State on this process's devices) as snapshot `version`,
-  at once (a reader never sees half of it). Returns its path."""
+  at once (a reader never sees half of it). Returns its path. Under model.lora `params` are the
+  adapters alone and `model_meta` holds the adapters' settings (`lora`) and the frozen base's
+  identity (`base`: model.path and sha256), which a sampler job checks its own base against."""
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   names = [jax.tree_util.keystr(path) for path, _ in flat]
   values = [np.asarray(jax.device_get(x)) for _, x in flat]
@@ -151,6 +159,7 @@ def read_snapshot(path: str, abstract, model_meta: dict):
   header = json.loads(text)
   if header.get("format") != SNAPSHOT_FORMAT:
     fail(f"format {header.get('format')!r}, expected {SNAPSHOT_FORMAT!r}")
+  check_base(path, (header.get("model") or {}).get("base"), model_meta.get("base"))
   if header.get("model") != model_meta:
     fail("written for another model (its architecture differs from config.model's)")
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
@@ -164,6 +173,20 @@ def read_snapshot(path: str, abstract, model_meta: dict):
       fail(f"weight {leaf['name']} has shape {value.shape}, this model's {want.shape}")
     values.append(value)
   return jax.tree_util.tree_unflatten(treedef, values), header
+
+
+def check_base(path: str, theirs: dict | None, mine: dict | None) -> None:
+  """model.lora: refuses (`OtherBase`, one line) the adapters at `path` if the base they were
+  trained on (`theirs`, the snapshot header's {path, sha256}) is not the sampler job's (`mine`)."""
+  if theirs is None or mine is None or theirs == mine:
+    return
+
+  def said(base: dict) -> str:
+    return f"model.path={base.get('path')!r}, sha256 {str(base.get('sha256'))[:16]}..."
+
+  raise OtherBase(f"snapshot {path}: its adapters were trained on another base ({said(theirs)}) than this "
+                  f"sampler job's ({said(mine)}): give it the trainer's model.path and warm-up settings "
+                  "(docs/remote.md)")
 
 
 def remove_old_snapshots(root: str, keep_from: int) -> None:
@@ -414,8 +437,9 @@ def served_settings(config, model_meta: dict) -> dict:
   """The settings a sampler job must share with the trainer it samples for, by their config
   names: what the trainer checks a rollout file against (`offline.expected_header`: the model's
   architecture, its dtype included; the task; the sampling settings; rl.group_size), what fixes
-  rollout i's problems and keys (seed, rl.groups_per_rollout), and what picks the snapshot
-  (rl.remote.reproducible; with it, rl.lag). The trainer publishes them in its status; a sampler
+  rollout i's problems and keys (seed, rl.groups_per_rollout), what picks the snapshot
+  (rl.remote.reproducible; with it, rl.lag), and under model.lora what its adapters are
+  (model.lora.rank, alpha, targets). The trainer publishes them in its status; a sampler
   whose own differ is refused at its start (`check_serves`). Everything else may differ: a
   sampler's own engines (sampling.engines, tensor, max_slots, ...), logging, train.steps."""
   h = offline.expected_header(config, model_meta)
@@ -424,6 +448,10 @@ def served_settings(config, model_meta: dict) -> dict:
          "rl.remote.reproducible": bool(config.rl.remote.reproducible)}
   if config.rl.remote.reproducible:
     out["rl.lag"] = int(config.rl.lag)
+  lora = config.model.get("lora")
+  if lora is not None and lora.rank:  # snapshots are adapters of these settings (their base: `check_base`)
+    out |= {"model.lora.rank": int(lora.rank), "model.lora.alpha": float(lora.alpha),
+            "model.lora.targets": list(lora.targets)}
   for section in ("model", "task", "sampling"):
     out |= _flat(h[section], section)
   return json.loads(json.dumps(out))  # as read back from the status (tuples as lists)

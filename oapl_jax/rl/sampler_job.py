@@ -8,6 +8,11 @@ that needs sampling, loads the snapshot it is to be sampled with (the newest; in
 mode version index // rl.lag), samples it with the engines on this job's devices at full
 slots, and writes it whole. A damaged snapshot is never loaded: one line, and the job keeps the
 snapshot it holds (in reproducible mode, where no other will do, it waits).
+
+Under model.lora a snapshot is the adapters alone: the job builds the frozen base once, as the
+trainer does (`policies.frozen_base`: model.path or the seed's init, warmed up, from the warm-up
+cache when it is there), refuses snapshots of another base (`remote.OtherBase`: one line, the job
+stops) and merges each new version's adapters into it (`lora.merged`) before sampling.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ import time
 import jax
 import jax.numpy as jnp
 
-from oapl_jax import storage
+from oapl_jax import checkpoint, storage
 from oapl_jax.errors import UserError
 from oapl_jax.metrics import say
+from oapl_jax.models import build
+from oapl_jax.models import lora as lora_lib
 from oapl_jax.models.build import abstract_model
+from oapl_jax.policies import frozen_base
 from oapl_jax.rl import offline, remote
 from oapl_jax.rl.loop import rollout_problems
 from oapl_jax.sampling import SamplingParams
@@ -48,6 +56,10 @@ class SamplerJob:
     self.meta = self.model_cfg.architecture()
     self.settings = remote.served_settings(config, self.meta)
     remote.check_serves(self.root, self.settings, remote.read_status(self.root))  # before the engines are built
+    self.lora, self.base = build.lora_of(config), None
+    if self.lora is not None:  # snapshots are adapters: the base, once, and what they are checked against
+      self.base, self.meta, self.abstract = self._lora_base()
+      self._merge = jax.jit(lambda base, adapters: lora_lib.merged(base, adapters, self.lora.scale))
     replicas = make_replicas(config, self.model_cfg, graphdef, SamplingParams.from_config(config.sampling))
     self.sampler = Sampler(replicas, self.task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
     self.owner = remote.owner_id()
@@ -55,6 +67,22 @@ class SamplerJob:
     self.damaged: set[int] = set()  # versions whose file failed its checks
     self._said: set = set()
     self.full = False  # every rollout this job may sample is written or claimed (`_pick`)
+
+  def _lora_base(self):
+    """model.lora: (the frozen base, the model meta snapshots must carry: the adapters' settings
+    and the base's {path, sha256}, as the trainer's `Run.model_meta`; the adapters' abstract in
+    model.dtype, the snapshot's)."""
+    config = self.config
+    t0 = time.perf_counter()
+    _, base = frozen_base(config)
+    record = checkpoint.base_record(config, base)
+    say(f"sampler: frozen base built in {time.perf_counter() - t0:.1f}s (model.path={config.model.path!r}, "
+        f"sha256 {record['sha256'][:16]}...); snapshots are adapters merged into it")
+    meta = {**self.meta, "lora": self.lora.record(), "base": record}
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(config.model.dtype), sharding=device),
+                            build.lora_abstract(config)[1])
+    return base, meta, abstract
 
   def _once(self, key, text: str) -> None:
     if key not in self._said:
@@ -85,16 +113,23 @@ class SamplerJob:
     """Holds snapshot `version` (loaded on the engines); False, with one line, if it is damaged."""
     if self.loaded is not None and self.loaded.version == version:
       return True
-    try:
+    t0 = time.perf_counter()
+    try:  # another base (model.lora) is `remote.OtherBase`: not caught, the job stops
       params, header = remote.read_snapshot(remote.snapshot_path(self.root, version), self.abstract, self.meta)
     except remote.SnapshotError as e:
       self.damaged.add(version)
       keep = f"keeping version {self.loaded.version}" if self.loaded else "no snapshot held yet"
       say(f"sampler: {e}; {keep}")
       return False
+    size = sum(x.nbytes for x in jax.tree.leaves(params))
     params = jax.device_put(params)
+    if self.base is not None:  # the adapters into the base: the weights the trainer's engines sample
+      params = jax.block_until_ready(self._merge(self.base, params))
+    seconds = time.perf_counter() - t0
     self.loaded = Loaded(version, int(header["snapshot_step"]), self.sampler.load(params, version))
-    say(f"sampler: loaded pi_old version {version} (trainer step {header['snapshot_step']})")
+    what = "adapters, read and merged" if self.base is not None else "read"
+    say(f"sampler: loaded pi_old version {version} (trainer step {header['snapshot_step']}): "
+        f"{size / 2**20:.2f} MiB of {what} in {seconds:.2f}s")
     return True
 
   def sample(self, index: int) -> dict:

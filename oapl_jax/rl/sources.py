@@ -306,6 +306,11 @@ class RemoteSource:
 
   def __init__(self, run, workdir: str):
     config = run.config
+    if run.lora is not None and jax.process_count() > 1:  # not built: refused before anything is published
+      raise ConfigError(f"config.model.lora.rank={config.model.lora.rank}: remote mode publishes adapters for a "
+                        f"trainer of one process only (this one has {jax.process_count()}): the base's sha256 that "
+                        "sampler jobs check is taken over the processes' shards, which a sampler job cannot "
+                        "reproduce (docs/remote.md)")
     self._run, self._rc = run, config.rl.remote
     self.root = Layout(workdir).remote
     self.empties_buffer_at_refresh = bool(self._rc.reproducible)
@@ -491,9 +496,9 @@ class RemoteSource:
     key = (str(policy.get("source")), int(policy.get("version", -1)))
     if key[1] != run.counters.version or key in self._checked or not run.config.rl.offline.check_rows:
       return
-    if self._recompute is None:
-      self._recompute = offline.logprob_fn(run.config, run.graphdef, run.mesh)
-    offline.check_logprobs(data, run.config, self._recompute, run.snapshot, seq_len=seq_len(run.config),
+    if self._recompute is None:  # the engines' model: under model.lora, the base with pi_old merged
+      self._recompute = offline.logprob_fn(run.config, run.engine_graphdef, run.mesh)
+    offline.check_logprobs(data, run.config, self._recompute, run.engine_snapshot(), seq_len=seq_len(run.config),
                            pad_id=run.sampler.tokenizer.pad_id,
                            what=f"this run's pi_old (version {run.counters.version})")
     self._checked.add(key)
