@@ -268,6 +268,36 @@ def _losses(workdir) -> list[float]:
     return [json.loads(line)["loss"] for line in f]
 
 
+def _one_and_eight_device_losses(tmp_path, *overrides) -> dict[str, list[float]]:
+  """The losses of `python -m oapl_jax.main` on the smoke config with one-digit sums and
+  `overrides`, on one device ("one") and on 8 host devices as fsdp 4 x tensor 2 ("eight"); the
+  one-device run writes the warm-up cache the sharded run reads (the same base)."""
+  args = ["--config=configs/tiny.py:smoke", "--config.log.progress=False",
+          "--config.task.min_digits=1", "--config.task.max_digits=1",
+          f"--config.warmup.cache_dir={tmp_path / 'warmup'}", *overrides]
+  runs = {}
+  for name, env, extra in (("one", {**os.environ, "JAX_PLATFORMS": "cpu"}, []),
+                           ("eight", EIGHT, ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"])):
+    out = subprocess.run([sys.executable, "-m", "oapl_jax.main", *args, *extra,
+                          f"--workdir={tmp_path / name}"], env=env, capture_output=True,
+                         text=True, timeout=1200, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs[name] = _losses(tmp_path / name)
+  return runs
+
+
+def test_short_smoke_run_on_fsdp4_tensor2_writes_the_one_device_losses(tmp_path):
+  """The reduced form of the next test (CI): the same two runs, 2 RL steps each (step 2's loss
+  has pi_theta != pi_old: the first update went through the sharded optimizer), evaluations of
+  2 problems; 2 min here on 2 loaded cores. A sharded run whose rows reach the step out of
+  their groups (rolled by one row on the mesh, by hand) failed here: step 2's loss 0.07883 for
+  0.07893 (1.2e-3 relative, rtol 1e-4)."""
+  runs = _one_and_eight_device_losses(tmp_path, "--config.train.steps=2", "--config.task.num_eval=2")
+  assert len(runs["one"]) == 2
+  assert any(abs(x) > 1e-6 for x in runs["one"])  # a step with rewards to learn from
+  np.testing.assert_allclose(runs["eight"], runs["one"], rtol=1e-4, atol=1e-9)
+
+
 @pytest.mark.slow
 def test_smoke_run_on_fsdp4_tensor2_writes_the_one_device_losses(tmp_path):
   """python -m oapl_jax.main on 8 host devices (fsdp 4 x tensor 2) vs one device.
@@ -278,17 +308,7 @@ def test_smoke_run_on_fsdp4_tensor2_writes_the_one_device_losses(tmp_path):
   One-digit sums give the smoke run rewards (two-digit ones are all 0 after 30 warm-up steps:
   the loss is then float noise, ~1e-15).
   """
-  args = ["--config=configs/tiny.py:smoke", "--config.log.progress=False",
-          "--config.task.min_digits=1", "--config.task.max_digits=1",
-          f"--config.warmup.cache_dir={tmp_path / 'warmup'}"]
-  runs = {}
-  for name, env, extra in (("one", {**os.environ, "JAX_PLATFORMS": "cpu"}, []),
-                           ("eight", EIGHT, ["--config.mesh.fsdp=4", "--config.mesh.tensor=2"])):
-    out = subprocess.run([sys.executable, "-m", "oapl_jax.main", *args, *extra,
-                          f"--workdir={tmp_path / name}"], env=env, capture_output=True,
-                         text=True, timeout=1200, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    runs[name] = _losses(tmp_path / name)
+  runs = _one_and_eight_device_losses(tmp_path)
   assert len(runs["one"]) == 6
   assert sum(abs(x) > 1e-6 for x in runs["one"]) >= 3  # steps with rewards to learn from
   # atol: a step whose groups all scored alike has a loss of float noise (~1e-14) on both sides
