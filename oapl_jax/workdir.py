@@ -427,7 +427,13 @@ class WorkdirLock:
 
 
 class StopSignals:
-  """`with StopSignals() as stop:` catches SIGTERM / SIGINT for the block (main thread only)."""
+  """`with StopSignals() as stop:` catches SIGTERM / SIGINT for the block (main thread only).
+
+  Outside `deferring` a signal raises `Interrupted` wherever the main thread is. Where Python
+  cannot raise (a garbage-collector callback, JAX registers one; a `__del__`; a weakref
+  callback) the exception is printed as "Exception ignored in ..." and dropped, and the command
+  would go on; such a dropped `Interrupted` sends the signal again to the main thread a moment
+  later (`sys.unraisablehook`), until it lands where it stops the command."""
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -435,6 +441,17 @@ class StopSignals:
     self.requested: int | None = None  # the signal number asked for, once one arrived
     self._deferring = False
     self._previous = {}
+    self._previous_hook = None
+
+  def _unraisable(self, unraisable) -> None:
+    """`sys.unraisablehook`: a dropped `Interrupted` is sent again (quietly); anything else as before."""
+    if isinstance(unraisable.exc_value, Interrupted):
+      resend = threading.Timer(0.05, signal.pthread_kill,
+                               (threading.main_thread().ident, unraisable.exc_value.signum))
+      resend.daemon = True
+      resend.start()
+      return
+    self._previous_hook(unraisable)
 
   def _handle(self, signum, frame) -> None:
     del frame
@@ -464,9 +481,12 @@ class StopSignals:
     if threading.current_thread() is threading.main_thread():
       for s in self.SIGNALS:
         self._previous[s] = signal.signal(s, self._handle)
+      self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
     return self
 
   def __exit__(self, *exc) -> None:
     for s, handler in self._previous.items():
       signal.signal(s, handler)
+    if self._previous:
+      sys.unraisablehook = self._previous_hook
     self._previous = {}
