@@ -1,6 +1,6 @@
 """Errors a user can cause (a setting, a file, a row, a workdir, a signal).
 
-The command-line entry points print a `UserError` as one line on stderr and exit with its
+The command-line entry points print a `UserError` (or an `Interrupted`) as one line on stderr and exit with its
 `exit_code` (2 unless it says otherwise); a traceback is only for bugs (or with `--verbose`).
 Ctrl-C outside a run's loop is one line and exit code 130; `--help` exits 0.
 """
@@ -29,6 +29,22 @@ class ConfigError(UserError, ValueError):
   """A setting has a value the run cannot use (the message names it: `config.rl.lag=0: ...`)."""
 
 
+class Interrupted(BaseException):
+  """The command was stopped by a signal (SIGTERM / SIGINT); `exit_code` is the shell's 128 +
+  the signal number. Printed as one line, as a `UserError` is.
+
+  A `BaseException`, as `KeyboardInterrupt` is, so that code guarding against its own failures
+  with `except Exception` lets it through: JAX's compiler reads its persistent cache so (a
+  SIGTERM landing there was logged as an unreadable cache entry and the command went on), a
+  reward's guard would score the answer 0, and a checkpoint's restore would call the step
+  damaged."""
+
+  def __init__(self, signum: int, message: str):
+    super().__init__(message)
+    self.signum = signum
+    self.exit_code = 128 + signum
+
+
 def one_line(message: str) -> str:
   r"""`message` on one line: "a:\n  b\n  c" -> "a: b; c"."""
   lines = [line.strip() for line in str(message).splitlines() if line.strip()]
@@ -52,7 +68,7 @@ def run_command(main: Callable[[list[str]], Any]) -> None:
     _said_once()
     try:
       return main(argv)
-    except UserError as e:
+    except (UserError, Interrupted) as e:
       if flags.FLAGS.verbose:
         traceback.print_exc()
       else:

@@ -69,7 +69,7 @@ import time
 import uuid
 
 from oapl_jax import storage
-from oapl_jax.errors import UserError
+from oapl_jax.errors import Interrupted, UserError  # noqa: F401 (Interrupted: imported from here too)
 
 LOCK_NAME = "run.lock"
 LEASE_LOST_EXIT = 76  # the run lost its workdir lease to another run (75: a lost process)
@@ -196,15 +196,6 @@ def _check_can_write(flag: str, path: str, folder: str) -> None:
 
 class WorkdirBusy(UserError):
   """Another run holds the workdir."""
-
-
-class Interrupted(UserError):
-  """The run was stopped by a signal; `exit_code` is the shell's 128 + signal number."""
-
-  def __init__(self, signum: int, message: str):
-    super().__init__(message)
-    self.signum = signum
-    self.exit_code = 128 + signum
 
 
 def _alive(pid: int) -> bool:

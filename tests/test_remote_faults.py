@@ -128,12 +128,7 @@ def test_a_held_claim_is_renewed_while_sampling_and_released_however_the_samplin
   assert json.loads(open(remote.claim_path(root, 5)).read())["owner"] == "other"
 
 
-# SIGTERM: -m slow until an open bug is fixed (issue 59): the handler's Interrupted is an
-# Exception, and JAX's compiler swallows it while reading the persistent compilation cache
-# ("Error reading persistent compilation cache entry ...: Interrupted"), so under load the
-# sampler finishes its rollout and waits (failed in a fresh-clone CI run). A dropped raise in a
-# gc callback is already sent again (workdir.StopSignals); one caught by `except Exception` is not.
-@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow), signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_sampler_stopped_mid_rollout_does_not_hold_its_rollout(tmp_path, sig):
   """The claim of a sampler job stopped mid-rollout is free at once (claim_timeout_s 1800 s): a
   SIGTERM'd job releases it and exits 143 with one line; a kill -9'd one's is taken over by the

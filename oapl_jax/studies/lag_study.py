@@ -48,7 +48,7 @@ import shlex
 import sys
 import time
 
-from oapl_jax.errors import UserError, one_line
+from oapl_jax.errors import Interrupted, UserError, one_line
 from oapl_jax.studies import layout, search as search_lib
 from oapl_jax.studies.definitions import DEFAULT_SEEDS, METHODS, STUDIES
 from oapl_jax.studies.plots import plot
@@ -231,7 +231,7 @@ def _run_pieces(args) -> int | None:
   except RunsElsewhere as e:  # another process is making them: run again once it has
     print(e)
     return 4
-  except UserError as e:  # a refused setting, or a signal (checkpoint saved): one line
+  except (UserError, Interrupted) as e:  # a refused setting, or a signal (checkpoint saved): one line
     print(f"error: {one_line(e)}", file=sys.stderr)
     return e.exit_code
   return None

@@ -35,7 +35,7 @@ import os
 import sys
 import time
 
-from oapl_jax.errors import UserError, one_line
+from oapl_jax.errors import Interrupted, UserError, one_line
 from oapl_jax.studies import layout, stats
 from oapl_jax.studies.report import NO_NOTES, NOTES_BEGIN, NOTES_END, kept_notes
 from oapl_jax.studies.results import load_runs, save_results
@@ -240,12 +240,12 @@ def main(argv=None) -> int:
     except RunsElsewhere as e:
       print(e)
       return 4
-    except UserError as e:
+    except (UserError, Interrupted) as e:
       print(f"error: {one_line(e)}", file=sys.stderr)
       return e.exit_code
   try:
     print(f"report: {write_report(args.out, args.results, args.report)}")
-  except UserError as e:
+  except (UserError, Interrupted) as e:
     print(f"error: {one_line(e)}", file=sys.stderr)
     return e.exit_code
   return 0
