@@ -10,7 +10,13 @@
   python launch/make_tiny_hf.py
   python -m oapl_jax.main --config=configs/math.py:tiny --workdir=/tmp/oapl_math_tiny
 
-Arg string: comma-separated `tiny` and/or `lag=N`.
+  # The Python tool (oapl_jax/envs/python_tool.py, docs/agents.md): the env section offers it in
+  # Qwen3's tool format; `tiny,tools` for the CPU check:
+  python -m oapl_jax.main --config=configs/math.py:tools --dry_run
+
+Arg string: comma-separated `tiny`, `tools` and/or `lag=N`. `tools` sets the env section only:
+runs sample single answers until the engine samples trajectories (docs/agents.md, "What is
+built").
 Settings the paper fixes (docs/algorithm.md, "The paper's settings"): G = 8, L = 50 (100 also
 stable), beta1 = 1, beta2 = 1e-3, AdamW lr 1e-6, betas (0.9, 0.95), eps 1e-10, no weight decay,
 cosine schedule with 2% warm-up and min-lr ratio 0.05, grad-norm clip 1.0. The answer length
@@ -31,7 +37,7 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # tiny 
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = config_lib.parse_arg(arg, tiny=bool, lag=int)
+  args = config_lib.parse_arg(arg, tiny=bool, lag=int, tools=bool)
   c = config_lib.defaults("tiny_qwen3" if args["tiny"] else "qwen3_4b_thinking_2507")
   c.model.param_dtype = "float32"  # Master weights and AdamW state (bfloat16 would lose lr-1e-6 updates).
   c.model.dtype = "bfloat16"  # Compute, and the engines' copy of pi_old.
@@ -67,6 +73,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # micro-batch as a padded micro-batch's; each host packs its own answers.
   c.train.packing = True
   c.eval.samples_per_problem = 16
+
+  if args["tools"]:
+    # oapl_jax/envs/python_tool.py: the model may call python(code), run in the bubblewrap sandbox,
+    # written and answered in Qwen3's format (<tool_call> JSON, <tool_response> turns); the task
+    # scores the final plain turn as it scores an answer.
+    c.env.name = "python"
+    c.env.max_turns = 8  # Model turns per episode: up to 7 turns of tool calls before the answer.
+    c.env.tool_timeout_s = 10.0  # Wall-clock seconds per program (its CPU limit: the same + 1 s).
+    c.env.tool_output_chars = 2000  # Characters of a program's stdout the model sees; the rest is cut.
+    c.env.sandbox_memory_mb = 1024  # Address-space limit of a program (as configs/code.py's tests).
+    c.env.allow_unsandboxed = False  # Without bubblewrap each call is refused (the model told so), never run bare.
 
   if args["tiny"]:
     config_lib.shrink_for_cpu(c, TINY_MODEL)

@@ -235,13 +235,18 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.eval.every = 0  # Also evaluate every this many trainer steps; 0 = before and after only.
 
   # Multi-turn environment (oapl_jax/envs/, docs/agents.md): tools the model may call between
-  # its turns. Built: the interface, the calculator, stored traces (python -m oapl_jax.import_traces);
-  # not yet: the engine pausing a slot on a tool call, so runs still sample single answers.
+  # its turns. Built: the interface, the calculator, the sandboxed Python tool ("python"), stored
+  # traces (python -m oapl_jax.import_traces); not yet: the engine pausing a slot on a tool call,
+  # so runs still sample single answers.
   c.env = ml_collections.ConfigDict()
-  c.env.name = placeholder(str)  # Environment in oapl_jax.envs.ENVS (e.g. "calculator"); None = single-turn answers.
+  c.env.name = placeholder(str)  # Environment in oapl_jax.envs.ENVS (e.g. "calculator", "python"); None = single-turn answers.
   c.env.max_turns = 4  # Model turns per episode; the episode ends at the last whatever it holds.
   c.env.tool_timeout_s = 5.0  # Wall-clock seconds per tool call; a tool still running is killed and the model told so.
   c.env.tool_output_chars = 2000  # Characters of a tool's output the model sees; the rest is cut and the model told so.
+  c.env.sandbox_memory_mb = 512  # Address-space limit (MiB) of a program a sandboxed tool runs (env "python").
+  # Env "python" where bubblewrap is missing: True runs the model's programs with rlimits only (NOT
+  # safe: they can use the network and the caller's files); False: each call is refused, the model told so.
+  c.env.allow_unsandboxed = False
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 50  # Save the train state every this many trainer steps (and at the end).
@@ -649,6 +654,10 @@ def _validate_env(c) -> None:
   _int(c, "env.max_turns", 1)
   _number(c, "env.tool_timeout_s", 0, lo_open=True)
   _int(c, "env.tool_output_chars", 1)
+  if "sandbox_memory_mb" in c.env:  # a config from before these settings has neither
+    _int(c, "env.sandbox_memory_mb", 64, note="the interpreter alone takes ~32")
+    _check(isinstance(c.env.allow_unsandboxed, bool), "env.allow_unsandboxed", c.env.allow_unsandboxed,
+           "must be True or False")
 
 
 def _validate_offline(c, dry_run: bool) -> None:

@@ -6,6 +6,7 @@
   tools.py       run_tool: a tool in a child process, under a time limit and an output cap
   tool_env.py    ToolEnvironment: an environment of tools (a plain turn ends the episode)
   calculator.py  the calculator environment (safe arithmetic, no eval) on the config's task
+  python_tool.py the Python environment: the model's programs run in the bubblewrap sandbox
 
 docs/agents.md describes the interface, with the calculator as its worked example. Nothing here
 imports JAX: the engine's integration (pausing a slot on a tool call) will call these from the

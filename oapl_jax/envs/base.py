@@ -38,6 +38,7 @@ class EnvMetrics:
   tool_errors: int = 0  # a tool that raised (bad arguments included)
   tool_timeouts: int = 0  # a tool stopped at its time limit
   tool_floods: int = 0  # a tool whose output was cut at the output cap
+  sandbox_errors: int = 0  # a call not run: the sandbox it needs is missing or does not start
   turn_limit: int = 0  # episodes ended by the turn limit while the model still called tools
 
   def __add__(self, other: "EnvMetrics") -> "EnvMetrics":

@@ -16,9 +16,15 @@ def _make_calculator(env_config, task):
   return make_calculator_env(env_config, task)
 
 
+def _make_python(env_config, task):
+  from oapl_jax.envs.python_tool import make_python_env  # noqa: PLC0415
+  return make_python_env(env_config, task)
+
+
 # The environment names a config may use, each with its builder.
 ENVS: dict[str, Callable] = {
     "calculator": _make_calculator,  # calculator(expression) tool; the task scores the answer (calculator.py)
+    "python": _make_python,  # python(code) run in the bubblewrap sandbox; the task scores the answer (python_tool.py)
 }
 
 

@@ -26,8 +26,11 @@ class Tool:
   name: str
   description: str
   parameters: dict  # JSON schema of the arguments object
-  function: str  # "module:function", called with the arguments as keywords, returns a string
+  function: str = ""  # "module:function", called with the arguments as keywords, returns a string
   in_process: bool = False  # run in this process (pure, bounded tools only: no time limit applies)
+  # Instead of `function`: a tool that keeps its own limits (the Python sandbox, python_tool.py),
+  # called in this process with the arguments dict; its ToolResult is taken as it is.
+  run: Callable[[dict], ToolResult] | None = None
 
   @property
   def schema(self) -> dict:
@@ -62,10 +65,16 @@ class ToolEpisode:
       m.unknown_tools += 1
       return f"error: unknown tool {call.name!r}; tools: {', '.join(self.env.tools_by_name)}"
     lim = self.env.limits
-    result: ToolResult = run_tool(tool.function, call.arguments, timeout_s=lim.timeout_s,
-                                  max_chars=lim.max_chars, in_process=tool.in_process)
+    if tool.run is not None:
+      try:
+        result = tool.run(call.arguments)
+      except Exception as e:  # noqa: BLE001 - the tool's failure is an observation
+        result = ToolResult(f"error: {type(e).__name__}: {e}"[:lim.max_chars], "error")
+    else:
+      result = run_tool(tool.function, call.arguments, timeout_s=lim.timeout_s,
+                        max_chars=lim.max_chars, in_process=tool.in_process)
     counter = {"ok": "tool_ok", "error": "tool_errors", "timeout": "tool_timeouts",
-               "flood": "tool_floods"}[result.status]
+               "flood": "tool_floods", "sandbox": "sandbox_errors"}[result.status]
     setattr(m, counter, getattr(m, counter) + 1)
     return result.text
 

@@ -10,6 +10,8 @@ came of it is a `ToolResult`: its text (what the model is shown) and its status,
   "error"    raised: the exception's type and message (a bad argument is one)
   "timeout"  still running after `timeout_s`: killed
   "flood"    wrote more than `max_chars` characters (returned or printed): cut there
+  "sandbox"  not run: the sandbox it needs is missing or broken (a tool with its own runner,
+             `Tool.run`: the Python tool)
 
 Cost: a child interpreter per call (0.3 s measured on the shared 2-core CI machine); an environment whose tools
 are pure and bounded may run them in-process instead (`run_tool(..., in_process=True)`: no
@@ -27,7 +29,7 @@ import signal
 import subprocess
 import sys
 
-STATUSES = ("ok", "error", "timeout", "flood")
+STATUSES = ("ok", "error", "timeout", "flood", "sandbox")
 
 
 @dataclasses.dataclass(frozen=True)
