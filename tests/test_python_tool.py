@@ -2,6 +2,7 @@
 sandbox through the Environment/Episode interface, every failure an observation and a count;
 the `python` environment in the registry and configs/math.py:tools."""
 
+import json
 import logging
 import socket
 import time
@@ -35,7 +36,6 @@ def _env(**settings):
 
 
 def _call(code):
-  import json  # noqa: PLC0415
   return "<tool_call>\n" + json.dumps({"name": "python", "arguments": {"code": code}}) + "\n</tool_call>"
 
 

@@ -112,8 +112,8 @@ class PythonTool:
         except (RuntimeError, OSError) as e:
           why = str(e).splitlines()[0] if str(e) else type(e).__name__
           self._unavailable = why
-          _log.error("env python: the python tool runs no code: %s (config.env.allow_unsandboxed=%s)",
-                     why, self.allow_unsandboxed)
+          _log.error("env python: no program is run here, each call is answered with an error: %s "
+                     "(config.env.allow_unsandboxed=%s)", why, self.allow_unsandboxed)
       return self._settings
 
   def __call__(self, arguments: dict) -> ToolResult:
