@@ -126,6 +126,14 @@ def test_without_bubblewrap_a_call_is_refused_as_an_observation_said_once(monkey
   assert "\n" not in logged[0]
 
 
+def test_allow_unsandboxed_runs_the_program_bare_with_a_warning(monkeypatch):
+  monkeypatch.setattr(sandbox, "_bwrap", lambda: None)
+  episode = _env(allow_unsandboxed=True).start(PROBLEM)
+  with pytest.warns(RuntimeWarning, match="WITHOUT a sandbox"):
+    turn = episode.step(_call("print(6 * 7)"))
+  assert turn.messages[0]["content"] == "42\n" and episode.metrics.tool_ok == 1
+
+
 def test_the_registry_and_math_tools_config_offer_the_python_tool():
   assert "python" in ENVS
   c = math_config.get_config("tiny,tools")
