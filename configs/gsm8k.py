@@ -142,6 +142,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if args["lora"] or args["lora_4b"]:  # low-rank adapters: a frozen bfloat16 base (docs/real_model.md)
     c.model.lora.rank = 16  # Adapters on every projection of every block.
     c.model.lora.alpha = 32.0  # Their output scaled by alpha / rank = 2.
+    c.model.lora.init_from = None  # Or a PEFT adapter folder (r=16, lora_alpha=32, all 7 projections) to start from.
     c.train.lr = 1e-5  # Adapters start at zero and move through a rank-16 product: larger steps than full training's 1e-6.
     c.rl.groups_per_step = 2  # Two questions' 16 answers per step: the memory full training spends on AdamW.
     c.rl.groups_per_rollout = 2  # The engine's 16 slots hold one step's groups.

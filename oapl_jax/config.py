@@ -64,6 +64,15 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.model.lora.rank = 0  # Adapter rank r; 0 = full fine-tuning (every weight trained).
   c.model.lora.alpha = 32.0  # Scale alpha: the adapter's output is multiplied by alpha / rank.
   c.model.lora.targets = LORA_TARGETS  # Adapted projections: any of q/k/v/o_proj, gate/up/down_proj.
+  # A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, as peft's
+  # save_pretrained or oapl_jax.export write it) trained on the same base: the run's adapters
+  # start from it instead of A random, B zero. Its r, lora_alpha and target_modules must equal
+  # rank, alpha and targets, its tensors this base's shapes; a mismatch stops the run in one line.
+  # Read at the start only (a resume reads its checkpoint). None = the usual init.
+  c.model.lora.init_from = placeholder(str)
+  # Also refuse init_from when its base_model_name_or_path and model.path end in different names
+  # (a Hub id "Qwen/Qwen3-0.6B" and "/data/Qwen3-0.6B" agree); False for the same base renamed.
+  c.model.lora.init_from_check_name = True
   c.model.exact_rounding = True  # Round to model.dtype wherever the program says, in the train step and the engines (XLA may otherwise keep float32 there, by shape: bfloat16 log-probs then depend on the batch; docs/design.md "Engine/trainer parity in bfloat16"). False: XLA's default (faster on CPU/GPU).
 
   # The device mesh of the trainer: axes ("data", "fsdp", "tensor"); their product is the number
@@ -699,6 +708,13 @@ def _validate_model(c) -> None:
     targets = c.model.lora.targets
     _check(isinstance(targets, (tuple, list)) and bool(targets) and set(targets) <= set(LORA_TARGETS),
            "model.lora.targets", targets, f"must be a non-empty tuple of {LORA_TARGETS}")
+    init_from = c.model.lora.get("init_from")
+    _check(init_from is None or (isinstance(init_from, str) and bool(init_from)), "model.lora.init_from",
+           init_from, "must be None or a PEFT adapter folder")
+    _check(init_from is None or c.model.lora.rank > 0, "model.lora.init_from", init_from,
+           "needs model.lora.rank > 0 (the adapter's r)")
+    _check(isinstance(c.model.lora.get("init_from_check_name", True), bool),
+           "model.lora.init_from_check_name", c.model.lora.get("init_from_check_name"), "must be True or False")
     # remote mode publishes pi_old as the adapters (a sampler job merges them into its own base);
     # offline round files name no adapters yet
     _check(not c.model.lora.rank or c.rl.mode != "offline", "model.lora.rank",

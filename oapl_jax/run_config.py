@@ -40,6 +40,9 @@ RULES = {
                    "base's sha256, are still checked against the checkpoint)"),
     "model.attention_kernel": (SAID, "how attention is computed, not what"),
     "model.exact_rounding": (SAID, "where intermediate results are rounded, not the model"),
+    "model.lora.init_from": (RUN, "the adapters the run started from (its checkpoints hold them "
+                             "since; evaluate and export read those)"),
+    "model.lora.init_from_check_name": (QUIET, "a check made at the start, not what the run is"),
     "warmup": (WORKDIR, "the base model RL started from"),
     "warmup.cache_dir": (QUIET, "where the base is cached, not what it is"),
     "sampling": (SAID, "how the engines are laid out and batched, not what they sample"),

@@ -139,9 +139,19 @@ def lora_abstract(config) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
 
 def init_adapters(config, *, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
   """(graphdef, adapters) of `config.model.lora`: the adapters (A random, B zero, from
-  config.seed) created straight into their shardings over `mesh`, the base not built."""
+  config.seed) created straight into their shardings over `mesh`, the base not built; with
+  `model.lora.init_from`, the PEFT adapter in that folder instead (`lora.read_peft`: checked
+  against the rank, alpha, targets and base, a ConfigError otherwise), placed the same way."""
   graphdef, abstract, _ = lora_abstract(config)
   shardings = sharding.param_shardings(abstract, mesh, config.sharding.rules)
+  init_from = config.model.lora.get("init_from")
+  if init_from:
+    tensors = lora_lib.read_peft(init_from, lora_of(config), ModelConfig.from_config(config.model),
+                                 model_path=config.model.path,
+                                 check_name=config.model.lora.get("init_from_check_name", True))
+    host = lora_lib.from_peft(abstract, tensors)  # each process read the same file: its own blocks of it
+    return graphdef, jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]), host, shardings)
 
   def make():
     return nnx.state(_lora_model(config), nnx.LoRAParam)

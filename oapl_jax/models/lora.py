@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from oapl_jax.errors import ConfigError
 from oapl_jax.models.names import LORA_TARGETS
 from oapl_jax.models.transformer import ADAPTER_SUFFIX as SUFFIX
 from oapl_jax.models.transformer import ModelConfig, Transformer
@@ -181,3 +182,152 @@ def to_peft(adapters, lora: LoraConfig, out_dir: str | os.PathLike, *,
             "base_model_name_or_path": base_model}
   with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
     json.dump(config, f, indent=2)
+
+
+# --- PEFT import (config.model.lora.init_from) --------------------------------------------------
+
+_PEFT_PREFIX = "base_model.model.model.layers."
+_ARCH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "mlp_dim", "qk_norm", "qkv_bias", "tie_embeddings")
+
+
+def _same_base_name(theirs: str, ours: str) -> bool:
+  """Whether PEFT's `base_model_name_or_path` and model.path may name one model: the same
+  folder, or the same last path component (a Hub id `Qwen/Qwen3-0.6B` and a local
+  `/data/Qwen3-0.6B`), case aside."""
+  if os.path.realpath(theirs) == os.path.realpath(ours):
+    return True
+  last = lambda p: os.path.basename(os.path.normpath(p)).lower()  # noqa: E731
+  return last(theirs) == last(ours)
+
+
+def read_peft(path: str, lora: LoraConfig, cfg: ModelConfig, *, model_path: str | None = None,
+              check_name: bool = True) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
+  """The adapters of the PEFT LoRA adapter folder `path` (adapter_config.json and
+  adapter_model.safetensors, as `PeftModel.save_pretrained` and `to_peft` write them), as
+  {(layer, target): (A `[in, r]`, B `[r, out]`)} in float32 (PEFT's torch Linear layout
+  transposed), for the base `cfg` and the adapters `lora` (config.model.lora).
+
+  Refused, each with a one-line ConfigError naming config.model.lora.init_from and the file: a
+  missing or unreadable file; another adapter kind or a LoRA variant this model does not
+  compute (DoRA, rsLoRA, per-module ranks or alphas, biases, fan_in_fan_out, extra trained
+  modules); r, lora_alpha or target_modules other than model.lora's rank, alpha and targets; a
+  tensor missing, extra or of another shape; and where it can be told, another base: the
+  named base_model_name_or_path is a local folder whose config.json is another architecture,
+  or (check_name) its last path component differs from model.path's."""
+  from safetensors.flax import load_file  # noqa: PLC0415  (bfloat16 too, which NumPy lacks)
+
+  where = f"config.model.lora.init_from={path!r}"
+  config_file = os.path.join(path, "adapter_config.json")
+  weights_file = os.path.join(path, "adapter_model.safetensors")
+
+  def refuse(file, why):
+    return ConfigError(f"{where}: {file}: {why}")
+
+  if not os.path.isdir(path):
+    raise ConfigError(f"{where}: no such folder (a PEFT LoRA adapter: adapter_config.json and "
+                      "adapter_model.safetensors)")
+  try:
+    with open(config_file) as f:
+      peft = json.load(f)
+    if not isinstance(peft, dict):
+      raise ValueError("not a JSON object")
+  except FileNotFoundError:
+    raise refuse(config_file, "missing (a PEFT adapter folder holds adapter_config.json)") from None
+  except (OSError, ValueError) as e:
+    raise refuse(config_file, f"unreadable: {e}".replace("\n", " ")) from None
+
+  def field(key, default=None):
+    return peft.get(key, default)
+
+  if field("peft_type") != "LORA":
+    raise refuse(config_file, f"peft_type={field('peft_type')!r}: only 'LORA' adapters start a run")
+  unsupported = [(k, field(k)) for k, ok in (
+      ("use_dora", lambda v: not v), ("use_rslora", lambda v: not v), ("fan_in_fan_out", lambda v: not v),
+      ("bias", lambda v: v in (None, "none")), ("rank_pattern", lambda v: not v),
+      ("alpha_pattern", lambda v: not v), ("modules_to_save", lambda v: not v),
+      ("layers_to_transform", lambda v: v is None), ("use_qalora", lambda v: not v),
+      ("lora_bias", lambda v: not v)) if not ok(field(k))]
+  if unsupported:
+    shown = ", ".join(f"{k}={v!r}" for k, v in unsupported)
+    raise refuse(config_file, f"{shown}: not a plain LoRA (x W + alpha/r x A B on whole projections), "
+                 "which is all model.lora computes")
+  if field("r") != lora.rank:
+    raise refuse(config_file, f"r={field('r')!r} but config.model.lora.rank={lora.rank}")
+  alpha = field("lora_alpha")
+  if not isinstance(alpha, (int, float)) or float(alpha) != float(lora.alpha):
+    raise refuse(config_file, f"lora_alpha={alpha!r} but config.model.lora.alpha={lora.alpha}")
+  targets = field("target_modules")
+  if isinstance(targets, str):  # a regex or a single name in PEFT; only an exact list is compared
+    targets = [targets]
+  if not isinstance(targets, (list, tuple)) or set(targets) != set(lora.targets):
+    raise refuse(config_file, f"target_modules={field('target_modules')!r} but "
+                 f"config.model.lora.targets={tuple(lora.targets)!r} (the same set is needed)")
+
+  named = field("base_model_name_or_path")
+  if isinstance(named, str) and named:
+    if os.path.isfile(os.path.join(named, "config.json")):  # a local base: its architecture is known
+      from oapl_jax.models.hf import model_config_from_hf, read_hf_config  # noqa: PLC0415
+      try:
+        theirs = model_config_from_hf(read_hf_config(named))
+      except (OSError, ValueError) as e:
+        raise refuse(config_file, f"base_model_name_or_path={named!r}: its config.json is unreadable: "
+                     f"{e}".replace("\n", " ")) from None
+      diffs = [f"{k} {getattr(theirs, k)!r} (this run's model: {getattr(cfg, k)!r})"
+               for k in _ARCH_FIELDS if getattr(theirs, k) != getattr(cfg, k)]
+      if diffs:
+        raise refuse(config_file, f"trained on another base: base_model_name_or_path={named!r} has "
+                     + ", ".join(diffs))
+    if check_name and model_path and not _same_base_name(named, model_path):
+      raise refuse(config_file, f"trained on another base: base_model_name_or_path={named!r}, this "
+                   f"run's config.model.path={model_path!r} (the same base under another name: "
+                   "--config.model.lora.init_from_check_name=False)")
+
+  if not os.path.isfile(weights_file):
+    other = [n for n in ("adapter_model.bin", "adapter_model.pt") if os.path.isfile(os.path.join(path, n))]
+    why = (f"missing ({other[0]} is there: save it with safe_serialization=True)" if other
+           else "missing")
+    raise refuse(weights_file, why)
+  try:
+    tensors = load_file(weights_file)
+  except Exception as e:  # noqa: BLE001  (safetensors raises its own and OSError kinds)
+    raise refuse(weights_file, f"unreadable: {type(e).__name__}: {e}".replace("\n", " ")) from None
+
+  out, left = {}, dict(tensors)
+  for layer in range(cfg.num_layers):
+    for target in lora.targets:
+      n_in, n_out, _, _ = _shape(cfg, target)
+      prefix = f"{_PEFT_PREFIX}{layer}.{_HF_MODULE[target]}"
+      pair = []
+      for kind, want in (("lora_A", (lora.rank, n_in)), ("lora_B", (n_out, lora.rank))):
+        name = f"{prefix}.{kind}.weight"
+        if name not in left:
+          raise refuse(weights_file, f"no tensor {name} (layer {layer} {target}: the base has "
+                       f"{cfg.num_layers} layers, targets {tuple(lora.targets)})")
+        x = left.pop(name)
+        if tuple(x.shape) != want:
+          raise refuse(weights_file, f"{name} has shape {tuple(x.shape)}, this base and rank need "
+                       f"{want} (another base, or another rank)")
+        pair.append(np.asarray(jnp.asarray(x, jnp.float32)).T)
+      out[(layer, target)] = (pair[0], pair[1])
+  if left:
+    name = sorted(left)[0]
+    rest = name[len(_PEFT_PREFIX):].split(".") if name.startswith(_PEFT_PREFIX) else []
+    if rest and rest[0].isdigit() and int(rest[0]) >= cfg.num_layers:
+      why = f"trained on another base: {name} is in layer {rest[0]}, the base has {cfg.num_layers} layers"
+    else:
+      why = f"{name} (and {len(left) - 1} more) adapt nothing model.lora computes"
+    raise refuse(weights_file, why)
+  return out
+
+
+def from_peft(abstract, tensors: dict[tuple, tuple[np.ndarray, np.ndarray]]):
+  """An adapters State shaped as `abstract` (`lora_abstract`'s adapters) holding `tensors`
+  (`read_peft`), as host arrays in each leaf's dtype."""
+  out = []
+  for path, var in nnx.to_flat_state(abstract):
+    layer, target = path[1], path[-2][:-len(SUFFIX)]
+    a, b = tensors[(layer, target)]
+    x = a if path[-1] == "lora_a" else b
+    out.append((path, var.replace(np.asarray(x, var.get_value().dtype))))
+  return nnx.from_flat_state(out)
