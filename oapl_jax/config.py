@@ -716,7 +716,8 @@ def _validate_model(c) -> None:
     _check(isinstance(c.model.lora.get("init_from_check_name", True), bool),
            "model.lora.init_from_check_name", c.model.lora.get("init_from_check_name"), "must be True or False")
     # remote mode publishes pi_old as the adapters (a sampler job merges them into its own base);
-    # offline round files name no adapters yet
+    # offline mode's round check and rescoring take full weights (a round file from a LoRA
+    # checkpoint names its adapters, oapl_jax/generate.py, but offline mode does not train them)
     _check(not c.model.lora.rank or c.rl.mode != "offline", "model.lora.rank",
            c.model.lora.rank, "adapters train in rl.mode 'sync', 'async' or 'remote' (not 'offline') for now")
 

@@ -13,7 +13,9 @@ round 1 (same problems, same keys; `oapl_jax/rl/offline.py` has the format). The
   (`model.path`, or a random init, after the supervised warm-up of the addition task; with
   `warmup.cache_dir` set the warm-up is read from, or written to, the cache the run uses);
 * with --workdir, the newest good checkpoint there: its pi_theta (--policy=theta) or its
-  engines' snapshot pi_old (--policy=snapshot).
+  engines' snapshot pi_old (--policy=snapshot); under model.lora, the frozen base merged with
+  those adapters, and the header's `policy.adapters` says which (settings, sha256, the base's
+  path and sha256).
 
 A run trains on the file (`--config.rl.mode=offline --config.rl.offline.path=FILE`) only if its
 pi_old is the policy that wrote it (checked by rescoring rows): in practice, a file of the base,
@@ -60,17 +62,31 @@ def base_policy(config):
 
 
 def checkpoint_policy(config, workdir: str, policy: str):
-  """The same of the newest good checkpoint in `workdir` (`policy`: "theta" or "snapshot")."""
-  from oapl_jax.policies import restore_policy  # noqa: PLC0415
+  """The same of the newest good checkpoint in `workdir` (`policy`: "theta" or "snapshot").
+  Under model.lora the weights are the frozen base merged with the checkpoint's adapters, and
+  the record names them: {"adapters": {rank, alpha, targets, param_dtype, "sha256" of the
+  adapters as the checkpoint holds them (`checkpoint.tree_digest`), "base": {path, sha256}}}."""
+  from oapl_jax import checkpoint  # noqa: PLC0415
+  from oapl_jax.models import build, lora as lora_lib  # noqa: PLC0415
+  from oapl_jax.policies import restore_adapters, restore_policy  # noqa: PLC0415
   from oapl_jax.tasks import make_task  # noqa: PLC0415
   task, tokenizer = make_task(config)
-  step, params, meta, model_cfg, graphdef = restore_policy(config, workdir, policy)
+  lora = build.lora_of(config)
+  if lora is None:
+    step, params, meta, model_cfg, graphdef = restore_policy(config, workdir, policy)
+  else:
+    step, adapters, base, meta, model_cfg, graphdef = restore_adapters(config, workdir, policy)
+    params = lora_lib.merged(base, adapters, lora.scale)  # what the run's engines sample
   c = meta["counters"]
   # pi_theta at step S is the snapshot a refresh at S would take (version + 1 unless just refreshed).
   version, snap_step = ((c["version"], c["snapshot_step"]) if policy == "snapshot" or c["snapshot_step"] == step
                         else (c["version"] + 1, step))
-  record = {"version": version, "snapshot_step": snap_step,
-            "source": f"{'pi_theta' if policy == 'theta' else 'pi_old'} of {workdir} at step {step}"}
+  what = "pi_theta" if policy == "theta" else "pi_old"
+  record = {"version": version, "snapshot_step": snap_step, "source": f"{what} of {workdir} at step {step}"}
+  if lora is not None:
+    record["adapters"] = {**lora.record(), "sha256": checkpoint.tree_digest(adapters),
+                          "base": checkpoint.base_record(config, base)}
+    record["source"] = f"{what} (adapters, rank {lora.rank}) of {workdir} at step {step}"
   return params, graphdef, model_cfg, task, tokenizer, record
 
 
