@@ -7,6 +7,8 @@ in one line naming the setting and the file."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from oapl_jax.models import build
 from oapl_jax.models import lora as lora_lib
 from oapl_jax.models.presets import PRESETS
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -99,7 +102,6 @@ def test_an_exported_adapter_starts_a_run_with_the_same_adapters(tmp_path):
   """oapl_jax.export of a LoRA checkpoint (a random base: exported beside the adapter as
   <out>/base, which the adapter names), then init_from=<out>/adapter: the new run's adapters are
   the checkpoint's, bit for bit."""
-  from oapl_jax.export import export_checkpoint  # noqa: PLC0415
   c = tiny.get_config("smoke")
   c.warmup.steps = c.warmup.noisy_steps = 0
   c.model.lora.rank, c.model.lora.alpha = RANK, ALPHA
@@ -107,8 +109,15 @@ def test_an_exported_adapter_starts_a_run_with_the_same_adapters(tmp_path):
   keys = iter(jax.random.split(jax.random.key(3), 1000))
   r.params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), r.params)
   r.save()
-  written = export_checkpoint(c, str(tmp_path / "run"), str(tmp_path / "hf"))
-  c.model.lora.init_from = written["adapter"]
+  # the command (its absl flags would clash with oapl_jax.generate's in this process)
+  out = subprocess.run([sys.executable, "-m", "oapl_jax.export", "--config=configs/tiny.py:smoke",
+                        f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'hf'}",
+                        f"--config.model.lora.rank={RANK}", f"--config.model.lora.alpha={ALPHA}",
+                        "--config.warmup.steps=0", "--config.warmup.noisy_steps=0"],
+                       cwd=REPO, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr[-3000:]
+  c.model.lora.init_from = str(tmp_path / "hf" / "adapter")
   again = train.Run(c, str(tmp_path / "again"))
   want, got = _flat(r.params), _flat(again.params)
   assert want.keys() == got.keys()
