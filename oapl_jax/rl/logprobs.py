@@ -202,7 +202,8 @@ def make_batch(rollout: Rollout, rewards: np.ndarray, *, seq_len: int, pad_id: i
 
   The rows carry the engine's version stamps and `snapshot_step` -1 until `buffer.stamp`.
   With `count_truncated=False`, answers cut at the length limit get mask 0 (they are in their
-  group's V_hat but out of the loss).
+  group's V_hat but out of the loss). A multi-turn rollout's environment tokens (`Rollout.model`
+  0) are context, not targets (`trajectory.only_model_targets`).
   """
   from oapl_jax.sampling.engine import FINISH_LENGTH  # noqa: PLC0415 (see TYPE_CHECKING above)
   n, g = rollout.num_samples, rollout.group_size
@@ -219,6 +220,11 @@ def make_batch(rollout: Rollout, rewards: np.ndarray, *, seq_len: int, pad_id: i
     if count_truncated or rollout.finish[row] != FINISH_LENGTH:
       mask[row, p - 1:p - 1 + a] = 1.0
     old[row, p - 1:p - 1 + a] = rollout.logprobs[row, :a]
-  return Rows(tokens=tokens, mask=mask, sampler_logprobs=old,
+  rows = Rows(tokens=tokens, mask=mask, sampler_logprobs=old,
               rewards=np.asarray(rewards, np.float32), answer_lengths=rollout.lengths.copy(),
               version=np.asarray(rollout.versions, np.int32), snapshot_step=np.full((n,), -1, np.int32))
+  if rollout.model is None:
+    return rows
+  from oapl_jax.rl.trajectory import only_model_targets  # noqa: PLC0415 (it builds on this module)
+  model = rollout.model * (np.arange(rollout.model.shape[1])[None] < rollout.lengths[:, None])
+  return only_model_targets(rows, model, np.array([len(rollout.prompts[i // g]) for i in range(n)]))

@@ -106,7 +106,6 @@ def rows_of(trajectories: list[Trajectory], *, group_size: int, seq_len: int, pa
   rollout = Rollout(prompts=[list(trajectories[g].prompt) for g in range(0, n, group_size)],
                     group_size=group_size, answers=tokens, logprobs=logprobs, lengths=lengths,
                     finish=np.array([tr.finish for tr in trajectories], np.int8),
-                    versions=np.full((n,), version, np.int32))
-  rows = make_batch(rollout, np.array([tr.reward for tr in trajectories], np.float32),
+                    versions=np.full((n,), version, np.int32), model=model)
+  return make_batch(rollout, np.array([tr.reward for tr in trajectories], np.float32),
                     seq_len=seq_len, pad_id=pad_id, count_truncated=count_truncated)
-  return only_model_targets(rows, model, np.array([len(tr.prompt) for tr in trajectories]))

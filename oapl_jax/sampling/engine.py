@@ -14,11 +14,17 @@ Decode state (a dict pytree, one row per slot `S`, cache capacity `M <= max_len`
                whichever slot, decode step, width or company it is sampled in
   key          PRNG key that `insert` derives an answer's key from when none is given;
   step `[]`    decode steps taken
+  forced       `[S, F]` tokens to feed a slot before it samples again (an environment's turn
+               of a multi-turn trajectory, `resume`); forced_n `[S]` how many, forced_i `[S]`
+               how many are in. F (the state's `insert_width`) is a shape.
 
 A decode step samples one token per slot from the processed `next_logits` (temperature,
 top-k, top-p; `processing.py`), records its log-prob under exactly that distribution, runs
 the model on it (writing its keys at `positions`) and retires slots whose answer hit EOS, a
-stop sequence or its length budget. Retired slots keep computing (shapes are static) but
+stop sequence or its length budget. A slot with forced tokens waiting takes the next one
+instead of sampling (log-prob 0, never an EOS or a stop): that is how an environment's turn
+enters a paused slot's KV cache after the tokens already there (`resume`), while the other
+slots go on decoding in the same steps; the budget counts those tokens too. Retired slots keep computing (shapes are static) but
 change nothing, and are left out of the live length that bounds attention.
 
 API: JetStream's `prefill` / `insert` / `generate` (one step, `SampledTokens`) so that
@@ -72,7 +78,8 @@ from oapl_jax.sampling.processing import SamplingParams, process_logits, sample
 FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2  # EOS token, length budget, stop sequence
 _NO_TOKEN = -2  # fills `recent` before an answer has W tokens (matches no stop sequence)
 _STATE_KEYS = ("next_logits", "positions", "lengths", "limits", "live", "finish", "versions",
-               "recent", "answer_keys", "eos", "stops", "key", "step")  # the decode state but the cache
+               "recent", "answer_keys", "eos", "stops", "key", "step", "forced", "forced_n",
+               "forced_i")  # the decode state but the cache
 
 
 @struct.dataclass
@@ -80,13 +87,14 @@ class Steps:
   """What `generate_steps` returns: `n = num_steps` decode steps of all `S` slots.
 
   tokens `[T, S]` int32, log_probs `[T, S]` float32, valid `[T, S]` bool (the slot was live
-  at that step; rows >= n are padding). live, finish, versions, lengths: `[S]`, the slots'
-  state after the last step.
+  at that step; rows >= n are padding), forced `[T, S]` bool (the token was a forced one, not
+  sampled). live, finish, versions, lengths: `[S]`, the slots' state after the last step.
   """
 
   tokens: jax.Array
   log_probs: jax.Array
   valid: jax.Array
+  forced: jax.Array
   num_steps: jax.Array
   live: jax.Array
   finish: jax.Array
@@ -181,6 +189,7 @@ class Engine:
                                    out_shardings=(state, rep), compiler_options=opts)
     self._resize = jax.jit(self._resize_impl, static_argnums=(1,), out_shardings=state)
     self._narrow = jax.jit(self._narrow_impl, out_shardings=state)
+    self._resume = jax.jit(self._resume_impl, donate_argnums=(0,), out_shardings=state)
 
   # --- JetStream API -------------------------------------------------------------------
 
@@ -203,7 +212,8 @@ class Engine:
     return self.load_params(params, version=-1)
 
   def init_decode_state(self, key: jax.Array | None = None, *, eos_id: int | None = None,
-                        stop_sequences=(), capacity: int | None = None, **unused) -> dict:
+                        stop_sequences=(), capacity: int | None = None, insert_width: int = 1,
+                        **unused) -> dict:
     """Empty decode state (every slot free). `key` seeds sampling (default key(0)).
 
     capacity: cache positions per slot (default max_len; see `resize`).
@@ -211,6 +221,7 @@ class Engine:
     one, else none); stop_sequences: token-id sequences that end an answer (included in it).
     Their count and longest length are shapes: a new set of stop sequences compiles
     `generate` anew, new lengths of anything else do not.
+    insert_width: the most tokens `resume` feeds a slot at once (a shape; 1 when unused).
     """
     if eos_id is None:
       eos_id = -1 if self._tokenizer is None else self._tokenizer.eos_id
@@ -232,6 +243,9 @@ class Engine:
         "stops": stops,
         "key": jax.random.key(0) if key is None else jnp.copy(key),  # the state is donated, the caller's key is not
         "step": np.zeros((), np.int32),
+        "forced": np.zeros((s, insert_width), np.int32),
+        "forced_n": np.zeros((s,), np.int32),
+        "forced_i": np.zeros((s,), np.int32),
     }
     small["answer_keys"] = jax.random.split(small["key"], s)  # replaced at each insert
     return {"cache": self._zero_cache(capacity or self.max_len),
@@ -346,6 +360,15 @@ class Engine:
     """Decode slots the state holds (max_slots, or fewer after `narrow`)."""
     return decode_state["live"].shape[0]
 
+  def resume(self, decode_state: dict, slots, tokens, counts) -> dict:
+    """Slots `slots` (`[N]` ints; paused: their answer's turn ended, the slot not released)
+    go on: first their `counts[n]` tokens `tokens[n]` (`[N, F]`, F the state's insert width)
+    go in after the tokens already there, one per decode step as forced tokens (the
+    environment's turn: log-prob 0, never an end), then they sample again under their answer's
+    key. The budget (`limits`) counts the forced tokens; the caller keeps within it."""
+    as_i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    return self._resume(decode_state, as_i32(slots), as_i32(tokens), as_i32(counts))
+
   def narrow(self, decode_state: dict, keep) -> dict:
     """The state with only slots `keep` (`[W]` ints, row `i` of the result = slot `keep[i]`),
     W < the current width. Each kept slot carries on exactly as it would have (its random
@@ -376,7 +399,7 @@ class Engine:
 
   def _narrow_impl(self, state, keep):
     per_slot = ("next_logits", "positions", "lengths", "limits", "live", "finish", "versions",
-                "recent", "answer_keys")
+                "recent", "answer_keys", "forced", "forced_n", "forced_i")
     cache = {name: [x[keep] for x in layers] for name, layers in state["cache"].items()}
     return {**state, "cache": cache, **{name: state[name][keep] for name in per_slot}}
 
@@ -419,7 +442,15 @@ class Engine:
         "versions": put(state["versions"], prefix["version"]),
         "recent": put(state["recent"], _NO_TOKEN),
         "answer_keys": put(state["answer_keys"], keys),
+        "forced_n": put(state["forced_n"], 0),
+        "forced_i": put(state["forced_i"], 0),
     }
+
+  def _resume_impl(self, state, slots, tokens, counts):
+    put = lambda a, value: a.at[slots].set(value, mode="drop")  # noqa: E731
+    return {**state, "forced": put(state["forced"], tokens), "forced_n": put(state["forced_n"], counts),
+            "forced_i": put(state["forced_i"], 0), "live": put(state["live"], True),
+            "finish": put(state["finish"], -1), "recent": put(state["recent"], _NO_TOKEN)}
 
   def _loop_constants(self, weights, state) -> dict:
     """What every decode step of a call reuses: the RoPE table of the cache positions
@@ -436,6 +467,12 @@ class Engine:
     u = jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t)))(
         state["answer_keys"], state["lengths"])  # [S]
     tokens, logp = sample(process_logits(state["next_logits"], self.sampling), u)  # [S], [S]
+    # an environment's turn going in (`resume`): its next token instead of a sampled one
+    forcing = live & (state["forced_i"] < state["forced_n"])  # [S]
+    width = state["forced"].shape[1]
+    forced = jnp.take_along_axis(state["forced"], jnp.minimum(state["forced_i"], width - 1)[:, None], 1)[:, 0]
+    tokens = jnp.where(forcing, forced, tokens)
+    logp = jnp.where(forcing, 0.0, logp)
     capacity = self.capacity(state)
     positions = jnp.minimum(state["positions"], capacity - 1)  # retired slots: harmless
     live_len = jnp.max(jnp.where(live, positions + 1, 1))
@@ -448,9 +485,9 @@ class Engine:
     logits = jax.lax.with_sharding_constraint(logits, self._logit_sharding)
     lengths = state["lengths"] + live
     shifted = jnp.concatenate([state["recent"][:, 1:], tokens[:, None]], axis=1)  # [S, W]
-    recent = jnp.where(live[:, None], shifted, state["recent"])
-    hit_eos = tokens == state["eos"]
-    hit_stop = _ends_with_any(recent, state["stops"])
+    recent = jnp.where((live & ~forcing)[:, None], shifted, state["recent"])
+    hit_eos = (tokens == state["eos"]) & ~forcing
+    hit_stop = _ends_with_any(recent, state["stops"]) & ~forcing
     done = live & (hit_eos | hit_stop | (lengths >= state["limits"]))
     reason = jnp.where(hit_eos, FINISH_EOS, jnp.where(hit_stop, FINISH_STOP, FINISH_LENGTH))
     new_state = self._placed({
@@ -458,14 +495,14 @@ class Engine:
         "lengths": lengths, "live": live & ~done, "recent": recent,
         "finish": jnp.where(done, reason, state["finish"]),
         "versions": jnp.where(live, jnp.minimum(state["versions"], weights.version), state["versions"]),
-        "step": state["step"] + 1,
+        "step": state["step"] + 1, "forced_i": state["forced_i"] + forcing,
     })
-    return new_state, tokens, logp, live
+    return new_state, tokens, logp, live, forcing
 
   def _generate_impl(self, weights, state):
     """(new state, data `[S, 3]` (token, valid, answer length: `ResultTokens` columns),
     log-probs `[S, 1]`)."""
-    new_state, tokens, logp, valid = self._step(weights, state, self._loop_constants(weights, state))
+    new_state, tokens, logp, valid, _ = self._step(weights, state, self._loop_constants(weights, state))
     data = jnp.stack([tokens, valid.astype(jnp.int32), new_state["lengths"]], axis=1)  # [S, 3]
     return new_state, data, logp[:, None]
 
@@ -480,15 +517,15 @@ class Engine:
       return (t < t_max) & jnp.any(st["live"]) & (finished < stop_after_finished)
 
     def body(carry):
-      t, st, (tok_buf, lp_buf, valid_buf) = carry
-      st, tokens, logp, valid = self._step(weights, st, consts)
+      t, st, bufs = carry
+      st, *rows = self._step(weights, st, consts)  # tokens, log-probs, valid, forced
       put = lambda buf, row: jax.lax.dynamic_update_slice(buf, row[None], (t, 0))
-      return t + 1, st, (put(tok_buf, tokens), put(lp_buf, logp), put(valid_buf, valid))
+      return t + 1, st, tuple(put(buf, row) for buf, row in zip(bufs, rows))
 
     bufs = (jnp.zeros((t_max, s), jnp.int32), jnp.zeros((t_max, s), jnp.float32),
-            jnp.zeros((t_max, s), bool))
-    n, state, (tokens, logp, valid) = jax.lax.while_loop(cond, body, (jnp.int32(0), state, bufs))
-    return state, Steps(tokens, logp, valid, n, state["live"], state["finish"],
+            jnp.zeros((t_max, s), bool), jnp.zeros((t_max, s), bool))
+    n, state, (tokens, logp, valid, forced) = jax.lax.while_loop(cond, body, (jnp.int32(0), state, bufs))
+    return state, Steps(tokens, logp, valid, forced, n, state["live"], state["finish"],
                         state["versions"], state["lengths"])
 
 

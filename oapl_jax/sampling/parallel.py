@@ -117,6 +117,7 @@ class Replicas:
       weights = self.load_params(weights)
     n, total = len(self.engines), self.total
     limits = kwargs.pop("answer_limits", None)
+    turns = kwargs.pop("turns", None)
     ids = self.replica_ids()
     key = prompt_keys(key, len(prompts))  # of the whole list (global: alike on every process)
     results: list[Rollout | None] = [None] * n
@@ -129,6 +130,7 @@ class Replicas:
           results[i] = rollout(self.engines[i], weights[i], prompts[r::total], group_size=group_size,
                                key=key[r::total],
                                answer_limits=None if limits is None else list(limits)[r::total],
+                               turns=None if turns is None else _ReplicaTurns(turns, r, total),
                                **kwargs)
       except BaseException as e:  # re-raised in the caller's thread
         errors.append(e)
@@ -150,6 +152,17 @@ class Replicas:
                      empty[:, 0])
     return _merge([res for _, res in done], [r for r, _ in done], total, prompts,
                   self.local_prompts(len(prompts)), group_size, kwargs["pad_id"])
+
+
+class _ReplicaTurns:
+  """A replica's view of `rollout`'s `turns`: its j-th prompt is prompt r + j * total of the list."""
+
+  def __init__(self, turns, replica: int, total: int):
+    self.turns, self.replica, self.total = turns, replica, total
+    self.insert_width, self.workers = turns.insert_width, turns.workers
+
+  def respond(self, prompt: int, sample: int, turn):
+    return self.turns.respond(self.replica + prompt * self.total, sample, turn)
 
 
 def process_share(num_prompts: int, total: int, first: int, count: int) -> np.ndarray:
@@ -194,5 +207,9 @@ def _merge(parts: list[Rollout], ids: list[int], total: int, prompts, local: np.
                               for r in parts])
     merged[name] = np.empty_like(stacked)
     merged[name][rows] = stacked
+  if parts[0].model is not None:  # multi-turn: the model's tokens flagged (0 on padding)
+    stacked = np.concatenate([pad(r.model, 0) for r in parts])
+    merged["model"] = np.empty_like(stacked)
+    merged["model"][rows] = stacked
   stats = {k: sum(r.stats[k] for r in parts) for k in parts[0].stats}
   return Rollout([prompts[j] for j in local], g, stats=stats, **merged)

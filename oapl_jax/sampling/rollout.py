@@ -24,12 +24,25 @@ sampled beside it (a window of several steps' prompts in one call gives each ste
 Slot utilisation (`Rollout.slot_utilisation`) = live slot-steps / computed slot-steps, where a
 decode call of n steps at width W computes n * W slot-steps (W = max_slots, or less once
 narrowed): the fraction of decode rows computed that produced an answer token.
+
+Multi-turn trajectories (`turns`, docs/agents.md): when an answer's turn ends (EOS or a stop
+sequence), its slot pauses (not released) and `turns.respond` runs in a worker thread, off the
+decode loop, while the other slots go on decoding; it says what the environment answers (its
+tokens) or that the episode is over. An answer goes on by `Engine.resume`: the environment's
+tokens enter the slot's KV cache after the tokens already there (forced decode steps, beside
+the other slots' sampling), then the model samples its next turn under the same answer key.
+An answer is then the whole trajectory after the prompt, and `Rollout.model` flags the tokens
+the model wrote. The length budget counts every token; an environment turn that would leave
+no room for a model token ends the trajectory there (FINISH_LENGTH). With `turns` None, or an
+episode that ends at its first turn, nothing changes: the same tokens, bit for bit.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+from typing import Protocol, Sequence
 
 import jax
 import numpy as np
@@ -67,6 +80,7 @@ class Rollout:
   finish: np.ndarray
   versions: np.ndarray
   stats: dict = dataclasses.field(default_factory=dict)
+  model: np.ndarray | None = None  # [P*G, A] int8: 1 on tokens the model wrote (multi-turn); None: all
 
   @property
   def num_samples(self) -> int:
@@ -81,6 +95,19 @@ class Rollout:
   def queued_slot_utilisation(self) -> float:
     """The same, over the decode calls made while prompts were waiting (no final drain)."""
     return self.stats["queued_live_slot_steps"] / max(self.stats["queued_slot_steps"], 1)
+
+
+class Turns(Protocol):
+  """The environment side of multi-turn rollouts (module docstring)."""
+
+  insert_width: int  # the most tokens one environment turn inserts (the engine state's shape)
+  workers: int  # environment turns (tool calls) run at once, in threads
+
+  def respond(self, prompt: int, sample: int, turn: np.ndarray) -> Sequence[int] | None:
+    """The environment's answer (its tokens, the chat template's rendering up to the next
+    generation prompt) to sample `sample` of prompt `prompt` (indices of `rollout`'s prompts),
+    whose model turn `turn` (tokens, its end included) just ended; None: the episode is over.
+    Runs in a worker thread; must not raise for anything the model wrote."""
 
 
 def _bucket(length: int, max_len: int) -> int:
@@ -109,6 +136,7 @@ class _Slots:
   def __init__(self, num_slots: int):
     self.row = np.full((num_slots,), -1)
     self.position = np.zeros((num_slots,), np.int64)  # next cache position of a live slot
+    self.live = np.ones((num_slots,), bool)  # False while a held slot's environment turn runs
     self.free = list(range(num_slots))
 
   def take(self) -> int:
@@ -116,13 +144,14 @@ class _Slots:
 
   def release(self, slot: int) -> None:
     self.row[slot] = -1
+    self.live[slot] = True
     self.free.append(slot)
     self.free.sort()
 
   def narrowed(self, keep: np.ndarray) -> "_Slots":
     """The bookkeeping of `Engine.narrow(state, keep)`: new slot i is old slot keep[i]."""
     new = _Slots(len(keep))
-    new.row, new.position = self.row[keep].copy(), self.position[keep].copy()
+    new.row, new.position, new.live = self.row[keep].copy(), self.position[keep].copy(), self.live[keep].copy()
     new.free = [i for i in range(len(keep)) if new.row[i] < 0]
     return new
 
@@ -204,26 +233,38 @@ def _start_groups(engine, params, state, prompts, batch, slots: _Slots, *, group
 class _Answers:
   """Host buffers of the rollout's `N = P*G` answers (see `Rollout`), filled call by call."""
 
-  def __init__(self, n: int, max_new_tokens: int, pad_id: int):
+  def __init__(self, n: int, max_new_tokens: int, pad_id: int, multi_turn: bool = False):
     self.tokens = np.full((n, max_new_tokens), pad_id, np.int32)
     self.logprobs = np.zeros((n, max_new_tokens), np.float32)
     self.lengths = np.zeros((n,), np.int32)
     self.finish = np.full((n,), FINISH_LENGTH, np.int32)
     self.versions = np.full((n,), -1, np.int32)
+    self.model = np.zeros((n, max_new_tokens), np.int8) if multi_turn else None
+    self.turn_start = np.zeros((n,), np.int32)  # where each answer's current model turn starts
 
-  def collect(self, out, slots: _Slots) -> None:
-    """Appends one `generate_steps` result (numpy `Steps`); frees the slots that finished."""
-    steps = int(out.num_steps)
+  def collect(self, out, slots: _Slots) -> list[int]:
+    """Appends one `generate_steps` result (numpy `Steps`); frees the slots that finished, but
+    for multi-turn answers whose turn ended (EOS, stop), returned (their slots stay held)."""
+    steps, ended = int(out.num_steps), []
     for slot in np.nonzero(slots.row >= 0)[0]:
       row, t0 = slots.row[slot], self.lengths[slots.row[slot]]
       count = int(out.valid[:steps, slot].sum())  # a slot's live steps are a prefix of the call
+      if not count and not slots.live[slot]:
+        continue  # paused: its environment turn is running
       self.tokens[row, t0:t0 + count] = out.tokens[:count, slot]
       self.logprobs[row, t0:t0 + count] = out.log_probs[:count, slot]
+      if self.model is not None:
+        self.model[row, t0:t0 + count] = ~out.forced[:count, slot]
       self.lengths[row] = t0 + count
       slots.position[slot] += count
       if not out.live[slot]:
         self.finish[row], self.versions[row] = out.finish[slot], out.versions[slot]
-        slots.release(slot)
+        if self.model is not None and out.finish[slot] != FINISH_LENGTH:
+          slots.live[slot] = False
+          ended.append(int(slot))
+        else:
+          slots.release(slot)
+    return ended
 
 
 def _count(stats: dict, out, num_slots: int, queued: bool) -> None:
@@ -247,9 +288,70 @@ def _capacity(engine: Engine, prompts, batch, slots: _Slots) -> int:
   return engine.capacity_for(max(reach))
 
 
+class _EnvTurns:
+  """The environment turns running beside the decode loop (multi-turn rollouts)."""
+
+  def __init__(self, turns: Turns, group_size: int, limits):
+    self.turns, self.g, self.limits = turns, group_size, limits
+    self.pool = concurrent.futures.ThreadPoolExecutor(max(1, turns.workers), thread_name_prefix="env-turn")
+    self.running: dict = {}  # future -> slot
+    self.stats = {"env_turns": 0, "env_tokens": 0, "env_turns_cut": 0}
+
+  def start(self, slots: _Slots, answers: _Answers, ended: list[int]) -> None:
+    for slot in ended:
+      row = int(slots.row[slot])
+      turn = answers.tokens[row, answers.turn_start[row]:answers.lengths[row]].copy()
+      self.running[self.pool.submit(self.turns.respond, row // self.g, row % self.g, turn)] = slot
+
+  def resume(self, engine: Engine, state, slots: _Slots, answers: _Answers, *, wait: bool):
+    """The state with the environment turns that are done put in (`Engine.resume`); the
+    answers whose episode ended are released. wait: block until at least one is done."""
+    if not self.running:
+      return state
+    done, _ = concurrent.futures.wait(list(self.running), timeout=None if wait else 0,
+                                      return_when=concurrent.futures.FIRST_COMPLETED)
+    go, tokens, counts = [], [], []
+    width = self.turns.insert_width
+    for future in done:
+      slot = self.running.pop(future)
+      row = int(slots.row[slot])
+      reply = future.result()  # a bug in the environment is a bug: raised here
+      if reply is None:  # the episode is over: the answer ends with this turn
+        slots.release(slot)
+        continue
+      reply = list(reply)
+      if len(reply) > width or answers.lengths[row] + len(reply) >= self.limits[row // self.g]:
+        answers.finish[row] = FINISH_LENGTH  # no room for the turn and a model token after it
+        self.stats["env_turns_cut"] += 1
+        slots.release(slot)
+        continue
+      self.stats["env_turns"] += 1
+      self.stats["env_tokens"] += len(reply)
+      answers.finish[row] = FINISH_LENGTH  # until the trajectory's last turn ends
+      answers.turn_start[row] = answers.lengths[row] + len(reply)
+      slots.live[slot] = True
+      go.append(slot)
+      tokens.append(reply + [0] * (width - len(reply)))
+      counts.append(len(reply))
+    if go:
+      state = engine.resume(state, np.array(go), np.array(tokens, np.int32).reshape(len(go), width),
+                            np.array(counts))
+    return state
+
+  def renumber(self, keep: np.ndarray) -> None:
+    """After `Engine.narrow(state, keep)`: new slot i is old slot keep[i]."""
+    new = {int(old): i for i, old in enumerate(keep)}
+    self.running = {future: new[slot] for future, slot in self.running.items()}
+
+  def close(self) -> None:
+    for future in self.running:
+      future.cancel()
+    self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def rollout(engine: Engine, params, prompts: list[list[int]], *, group_size: int,
             max_new_tokens: int, eos_id: int, pad_id: int, key: jax.Array,
-            stop_sequences=(), answer_limits=None) -> Rollout:
+            stop_sequences=(), answer_limits=None, turns: Turns | None = None) -> Rollout:
   """Samples `group_size` answers for each prompt (token lists). Deterministic given `key`:
   one key, or `[P]` keys, one per prompt (the module docstring: an answer follows its prompt's
   key, whatever else is sampled beside it).
@@ -257,27 +359,51 @@ def rollout(engine: Engine, params, prompts: list[list[int]], *, group_size: int
   params: an `nnx.State` or `engine.load_params(state, version=v)` (answers are stamped v).
   stop_sequences: token-id sequences that end an answer (kept in it, finish FINISH_STOP).
   answer_limits: optional per-prompt answer budgets (each <= max_new_tokens).
+  turns: the environment of multi-turn trajectories (module docstring); None: one turn each.
   """
   limits = [max_new_tokens] * len(prompts) if answer_limits is None else list(answer_limits)
   _check(engine, prompts, group_size, max_new_tokens, limits)
   params = engine.weights(params)
   num_slots, g = engine.max_concurrent_decodes, group_size
-  answers = _Answers(len(prompts) * g, max_new_tokens, pad_id)
+  answers = _Answers(len(prompts) * g, max_new_tokens, pad_id, multi_turn=turns is not None)
   stats = dict.fromkeys(("slot_steps", "live_slot_steps", "queued_slot_steps",
                          "queued_live_slot_steps", "decode_calls", "prefill_calls"), 0)
   # Refill once `quantum` slots are free: fewer, larger prefills for a few idle slot-steps.
   quantum = g * -(-max(g, num_slots // 8) // g)
   keys = answer_keys(key, len(prompts), g)
   state = engine.init_decode_state(jax.random.key(0), eos_id=eos_id, stop_sequences=stop_sequences,
-                                   capacity=engine.capacity_for(1))
-  slots = _Slots(num_slots)
+                                   capacity=engine.capacity_for(1),
+                                   insert_width=1 if turns is None else turns.insert_width)
+  env = None if turns is None else _EnvTurns(turns, g, limits)
+  try:
+    state = _decode_all(engine, params, state, prompts, answers, env, stats, g=g, limits=limits,
+                        pad_id=pad_id, keys=keys, quantum=quantum)
+  finally:
+    if env is not None:
+      env.close()
+      stats.update(env.stats)
+  return Rollout(list(prompts), group_size, answers.tokens, answers.logprobs, answers.lengths,
+                 answers.finish, answers.versions, stats, answers.model)
+
+
+def _decode_all(engine, params, state, prompts, answers: _Answers, env: _EnvTurns | None, stats,
+                *, g, limits, pad_id, keys, quantum):
+  """Every prompt's answers, into `answers` (the loop of `rollout`)."""
+  slots = _Slots(engine.max_concurrent_decodes)
   pending = collections.deque(range(len(prompts)))
   while pending or (slots.row >= 0).any():
+    if env is not None:  # environment turns that are done go in; wait for one if nothing else can run
+      idle = not slots.live[slots.row >= 0].any() and not (pending and len(slots.free) >= g)
+      state = env.resume(engine, state, slots, answers, wait=idle)
+      if not (pending or (slots.row >= 0).any()):
+        break
     live = int((slots.row >= 0).sum())
     if not pending and _narrow_width(engine, len(slots.row), live) < len(slots.row):
       width = _narrow_width(engine, len(slots.row), live)
       keep = np.concatenate([np.nonzero(slots.row >= 0)[0], np.nonzero(slots.row < 0)[0]])[:width]
       state, slots = engine.narrow(state, keep), slots.narrowed(keep)
+      if env is not None:
+        env.renumber(keep)
     batch = [pending.popleft() for _ in range(min(len(slots.free) // g, len(pending)))]
     state = engine.resize(state, _capacity(engine, prompts, batch, slots))
     if batch:
@@ -289,9 +415,12 @@ def rollout(engine: Engine, params, prompts: list[list[int]], *, group_size: int
       width, live = len(slots.row), int((slots.row >= 0).sum())
       half = width // 2 if width % 2 == 0 and width // 2 >= engine.min_decode_width else 0
       wanted = live - half if half else width + 1
+    if env is not None:  # back at the first ended turn: its environment turn starts at once
+      wanted = 1
     state, out = engine.generate_steps(params, state, max(wanted, 1))
     out = jax.device_get(out)
     _count(stats, out, len(slots.row), queued=bool(pending))
-    answers.collect(out, slots)
-  return Rollout(list(prompts), group_size, answers.tokens, answers.logprobs, answers.lengths,
-                 answers.finish, answers.versions, stats)
+    ended = answers.collect(out, slots)
+    if env is not None:
+      env.start(slots, answers, ended)
+  return state
