@@ -252,6 +252,11 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.env.max_turns = 4  # Model turns per episode; the episode ends at the last whatever it holds.
   c.env.tool_timeout_s = 5.0  # Wall-clock seconds per tool call; a tool still running is killed and the model told so.
   c.env.tool_output_chars = 2000  # Characters of a tool's output the model sees; the rest is cut and the model told so.
+  # Tokens of one environment turn (tool results and the chat template's markup around them); a
+  # longer turn ends its trajectory at the length limit (counted: env_turns_cut). It sizes the
+  # engines' buffer of tokens waiting to enter a paused slot's KV cache ([slots, this] int32).
+  c.env.max_env_tokens = 1024
+  c.env.workers = 8  # Environment turns (tool calls) run at once per engine replica, in threads beside decoding.
   c.env.sandbox_memory_mb = 512  # Address-space limit (MiB) of a program a sandboxed tool runs (env "python").
   # Env "python" where bubblewrap is missing: True runs the model's programs with rlimits only (NOT
   # safe: they can use the network and the caller's files); False: each call is refused, the model told so.
@@ -663,6 +668,13 @@ def _validate_env(c) -> None:
   _int(c, "env.max_turns", 1)
   _number(c, "env.tool_timeout_s", 0, lo_open=True)
   _int(c, "env.tool_output_chars", 1)
+  _int(c, "env.max_env_tokens", 1)
+  if c.env.name is not None and c.rl.mode == "offline":
+    raise ConfigError(f"config.env.name={c.env.name!r}: offline rounds are sampled and stored as "
+                      "single answers; train on stored multi-turn traces with rl.mode='offline' "
+                      "and env.name=None (python -m oapl_jax.import_traces, docs/agents.md), or "
+                      "sample trajectories in sync, async or remote mode")
+  _int(c, "env.workers", 1)
   if "sandbox_memory_mb" in c.env:  # a config from before these settings has neither
     _int(c, "env.sandbox_memory_mb", 64, note="the interpreter alone takes ~32")
     _check(isinstance(c.env.allow_unsandboxed, bool), "env.allow_unsandboxed", c.env.allow_unsandboxed,

@@ -39,13 +39,13 @@ def evaluate_checkpoint(config, workdir: str, policy: str = "theta") -> dict:
   from oapl_jax.policies import restore_policy  # noqa: PLC0415 (after validation: TensorFlow logs)
   from oapl_jax.eval.evaluate import eval_key, evaluate  # noqa: PLC0415
   from oapl_jax.sampling import SamplingParams  # noqa: PLC0415
-  from oapl_jax.sampling.sampler import Sampler, make_replicas  # noqa: PLC0415
+  from oapl_jax.sampling.sampler import make_replicas, make_sampler  # noqa: PLC0415
   from oapl_jax.tasks import make_task  # noqa: PLC0415
   placement.request_host_devices(placement.engine_device_count(config))
   task, tokenizer = make_task(config)
   step, params, _, model_cfg, graphdef = restore_policy(config, workdir, policy)
   replicas = make_replicas(config, model_cfg, graphdef, SamplingParams.from_config(config.sampling))
-  sampler = Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
+  sampler = make_sampler(config, replicas, task, tokenizer)
   weights = jax.tree.map(lambda x: x.astype(config.model.dtype), params)  # as the engines compute
   out = evaluate(sampler, weights, samples_per_problem=config.eval.samples_per_problem,
                  key=eval_key(config.seed))

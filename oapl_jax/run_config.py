@@ -66,6 +66,7 @@ RULES = {
                     "stretched or shortened from here on)"),
     "train.lr": (SAID, "the lr schedule's peak from here on"),
     "env": (RUN, "the environment the trajectories are sampled in: their tools and limits"),
+    "env.workers": (SAID, "how many environment turns run at once, not what they answer"),
     "eval": (SAID, "how often the policy is evaluated"),
     "eval.samples_per_problem": (RUN, "eval before was taken with it: before and after compare "
                                  "at the same n"),

@@ -414,3 +414,48 @@ def test_the_packed_step_equals_the_padded_step_on_rows_with_environment_spans(l
   padded, packed = _one_step(c, holed), _one_step(packed_config, holed)
   _close(padded, packed)
   assert packed[0]["loss"] != 0.0
+
+
+# --- episodes beside the engine (envs/episodes.py) ---------------------------------------------
+
+
+def test_episode_turns_answer_a_tool_call_in_the_templates_own_tokens(tokenizer):
+  """The calculator environment behind `EpisodeTurns`, as the rollout calls it: a model turn
+  holding a Qwen3 tool call (its tokens, end-of-turn included) gets the tool's result as the
+  chat template renders it after that turn (the same text a stored trace's environment span
+  has); a plain turn ends the episode, which the task's score then scores; a trajectory that
+  never ended a turn scores 0; the counts say one call, one episode calling."""
+  from oapl_jax.envs.calculator import make_calculator_env
+  from oapl_jax.envs.episodes import EpisodeTurns
+  from oapl_jax.tasks.base import Problem
+
+  class Task:
+    @staticmethod
+    def score(text, problem):
+      return float(problem.answer in text)
+
+  env_config = type("E", (), {"max_turns": 4, "tool_timeout_s": 5.0, "tool_output_chars": 100})
+  env = make_calculator_env(env_config, Task)
+  hf = tokenizer.hf_tokenizer
+  problems = [Problem(prompt="What is 12 * 7?", answer="84", id=0)]
+  turns = EpisodeTurns(env, problems, tokenizer, insert_width=64, workers=2)
+  call = tokenizer.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n'
+                          "</tool_call>") + [tokenizer.eos_id]
+  reply = turns.respond(0, 1, np.array(call))
+  assert hf.decode(reply, skip_special_tokens=False) == (
+      "\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+  # the same tokens as the environment span of the stored trace of this exchange
+  traj, _, _ = traces.parse_row(_line(), tokenizer, max_prompt_len=512, max_new_tokens=512)
+  assert reply == traj.spans[1].tokens
+  assert turns.respond(0, 1, np.array(tokenizer.encode("The answer is 84.") + [tokenizer.eos_id])) is None
+  np.testing.assert_array_equal(turns.rewards(np.array([0]), 2), [0.0, 1.0])
+  m = turns.metrics()
+  assert (m["tool_calls"], m["tool_ok"], m["episodes"], m["episodes_done"], m["episodes_calling"]) == (1, 1, 1, 1, 1)
+
+
+def test_an_environment_needs_a_chat_template():
+  from oapl_jax.envs.episodes import check_tokenizer
+  from oapl_jax.errors import UserError
+  from oapl_jax.tasks.arithmetic import CharTokenizer
+  with pytest.raises(UserError, match="config.env.name='calculator': environments render their turns"):
+    check_tokenizer(CharTokenizer(), "calculator")

@@ -53,6 +53,7 @@ class Episode(Protocol):
   """One problem's multi-turn exchange."""
 
   metrics: EnvMetrics
+  done: bool  # the episode is over (its last `step` said so); `score` is its reward then
 
   def step(self, text: str) -> Turn:
     """The environment's answer to the model's turn `text` (decoded, special tokens dropped

@@ -95,4 +95,4 @@ def make_calculator_env(env_config, task) -> ToolEnvironment:
   """The calculator environment on `task` (its `score` scores the final answer). env_config:
   the config's `env` section (limits)."""
   return ToolEnvironment([TOOL], Limits(max_turns=env_config.max_turns, timeout_s=env_config.tool_timeout_s,
-                                        max_chars=env_config.tool_output_chars), task.score)
+                                        max_chars=env_config.tool_output_chars), getattr(task, "score", None))

@@ -176,4 +176,4 @@ def make_python_env(env_config, task) -> ToolEnvironment:
                       memory_mb=env_config.sandbox_memory_mb, allow_unsandboxed=env_config.allow_unsandboxed)
   tool = Tool(name="python", description=DESCRIPTION, parameters=PARAMETERS, run=runner)
   return ToolEnvironment([tool], Limits(max_turns=env_config.max_turns, timeout_s=env_config.tool_timeout_s,
-                                        max_chars=env_config.tool_output_chars), task.score)
+                                        max_chars=env_config.tool_output_chars), getattr(task, "score", None))

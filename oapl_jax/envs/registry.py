@@ -28,6 +28,15 @@ ENVS: dict[str, Callable] = {
 }
 
 
+def tool_schemas(env_config) -> list[dict] | None:
+  """The tools (chat-template schemas) of the environment `env_config.name` names; None
+  without one. The prompts of a task with an environment list them (the chat template's
+  `tools=`)."""
+  if env_config.name is None:
+    return None
+  return make_env(env_config, None).tools
+
+
 def make_env(env_config, task):
   """The environment `env_config.name` names (one of `ENVS`) on `task`; None when it is None
   (single-turn answers)."""

@@ -52,7 +52,7 @@ from oapl_jax.sampling import SamplingParams
 from oapl_jax.placement import seq_len
 from oapl_jax.sampling.parallel import global_row_order
 from oapl_jax.sampling.rollout import prompt_keys
-from oapl_jax.sampling.sampler import Sampler, make_replicas
+from oapl_jax.sampling.sampler import Sampler, make_replicas, make_sampler
 from oapl_jax.tasks import make_task
 
 
@@ -126,7 +126,8 @@ def draw_rollouts(config, sampler: Sampler, weights, *, indices: list[int], vers
   stats = scored.rollout.stats
   return Drawn(stamp(rows, version=version, snapshot_step=snapshot_step),
                int(scored.rollout.lengths.sum()), seconds_sampling=scored.seconds_sampling,
-               seconds_rewards=scored.seconds_rewards, live_slot_steps=int(stats.get("live_slot_steps", 0)),
+               seconds_rewards=scored.seconds_rewards, env_metrics=scored.env_metrics,
+               live_slot_steps=int(stats.get("live_slot_steps", 0)),
                slot_steps=int(stats.get("slot_steps", 0)))
 
 
@@ -206,7 +207,7 @@ class Run:
     self.optimizer = make_optimizer(config.train, config.train.steps)
     sampling = SamplingParams.from_config(config.sampling)  # the engine's and the trainer's
     replicas = make_replicas(config, self.model_cfg, self.engine_graphdef, sampling, engine_devices(config))
-    self.sampler = Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
+    self.sampler = make_sampler(config, replicas, task, tokenizer)
     self.source = SOURCES[config.rl.mode](self, workdir)  # offline: may refuse its file here
     self.train_step = make_train_step(config, self.graphdef, self.optimizer, sampling, self.mesh)
     self.buffer = GroupBuffer(config.rl.group_size)
@@ -363,6 +364,8 @@ class Run:
         taken[k] += n
       taken["seconds_sampling"] += drawn.seconds_sampling
       taken["seconds_rewards"] += drawn.seconds_rewards
+      for k, n in (drawn.env_metrics or {}).items():  # this process's episodes
+        taken.setdefault("env", {})[k] = taken.get("env", {}).get(k, 0) + n
       self._drop_stale()  # a rollout that was in flight may land already too old
     return taken
 
@@ -409,6 +412,10 @@ class Run:
       metrics["sample_wait_seconds"] = wait_seconds
       if not placement.overlaps_training(self.config):  # overlapped sampling: no rate from the wait
         metrics["sample_tokens_per_s"] = answer_tokens / max(wait_seconds, 1e-9)
+    if "env" in taken:  # multi-turn: the episodes sampled for this step (env_*: this process's)
+      env = taken["env"]
+      metrics |= {f"env_{k}": v for k, v in env.items()}
+      metrics["tool_call_rate"] = env["episodes_calling"] / max(env["episodes"], 1)
     if lags.max() == 0:  # pi_theta == pi_old at this step: the engine/trainer mismatch
       metrics["engine_mismatch_abs"] = m["trainer_vs_sampler_abs"]
     t3 = time.perf_counter()

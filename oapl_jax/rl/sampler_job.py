@@ -33,7 +33,7 @@ from oapl_jax.policies import frozen_base
 from oapl_jax.rl import offline, remote
 from oapl_jax.rl.loop import rollout_problems
 from oapl_jax.sampling import SamplingParams
-from oapl_jax.sampling.sampler import Sampler, make_replicas
+from oapl_jax.sampling.sampler import make_replicas, make_sampler
 from oapl_jax.tasks import make_task
 from oapl_jax.workdir import Layout
 
@@ -61,7 +61,7 @@ class SamplerJob:
       self.base, self.meta, self.abstract = self._lora_base()
       self._merge = jax.jit(lambda base, adapters: lora_lib.merged(base, adapters, self.lora.scale))
     replicas = make_replicas(config, self.model_cfg, graphdef, SamplingParams.from_config(config.sampling))
-    self.sampler = Sampler(replicas, self.task, tokenizer, max_new_tokens=config.sampling.max_new_tokens)
+    self.sampler = make_sampler(config, replicas, self.task, tokenizer)
     self.owner = remote.owner_id()
     self.loaded: Loaded | None = None
     self.damaged: set[int] = set()  # versions whose file failed its checks

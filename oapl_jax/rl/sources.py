@@ -57,6 +57,7 @@ class Drawn:
   seconds_rewards: float = 0.0
   live_slot_steps: int = 0
   slot_steps: int = 0
+  env_metrics: dict | None = None  # multi-turn: the episodes' outcomes (`EpisodeTurns.metrics`)
 
   def __post_init__(self):
     if self.samples is None:

@@ -15,6 +15,8 @@ import jax
 import numpy as np
 
 from oapl_jax import placement
+from oapl_jax.envs import make_env
+from oapl_jax.envs.episodes import EpisodeTurns, check_tokenizer
 from oapl_jax.placement import seq_len
 from oapl_jax.sampling.engine import Engine, EngineParams
 from oapl_jax.sampling.layout import check_tensor
@@ -45,6 +47,16 @@ def make_replicas(config, model_cfg, graphdef, sampling: SamplingParams, devices
   local = placement.local_engines(config, jax.process_count())
   return Replicas(lambda mesh: make_engine(config, model_cfg, graphdef, sampling, mesh), local,
                   devices, s.tensor, first=jax.process_index() * local, total=s.engines)
+
+
+def make_sampler(config, replicas: Replicas, task, tokenizer) -> Sampler:
+  """The `Sampler` of a config: its task and tokenizer on `replicas`, with the environment
+  `config.env.name` names (None: single-turn answers)."""
+  env = make_env(config.env, task)
+  if env is not None:
+    check_tokenizer(tokenizer, config.env.name)
+  return Sampler(replicas, task, tokenizer, max_new_tokens=config.sampling.max_new_tokens, env=env,
+                 env_tokens=config.env.max_env_tokens, env_workers=config.env.workers)
 
 
 def decode_answers(tokenizer, ro: Rollout) -> list[str]:
@@ -79,16 +91,23 @@ class Scored:
   index: np.ndarray | None = None  # [P] places of `problems` in the list sampled
   seconds_sampling: float = 0.0  # the engines' rollout (prefill and decode, to the host)
   seconds_rewards: float = 0.0  # scoring its answers
+  env_metrics: dict | None = None  # multi-turn: the episodes' outcomes (EpisodeTurns.metrics)
 
 
 class Sampler:
-  """Samples and scores answers to a task's problems with engine replicas."""
+  """Samples and scores answers to a task's problems with engine replicas.
 
-  def __init__(self, replicas: Replicas, task, tokenizer, *, max_new_tokens: int):
+  env: an environment (`oapl_jax.envs`, `make_sampler` builds the config's): each answer is
+  then a multi-turn trajectory (`envs.episodes.EpisodeTurns`: tool calls answered while the
+  engines go on), scored by its episode; `Scored.env_metrics` counts the episodes' outcomes."""
+
+  def __init__(self, replicas: Replicas, task, tokenizer, *, max_new_tokens: int, env=None,
+               env_tokens: int = 1, env_workers: int = 8):
     self.replicas = replicas
     self.task = task
     self.tokenizer = tokenizer
     self.max_new_tokens = max_new_tokens
+    self.env, self.env_tokens, self.env_workers = env, env_tokens, env_workers
     self._loaded = (None, None, None)  # (params, version, their copies on the engines)
 
   def load(self, params, version: int) -> list[EngineParams]:
@@ -105,14 +124,19 @@ class Sampler:
     host scoring its own). weights: from `load`, or bare params (version -1)."""
     t0 = time.perf_counter()
     prompts = [self.tokenizer.encode(p.prompt, add_bos=True) for p in problems]
+    turns = None if self.env is None else EpisodeTurns(
+        self.env, problems, self.tokenizer, insert_width=self.env_tokens, workers=self.env_workers)
     ro = self.replicas.rollout(weights, prompts, group_size=group_size,
                                max_new_tokens=self.max_new_tokens, eos_id=self.tokenizer.eos_id,
-                               pad_id=self.tokenizer.pad_id, key=key)
+                               pad_id=self.tokenizer.pad_id, key=key, turns=turns)
     index = self.replicas.local_prompts(len(problems))
     mine = [problems[j] for j in index]
     t1 = time.perf_counter()
-    rewards = score_rollout(self.task, self.tokenizer, mine, ro)
-    return Scored(mine, ro, rewards, index, t1 - t0, time.perf_counter() - t1)
+    if turns is None:
+      rewards = score_rollout(self.task, self.tokenizer, mine, ro)
+      return Scored(mine, ro, rewards, index, t1 - t0, time.perf_counter() - t1)
+    rewards = turns.rewards(index, group_size)  # the episodes' scores (tools ran while sampling)
+    return Scored(mine, ro, rewards, index, t1 - t0, time.perf_counter() - t1, turns.metrics())
 
   def decode(self, ro: Rollout) -> list[str]:
     return decode_answers(self.tokenizer, ro)

@@ -64,9 +64,9 @@ class CodeTask(RowTask):
                tests_field: str, thinking: bool | None, num_eval: int | None,
                sandbox: dict, skip_bad_rows: bool = False, train_split: str = "train",
                eval_split: str = "test", data_dir: str | None = None,
-               max_prompt_len: int | None = None):
+               max_prompt_len: int | None = None, tools: list[dict] | None = None):
     super().__init__(tokenizer=tokenizer, thinking=thinking, max_prompt_len=max_prompt_len,
-                     data_dir=data_dir, skip_bad_rows=skip_bad_rows)
+                     data_dir=data_dir, skip_bad_rows=skip_bad_rows, tools=tools)
     self.sandbox = dict(sandbox)
     self._question_field, self._tests_field = question_field, tests_field
     required = {question_field: str}
@@ -82,14 +82,15 @@ class CodeTask(RowTask):
     self._set_train(list(enumerate(train_rows)), id_offset=len(eval_rows))
 
   @classmethod
-  def from_config(cls, t, tokenizer, *, max_prompt_len: int | None = None) -> "CodeTask":
+  def from_config(cls, t, tokenizer, *, max_prompt_len: int | None = None,
+                  tools: list[dict] | None = None) -> "CodeTask":
     """The task of the config's `task` section `t` (configs/code.py)."""
     sandbox = dict(timeout_s=t.timeout_s, memory_mb=t.memory_mb, fraction=t.partial_credit,
                    allow_unsandboxed=t.allow_unsandboxed)
     return cls(t.train_path, t.eval_path, tokenizer=tokenizer, question_field=t.question_field,
                tests_field=t.tests_field, thinking=t.thinking, num_eval=t.num_eval, sandbox=sandbox,
                skip_bad_rows=t.skip_bad_rows, train_split=t.train_split, eval_split=t.eval_split,
-               data_dir=t.data_dir, max_prompt_len=max_prompt_len)
+               data_dir=t.data_dir, max_prompt_len=max_prompt_len, tools=tools)
 
   def _fields(self, row: dict) -> dict:
     """``{"question", "answer" (the tests as JSON), "prompt"}`` of a row; ValueError for bad

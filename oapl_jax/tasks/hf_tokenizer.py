@@ -164,16 +164,21 @@ class HFTokenizer:
     """Whether the folder ships a chat template."""
     return bool(getattr(self._tok, "chat_template", None))
 
-  def chat_prompt(self, user_text: str, *, thinking: bool | None = None) -> str:
+  def chat_prompt(self, user_text: str, *, thinking: bool | None = None,
+                  tools: list[dict] | None = None) -> str:
     """``user_text`` as one user turn plus the assistant generation prompt.
 
     Uses the folder's chat template (``add_generation_prompt=True``); ``enable_thinking`` is
     passed to the template only when ``thinking`` is not ``None`` (Qwen3-style templates
-    read it; others ignore it). Without a chat template, returns ``user_text`` unchanged.
+    read it; others ignore it). ``tools``: the schemas of the tools the model may call, which
+    the template lists (Qwen3: in a system turn). Without a chat template, returns ``user_text``
+    unchanged.
     """
     if not self.has_chat_template:
       return user_text
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    if tools:
+      kwargs["tools"] = tools
     out = self._tok.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
                                         add_generation_prompt=True, **kwargs)
     if not isinstance(out, str):  # defensive: some versions return a list for batched input

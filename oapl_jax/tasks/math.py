@@ -76,9 +76,9 @@ class MathTask(RowTask):
                num_eval: int | None = None, fallback_last_number: bool = False,
                skip_bad_rows: bool = False, train_split: str = "train", eval_split: str = "test",
                data_dir: str | None = None, reward_workers: int = 2,
-               max_prompt_len: int | None = None) -> None:
+               max_prompt_len: int | None = None, tools: list[dict] | None = None) -> None:
     super().__init__(tokenizer=tokenizer, thinking=thinking, max_prompt_len=max_prompt_len,
-                     data_dir=data_dir, skip_bad_rows=skip_bad_rows)
+                     data_dir=data_dir, skip_bad_rows=skip_bad_rows, tools=tools)
     self.reward_workers = reward_workers
     self.fallback_last_number = fallback_last_number
     self.question_field = question_field
@@ -101,13 +101,14 @@ class MathTask(RowTask):
       raise ValueError(f"{train_path}: every question also occurs in {eval_path}")
 
   @classmethod
-  def from_config(cls, t, tokenizer, *, max_prompt_len: int | None = None) -> "MathTask":
+  def from_config(cls, t, tokenizer, *, max_prompt_len: int | None = None,
+                  tools: list[dict] | None = None) -> "MathTask":
     """The task of the config's `task` section `t` (configs/math.py)."""
     return cls(t.train_path, t.eval_path, tokenizer=tokenizer, question_field=t.question_field,
                answer_field=t.answer_field, thinking=t.thinking, num_eval=t.num_eval,
                fallback_last_number=t.fallback_last_number, skip_bad_rows=t.skip_bad_rows,
                train_split=t.train_split, eval_split=t.eval_split, data_dir=t.data_dir,
-               reward_workers=t.reward_workers, max_prompt_len=max_prompt_len)
+               reward_workers=t.reward_workers, max_prompt_len=max_prompt_len, tools=tools)
 
   def _fields(self, row: dict) -> dict:
     """``{"question", "answer", "prompt"}`` of a row."""

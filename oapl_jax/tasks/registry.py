@@ -33,18 +33,25 @@ def _make_chain_mix(config):
   return make_chain_mix_task(config)
 
 
+def _tools(config) -> list[dict] | None:
+  """The schemas of the tools `config.env` offers (None: no environment), which the chat
+  template puts in the prompt."""
+  from oapl_jax.envs.registry import tool_schemas  # noqa: PLC0415
+  return tool_schemas(config.env)
+
+
 def _make_math(config):
   tokenizer = _hf_tokenizer(config)
   from oapl_jax.tasks.math import MathTask  # noqa: PLC0415
-  return MathTask.from_config(config.task, tokenizer,
-                              max_prompt_len=config.sampling.max_prompt_len), tokenizer
+  return MathTask.from_config(config.task, tokenizer, max_prompt_len=config.sampling.max_prompt_len,
+                              tools=_tools(config)), tokenizer
 
 
 def _make_code(config):
   tokenizer = _hf_tokenizer(config)
   from oapl_jax.tasks.code import CodeTask  # noqa: PLC0415
-  return CodeTask.from_config(config.task, tokenizer,
-                              max_prompt_len=config.sampling.max_prompt_len), tokenizer
+  return CodeTask.from_config(config.task, tokenizer, max_prompt_len=config.sampling.max_prompt_len,
+                              tools=_tools(config)), tokenizer
 
 
 def _make_reasoning_gym(config):

@@ -55,8 +55,9 @@ class RowTask:
   name = "rows"  # how the log lines name the task: "math train data: ..."
 
   def __init__(self, *, tokenizer, thinking: bool | None, max_prompt_len: int | None,
-               data_dir: str | None, skip_bad_rows: bool) -> None:
+               data_dir: str | None, skip_bad_rows: bool, tools: list[dict] | None = None) -> None:
     self.tokenizer = tokenizer
+    self.tools = tools  # the environment's tools, listed in each prompt by the chat template (None: none)
     self.thinking = thinking  # chat template's thinking switch (None: the template's default)
     self.max_prompt_len = max_prompt_len  # None: prompts are not checked
     self._data_dir = data_dir  # TFDS folder (None: TFDS's default)
@@ -71,7 +72,7 @@ class RowTask:
 
   def _chat(self, text: str) -> str:
     """``text`` as one user turn through the tokenizer's chat template."""
-    return self.tokenizer.chat_prompt(text, thinking=self.thinking)
+    return self.tokenizer.chat_prompt(text, thinking=self.thinking, tools=self.tools)
 
   def _checked_fields(self, row: dict) -> dict:
     """:meth:`_fields` of ``row``; ``ValueError`` if its prompt is too long."""
