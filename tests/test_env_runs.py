@@ -1,8 +1,15 @@
 """Runs that sample multi-turn trajectories (config.env): the trainer takes them as answers,
-window rollouts give the one-rollout run bit for bit, and a run resumed inside a window carries
-on as the straight one (issue 61). The environment is scripted (registered for the test): a
-random tiny model never writes a well-formed tool call, and these tests are about the run, not
-the tool; tests/test_trajectories.py checks the calculator behind the same interface."""
+window rollouts give the one-rollout run bit for bit, a run resumed inside a window carries on
+as the straight one, and a sampler job (remote mode) gives the sync run's losses (issue 61).
+The environment is scripted (tests/scripted_env): a random tiny model never writes a
+well-formed tool call, and these tests are about the run, not the tool;
+tests/test_trajectories.py checks the calculator behind the same interface."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,44 +18,19 @@ from configs import math as math_config
 from oapl_jax import config as config_lib
 from oapl_jax import train
 from oapl_jax.envs import registry
-from oapl_jax.envs.base import EnvMetrics, Turn
 from oapl_jax.models.tiny_hf import make_tiny_hf
 
 STEPS, LAG = 6, 4
 EOS = 2  # the tiny checkpoint's <|im_end|>
-
-
-class _Episode:
-  """Answers the first model turn with a tool message, ends at the second; the score is the
-  parity of the final turn's length (rewards that differ within a group)."""
-
-  def __init__(self):
-    self.metrics, self.done, self.last = EnvMetrics(), False, ""
-
-  def step(self, text):
-    self.metrics.turns += 1
-    self.last = text
-    if self.metrics.turns == 1:
-      self.metrics.tool_calls += 1
-      self.metrics.tool_ok += 1
-      return Turn([{"role": "tool", "content": "42"}], False)
-    self.done = True
-    return Turn([], True)
-
-  def score(self):
-    return float(len(self.last) % 2)
-
-
-class _Env:
-  tools = []
-
-  def start(self, problem):
-    return _Episode()
+SCRIPTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripted_env")
+_spec = importlib.util.spec_from_file_location("scripted_env", os.path.join(SCRIPTED, "sitecustomize.py"))
 
 
 @pytest.fixture
 def scripted_env(monkeypatch):
-  monkeypatch.setitem(registry.ENVS, "scripted", lambda env_config, task: _Env())
+  """"scripted" in the environment registry for the test (removed after it)."""
+  monkeypatch.setitem(registry.ENVS, "scripted", None)  # undone at teardown
+  _spec.loader.exec_module(importlib.util.module_from_spec(_spec))  # registers it
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +113,35 @@ def test_a_trajectory_run_resumed_inside_a_window_carries_on(scripted_env, tiny_
   assert more_losses == losses[2:]
   for a, b in zip(counts[2:], more_counts):
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_sampler_job_samples_trajectories_as_the_sync_run_does(tiny_qwen3, tmp_path):
+  """Remote mode: a reproducible trainer and one sampler job (separate processes, the scripted
+  environment registered in both by tests/scripted_env/sitecustomize.py) give the sync run's
+  losses and rewards; the rollout files carry the model's-token flags (answer_model)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": SCRIPTED}
+  common = ["--config=configs/math.py:tiny", f"--config.model.path={tiny_qwen3}", "--config.env.name=scripted",
+            "--config.sampling.max_new_tokens=48", "--config.log.every=1", "--config.log.progress=False",
+            "--config.rl.remote.poll_s=0.1"]
+
+  def run(module, args, name):
+    return subprocess.Popen([sys.executable, "-m", module, *common, *args], env=env,
+                            stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+
+  def wait(proc, name):
+    assert proc.wait(timeout=600) == 0, open(tmp_path / f"{name}.log").read()[-3000:]
+
+  wait(run("oapl_jax.main", [f"--workdir={tmp_path / 'sync'}"], "sync"), "sync")
+  remote = ["--config.rl.mode=remote", "--config.rl.remote.reproducible=True", f"--workdir={tmp_path / 'remote'}"]
+  trainer, sampler = run("oapl_jax.main", remote, "trainer"), run("oapl_jax.sample", remote, "sampler")
+  wait(trainer, "trainer")
+  wait(sampler, "sampler")
+
+  def losses(workdir):
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    return [(r["step"], r["loss"], r["reward_mean"]) for r in rows if "loss" in r]
+  sync = losses(tmp_path / "sync")
+  assert sync and losses(tmp_path / "remote") == sync
+  rollout = np.load(sorted((tmp_path / "remote" / "remote" / "rollouts").glob("r*.npz"))[0])
+  flags = rollout["answer_model"]
+  assert len(flags) == len(rollout["answer_tokens"]) and 0 < flags.sum() < len(flags)

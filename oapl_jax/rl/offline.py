@@ -111,7 +111,8 @@ def expected_header(config, model_meta: dict) -> dict:
 
 
 def arrays_of(rollout: Rollout, rewards: np.ndarray) -> dict[str, np.ndarray]:
-  """A rollout's answers as the file's ragged arrays (`ARRAYS`)."""
+  """A rollout's answers as the file's ragged arrays (`ARRAYS`; `SPAN_ARRAY` too for
+  multi-turn trajectories)."""
   lengths = np.asarray(rollout.lengths, np.int64)
   keep = np.arange(rollout.answers.shape[1])[None, :] < lengths[:, None]  # [N, A]
   prompt_lengths = np.array([len(p) for p in rollout.prompts], np.int64)
@@ -124,6 +125,8 @@ def arrays_of(rollout: Rollout, rewards: np.ndarray) -> dict[str, np.ndarray]:
       "finish": np.asarray(rollout.finish, np.int8),
       "rewards": np.asarray(rewards, np.float32),
       "version": np.asarray(rollout.versions, np.int32),
+      # multi-turn trajectories (a sampler job's with config.env): 1 on the model's tokens
+      **({} if rollout.model is None else {SPAN_ARRAY: rollout.model[keep].astype(np.int8)}),
   }
 
 
