@@ -71,6 +71,10 @@ def run_validated(config, workdir: str) -> dict:
   say(f"jax {jax.__version__}, devices {jax.devices()}"  # process 0's console only
       + (f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""))
   say(loss_line(config))
+  if config.env.name is not None:  # multi-turn trajectories (docs/agents.md)
+    e = config.env
+    say(f"environment {e.name}: up to {e.max_turns} model turns, {e.tool_timeout_s:g} s and "
+        f"{e.tool_output_chars} characters per tool call; env_* and tool_call_rate in metrics.jsonl")
   for line in changed: say(line)  # noqa: E701 (the settings this resume changes)
   plan_lib.check(config)  # before anything is allocated
   lock = (WorkdirLock(workdir, config.checkpoint.lock_lease_s, config.checkpoint.lock_wait_s)
