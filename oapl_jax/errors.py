@@ -8,6 +8,7 @@ Ctrl-C outside a run's loop is one line and exit code 130; `--help` exits 0.
 from __future__ import annotations
 
 import ast
+import logging
 import os
 import sys
 import traceback
@@ -65,7 +66,7 @@ def run_command(main: Callable[[list[str]], Any]) -> None:
                       "missing file), print the Python traceback instead of one line.")
 
   def wrapped(argv):
-    _said_once()
+    said_once()
     try:
       return main(argv)
     except (UserError, Interrupted) as e:
@@ -163,10 +164,15 @@ class _NotSaidTwice:
     return not getattr(record, "said", False)
 
 
-def _said_once() -> None:
-  """Keeps absl's handler (on the root logger of a command) from printing a record a second time:
-  the lock take-over or a damaged checkpoint is one plain line on stderr, not also a `W1206 ...`."""
+def said_once() -> None:
+  """Keeps a command's logging from printing a record a second time: the lock take-over or a
+  damaged checkpoint is one plain line on stderr, not also a `W1206 ...` (absl's handler) or a
+  `WARNING:root:...` (the plain handler that absl's first log call sets up outside `app.run`, as
+  in the study commands: set up here instead, filtered)."""
   from absl import logging as absl_logging  # noqa: PLC0415
-  handler = absl_logging.get_absl_handler()
-  if not any(isinstance(f, _NotSaidTwice) for f in handler.filters):
-    handler.addFilter(_NotSaidTwice())
+  root = logging.getLogger()
+  if not root.handlers:
+    logging.basicConfig()  # what absl's first log call would do (a no-op once a handler exists)
+  for handler in (*root.handlers, absl_logging.get_absl_handler()):
+    if not any(isinstance(f, _NotSaidTwice) for f in handler.filters):
+      handler.addFilter(_NotSaidTwice())

@@ -48,7 +48,7 @@ import shlex
 import sys
 import time
 
-from oapl_jax.errors import Interrupted, UserError, one_line
+from oapl_jax.errors import Interrupted, UserError, one_line, said_once
 from oapl_jax.studies import layout, search as search_lib
 from oapl_jax.studies.definitions import DEFAULT_SEEDS, METHODS, STUDIES
 from oapl_jax.studies.plots import plot
@@ -238,6 +238,7 @@ def _run_pieces(args) -> int | None:
 
 
 def main(argv=None) -> int:
+  said_once()  # a lock take-over is one plain line, not also a logging record
   args = _parse(argv)
   if args.save_results:
     written = save_results(args.out, args.results)

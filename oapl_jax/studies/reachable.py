@@ -35,7 +35,7 @@ import os
 import sys
 import time
 
-from oapl_jax.errors import Interrupted, UserError, one_line
+from oapl_jax.errors import Interrupted, UserError, one_line, said_once
 from oapl_jax.studies import layout, stats
 from oapl_jax.studies.report import NO_NOTES, NOTES_BEGIN, NOTES_END, kept_notes
 from oapl_jax.studies.results import load_runs, save_results
@@ -206,6 +206,7 @@ def write_report(out: str | None, results: str | None, report: str,
 
 
 def main(argv=None) -> int:
+  said_once()  # a lock take-over is one plain line, not also a logging record
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", required=True, help="folder for the runs (resumable)")
   p.add_argument("--results", default=None, help="committed results: their runs count as finished")
