@@ -73,6 +73,13 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   # Also refuse init_from when its base_model_name_or_path and model.path end in different names
   # (a Hub id "Qwen/Qwen3-0.6B" and "/data/Qwen3-0.6B" agree); False for the same base renamed.
   c.model.lora.init_from_check_name = True
+  # Where the engines' weights (the base merged with pi_old's adapters) are made at a refresh:
+  # "kept": merged into a base-sized model.dtype copy on the trainer's devices, kept until the
+  # next refresh, then laid out for the engines from it; "in_refresh": merged layer by layer
+  # inside the engines' re-layout (one layer's merge in transit), no standing merged copy: one
+  # base-sized copy less per trainer device (Qwen3-4B: 7.5 GiB), the same weights bit for bit.
+  # The engines' own copy is there in both (docs/real_model.md "Low-rank adapters").
+  c.model.lora.merge = "kept"
   c.model.exact_rounding = True  # Round to model.dtype wherever the program says, in the train step and the engines (XLA may otherwise keep float32 there, by shape: bfloat16 log-probs then depend on the batch; docs/design.md "Engine/trainer parity in bfloat16"). False: XLA's default (faster on CPU/GPU).
 
   # The device mesh of the trainer: axes ("data", "fsdp", "tensor"); their product is the number
@@ -453,8 +460,9 @@ def parse_arg(arg: str | None, **known: type) -> dict:
   return out
 
 
+LORA_MERGES = ("kept", "in_refresh")  # model.lora.merge: a standing merged copy, or none.
 FILE_TASKS = ("math", "code")  # Tasks that read their problems from files (train/eval_path).
-WARMUP_TASKS = ("addition", "chain_addition", "chain_mix")  # Embedded tasks (character tokenizer, demonstrations: warmup.*).
+WARMUP_TASKS = ("addition", "chain_addition", "chain_mix", "tool_mix")  # Embedded tasks (character tokenizer, demonstrations: warmup.*).
 
 
 def task_section(name: str) -> ml_collections.ConfigDict:
@@ -669,11 +677,6 @@ def _validate_env(c) -> None:
   _number(c, "env.tool_timeout_s", 0, lo_open=True)
   _int(c, "env.tool_output_chars", 1)
   _int(c, "env.max_env_tokens", 1)
-  if c.env.name is not None and c.rl.mode == "offline":
-    raise ConfigError(f"config.env.name={c.env.name!r}: offline rounds are sampled and stored as "
-                      "single answers; train on stored multi-turn traces with rl.mode='offline' "
-                      "and env.name=None (python -m oapl_jax.import_traces, docs/agents.md), or "
-                      "sample trajectories in sync, async or remote mode")
   _int(c, "env.workers", 1)
   if "sandbox_memory_mb" in c.env:  # a config from before these settings has neither
     _int(c, "env.sandbox_memory_mb", 64, note="the interpreter alone takes ~32")
@@ -727,6 +730,8 @@ def _validate_model(c) -> None:
            "needs model.lora.rank > 0 (the adapter's r)")
     _check(isinstance(c.model.lora.get("init_from_check_name", True), bool),
            "model.lora.init_from_check_name", c.model.lora.get("init_from_check_name"), "must be True or False")
+    _check(c.model.lora.get("merge", "kept") in LORA_MERGES, "model.lora.merge",
+           c.model.lora.get("merge"), f"must be one of {LORA_MERGES}")
     # remote mode publishes pi_old as the adapters (a sampler job merges them into its own base);
     # offline mode's round check and rescoring take full weights (a round file from a LoRA
     # checkpoint names its adapters, oapl_jax/generate.py, but offline mode does not train them)

@@ -116,10 +116,6 @@ def generate(config, out: str, workdir: str | None = None, policy: str = "theta"
 def main(argv):
   del argv
   config = config_lib.command_config(_CONFIG)
-  if config.env.name is not None:  # a round file holds single answers (imported traces: import_traces)
-    raise errors.ConfigError(f"config.env.name={config.env.name!r}: a round file holds single "
-                             "answers; sample trajectories in a run, or import stored traces "
-                             "with python -m oapl_jax.import_traces")
   config = checked(config, _WORKDIR.value) if _WORKDIR.value else config
   check_output_file("out", _OUT.value)  # before the engines sample (minutes)
   check_cache_dir(config)

@@ -145,3 +145,30 @@ def test_a_sampler_job_samples_trajectories_as_the_sync_run_does(tiny_qwen3, tmp
   rollout = np.load(sorted((tmp_path / "remote" / "remote" / "rollouts").glob("r*.npz"))[0])
   flags = rollout["answer_model"]
   assert len(flags) == len(rollout["answer_tokens"]) and 0 < flags.sum() < len(flags)
+
+
+def test_offline_rounds_of_trajectories_are_sampled_checked_and_trained(scripted_env, tiny_qwen3, tmp_path):
+  """Offline mode with an environment: the run samples each round's trajectories (round 1 from
+  the base, round 2 from round 1's policy), writes them with their model's-token flags and the
+  environment in the header, rescores them under those flags (a flag counted wrong fails the
+  check), and trains; a round file of single answers is refused for an environment's run."""
+  from oapl_jax.rl import offline
+  c = _config(tiny_qwen3, 1)
+  c.rl.mode = "offline"
+  c.rl.offline.update(problems=4, epochs=1, rounds=2, check_rows=8)
+  c.rl.lag = 2
+  c.train.steps = 4
+  config_lib.validate(c)
+  summary = train.run(c, str(tmp_path / "run"))
+  assert summary["trainer_steps"] == 4
+  for r in (1, 2):
+    data = offline.read(str(tmp_path / "run" / "offline" / f"round_{r}.npz"))
+    flags = data.arrays["answer_model"]
+    assert 0 < flags.sum() < len(flags)
+    assert data.header["env"]["name"] == "scripted"
+  header = dict(data.header)
+  del header["env"]
+  single = offline.OfflineData(data.path, header, data.arrays)
+  with pytest.raises(offline.OfflineFileError, match="sampled without an environment"):
+    offline.check_matches(single, c, data.header["model"])
+  offline.check_matches(data, c, data.header["model"])

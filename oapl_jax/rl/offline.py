@@ -107,7 +107,9 @@ def expected_header(config, model_meta: dict) -> dict:
           "sampling": {"temperature": float(s.temperature), "top_p": float(s.top_p),
                        "top_k": int(s.top_k), "max_prompt_len": int(s.max_prompt_len),
                        "max_new_tokens": int(s.max_new_tokens)},
-          "group_size": int(config.rl.group_size)}
+          "group_size": int(config.rl.group_size),
+          # trajectories sampled in an environment (config.env): its name, tools and limits
+          **({"env": config.env.to_dict()} if config.env.name is not None else {})}
 
 
 def arrays_of(rollout: Rollout, rewards: np.ndarray) -> dict[str, np.ndarray]:
@@ -297,6 +299,10 @@ def check_matches(data: OfflineData, config, model_meta: dict) -> None:
   if have.get("group_size") != want["group_size"]:
     _fail(data.path, f"groups of {have.get('group_size')} answers; this run's rl.group_size="
           f"{want['group_size']}")
+  if "env" in want and have.get("env") != want["env"]:
+    _fail(data.path, "sampled " + (f"in another environment: env.{differing(want['env'], have['env'])}"
+                                   if have.get("env") else "without an environment (single answers or imported "
+                                   f"traces); this run samples in env.name={want['env']['name']!r}"))
   _check_values(data, vocab_size=int(want["model"]["vocab_size"]), max_prompt_len=s["max_prompt_len"],
                 max_new_tokens=s["max_new_tokens"])
 

@@ -178,10 +178,11 @@ class OfflineSource:
       self._first = offline.read(off.path)
       offline.check_matches(self._first, config, run.model_meta())
       offline.check_problems(self._first, run.sampler.tokenizer)
-      if offline.SPAN_ARRAY in self._first.arrays and off.rounds > 1:
+      if offline.SPAN_ARRAY in self._first.arrays and off.rounds > 1 and config.env.name is None:
         raise ConfigError(f"config.rl.offline.rounds={off.rounds}: {off.path} holds multi-turn "
                           "trajectories (imported traces), and a later round would be sampled by "
-                          "the run, which samples single answers only (docs/agents.md); use 1")
+                          "the run as single answers (config.env.name is None); use 1, or set the "
+                          "environment that later rounds are sampled in (docs/agents.md)")
     groups = self._first.groups if self._first else off.problems
     if groups < config.rl.groups_per_step:
       raise ConfigError(f"config.rl.groups_per_step={config.rl.groups_per_step}: more than the "
