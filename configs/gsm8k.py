@@ -28,7 +28,7 @@
   python launch/make_tiny_hf.py --preset=tiny_qwen3
   python -m oapl_jax.main --config=configs/gsm8k.py:tiny --workdir=/tmp/oapl_gsm8k_tiny
 
-Arg string: comma-separated `tiny`, `large`, `lora`, `lora_4b` and/or `lag=N`. Reading this file
+Arg string: comma-separated `tiny`, `large`, `lora`, `lora_4b`, `lora_4b_l4` and/or `lag=N`. Reading this file
 downloads nothing.
 
 Rows are GSM8K's: `question` and `answer`, the answer a worked solution ending in `#### N`
@@ -50,8 +50,10 @@ Wall times on Colab runtimes are not measured.
 Low-rank adapters (`lora`: rank 16 on every projection, config.model.lora): the base stays frozen
 in bfloat16, only the adapters and their AdamW state are float32, so Qwen3-0.6B fits a T4 or a
 v5e-1 with two questions per step (8.8 GiB planned), and `lora_4b` puts Qwen3-4B on a 40 GB
-A100 (28.2 GiB; a 24 GB L4 is 5.8 GiB short). Planned bytes: docs/real_model.md; `--dry_run` with
---config.mesh.topology=t4x1, v5e-1 or a100-40gx1.
+A100 (28.2 GiB; a 24 GB L4 is 5.8 GiB short of it). `lora_4b_l4` is `lora_4b` without a standing
+merged copy of the weights (model.lora.merge="in_refresh": the refresh merges each layer as it lays
+it out for the engine), which puts Qwen3-4B on a 24 GB L4 (21.0 GiB planned). Planned bytes:
+docs/real_model.md; `--dry_run` with --config.mesh.topology=t4x1, v5e-1, a100-40gx1 or l4x1.
 """
 
 import glob
@@ -95,7 +97,8 @@ def hub_files() -> tuple[str, str, str]:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = config_lib.parse_arg(arg, tiny=bool, large=bool, lora=bool, lora_4b=bool, lag=int)
+  args = config_lib.parse_arg(arg, tiny=bool, large=bool, lora=bool, lora_4b=bool, lora_4b_l4=bool, lag=int)
+  args["lora_4b"] = args["lora_4b"] or args["lora_4b_l4"]
   preset = "tiny_qwen3" if args["tiny"] else "qwen3_4b" if args["lora_4b"] else "qwen3_0_6b"
   c = config_lib.defaults(preset)
   c.model.param_dtype = "float32"  # Master weights and AdamW state (bfloat16 would lose lr-1e-6 updates).
@@ -150,6 +153,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.groups_per_step = 1  # One question's 8 answers per step.
     c.sampling.max_slots = 8  # One group decoded at once (a 36-layer KV cache).
     c.rl.groups_per_rollout = 1
+  if args["lora_4b_l4"]:  # Qwen3-4B on a 24 GB L4 (l4x1): 21.0 GiB planned, 1.3 GiB to spare
+    c.model.lora.merge = "in_refresh"  # No standing merged copy (7.5 GiB): merged layer by layer at each refresh.
 
   if args["tiny"]:
     config_lib.shrink_for_cpu(c, TINY_MODEL)  # float32, 4 RL steps, lag 2, 2 groups per step

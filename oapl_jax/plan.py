@@ -326,6 +326,24 @@ def sampler_bytes(config, where: Devices, loop: bool = True) -> int:
   return (SAMPLER_COPIES + TRUNCATION_COPIES * truncates) * s * v * 4
 
 
+def lora_merge(config) -> str:
+  """config.model.lora.merge: "kept" (a standing merged copy) or "in_refresh" (none);
+  "kept" for a config written before the setting existed."""
+  lora = config.model.get("lora")
+  return lora.get("merge", "kept") if lora is not None else "kept"
+
+
+def refresh_merge_bytes(config, mesh: dict) -> int:
+  """model.lora.merge="in_refresh": what the refresh's merge adds per trainer device, one
+  block's adapted weights (the layer in transit, `layout.MergeOnLoad`) as float32 sums
+  (W + scale A B before the rounding), in the trainer's layout. An upper bound: XLA may fuse
+  the sum into the rounding and keep only the products."""
+  targets = set(config.model.lora.targets)
+  specs = param_specs(abstract_params(config), config.sharding.rules)
+  block = {k: v for k, v in specs.items() if k[:2] == ("layers", "0") and k[-1] in targets}
+  return weights_bytes(block, np.float32, mesh)
+
+
 def refresh_bytes(config) -> int:
   """The refresh's working set per device (pi_old from the trainer's layout to the engines':
   `EngineLayout.relayout`): the LM head's engine shard, gathered and laid out whole, and one
@@ -349,7 +367,8 @@ SETTINGS = {
     "trainer snapshot": "mesh.fsdp (more devices: mesh.topology)",
     "reference policy": "mesh.fsdp (more devices: mesh.topology)",
     "frozen base": "mesh.fsdp (more devices: mesh.topology)",
-    "merged weights": "mesh.fsdp (more devices: mesh.topology)",
+    "merged weights": "model.lora.merge='in_refresh' (no standing merged copy) or mesh.fsdp",
+    "refresh merge": "mesh.fsdp (more devices: mesh.topology)",
     "train batch": "rl.groups_per_step (or more devices: mesh.topology)",
     "activations": "train.grad_accum, train.remat or train.attn_block",  # see activation_settings
     "log-prob kernel": "train.logprob_tile or train.grad_accum",
@@ -559,10 +578,13 @@ def make_plan(config) -> Plan:
   ]
   if lora:
     base = weights_bytes(base_specs, cd, mesh)
-    items += [Item("frozen base", base, "trainer", "state",
-                   f"model.lora: the base's weights in {cd.name}, frozen, trainer layout"),
-              Item("merged weights", base, "trainer", "state",
-                   f"base + adapters in {cd.name}, merged at a refresh (the engines load them)")]
+    items.append(Item("frozen base", base, "trainer", "state",
+                      f"model.lora: the base's weights in {cd.name}, frozen, trainer layout"))
+    if lora_merge(config) == "kept":
+      items.append(Item("merged weights", base, "trainer", "state",
+                        f"base + adapters in {cd.name}, merged at a refresh and kept (the engines "
+                        "load them; model.lora.merge='in_refresh': none)"))
+  merge_temp = refresh_merge_bytes(config, mesh) if lora and lora_merge(config) == "in_refresh" else 0
   from oapl_jax.rl.step import uses_reference  # noqa: PLC0415 (optax: only for a plan)
   if uses_reference(config):
     items.append(Item("reference policy", master, "trainer", "state", "frozen RL start (GRPO's KL)"))
@@ -578,6 +600,12 @@ def make_plan(config) -> Plan:
            f"attn_block={tr.attn_block}", activation_settings(config, x)),
       Item("log-prob kernel", temp["log-prob kernel"], "trainer", "step",
            f"hidden states + {LOGPROB_TILE_COPIES} f32 [{x.bh}, {min(tr.logprob_tile, x.t)}, {x.v}] tiles"),
+  ]
+  if merge_temp:
+    items.append(Item("refresh merge", merge_temp, "trainer", "step",
+                      "model.lora.merge='in_refresh': one block's adapted weights merged in f32 as "
+                      "the refresh lays it out (at a refresh, not during a step: counted with it)"))
+  items += [
       Item("engine snapshot", weights_bytes(engine_specs, cd, {"tensor": s.tensor}), "engine", "state",
            f"pi_old in {cd.name}, engine layout (split over sampling.tensor={s.tensor} only)"),
       Item("KV cache", kv_cache_bytes(config), "engine", "state",

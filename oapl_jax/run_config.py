@@ -43,6 +43,8 @@ RULES = {
     "model.lora.init_from": (RUN, "the adapters the run started from (its checkpoints hold them "
                              "since; evaluate and export read those)"),
     "model.lora.init_from_check_name": (QUIET, "a check made at the start, not what the run is"),
+    "model.lora.merge": (SAID, "where the engines' weights are merged, not what they are (the "
+                         "same bit for bit)"),
     "warmup": (WORKDIR, "the base model RL started from"),
     "warmup.cache_dir": (QUIET, "where the base is cached, not what it is"),
     "sampling": (SAID, "how the engines are laid out and batched, not what they sample"),

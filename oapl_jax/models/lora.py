@@ -146,10 +146,22 @@ def merged(base, adapters, scale: float):
   for path, var in nnx.to_flat_state(base):
     w = var.get_value()
     if tuple(path) in targets:
-      a, b = (x.astype(w.dtype) for x in targets[tuple(path)])
-      w = (w.astype(jnp.float32) + delta(a, b, scale, w.shape)).astype(w.dtype)
+      w = merge_weight(w, *targets[tuple(path)], scale)
     out.append((path, var.replace(w)))
   return nnx.from_flat_state(out)
+
+
+def merge_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+  """One weight of `merged`: W + scale * A B, A and B rounded to W's dtype, the product and the
+  sum in float32, rounded once to W's dtype (also the refresh's per-layer merge under
+  model.lora.merge="in_refresh": `sampling.layout.MergeOnLoad`, the same values bit for bit)."""
+  a, b = a.astype(w.dtype), b.astype(w.dtype)
+  return (w.astype(jnp.float32) + delta(a, b, scale, w.shape)).astype(w.dtype)
+
+
+def targets_of(adapters) -> dict[tuple, tuple[jax.Array, jax.Array]]:
+  """{base weight path: (A, B)} of an adapters State."""
+  return _targets_of(adapters)
 
 
 # --- PEFT export -------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from oapl_jax.rl.logprobs import make_batch
 from oapl_jax.rl.sources import SOURCES, Drawn
 from oapl_jax.rl.step import make_optimizer, make_train_step, uses_reference
 from oapl_jax.sampling import SamplingParams
+from oapl_jax.sampling.layout import MergeOnLoad
 from oapl_jax.placement import seq_len
 from oapl_jax.sampling.parallel import global_row_order
 from oapl_jax.sampling.rollout import prompt_keys
@@ -299,13 +300,21 @@ class Run:
     return self.sampler.load(self.engine_snapshot(), self.counters.version)
 
   def engine_snapshot(self):
-    """pi_old as the engines hold it: the snapshot, or under model.lora the base merged with
-    the snapshot's adapters (merged once per snapshot)."""
+    """pi_old as the engines load it: the snapshot, or under model.lora the base merged with
+    the snapshot's adapters (merged once per snapshot). model.lora.merge="in_refresh": no
+    merged copy, a `layout.MergeOnLoad` of the base and the snapshot, which the engines'
+    refresh merges layer by layer (the same weights bit for bit)."""
     if self.lora is None:
       return self.snapshot
     if self._merged[0] is not self.snapshot:
-      self._merged = (self.snapshot, self.train_step.merged(self.snapshot, self.base))
+      self._merged = (self.snapshot, self._merge(self.snapshot))
     return self._merged[1]
+
+  def _merge(self, adapters):
+    """The base merged with `adapters` as the engines load it (model.lora.merge)."""
+    if self.config.model.lora.get("merge", "kept") == "in_refresh":
+      return MergeOnLoad(self.base, adapters, self.lora.scale)
+    return self.train_step.merged(adapters, self.base)
 
   def _next_job(self, count: int = 1):
     """Fixes the next `count` rollouts, numbers `counters.rollouts` on (the engines' current
@@ -454,9 +463,10 @@ class Run:
 
   def engine_copy(self, params):
     """`params` as the engines compute with them: cast to model.dtype (pi_theta's master
-    weights are model.param_dtype); under model.lora, the adapters merged into the base."""
+    weights are model.param_dtype); under model.lora, the adapters merged into the base (or,
+    model.lora.merge="in_refresh", a `layout.MergeOnLoad` the engines merge as they load it)."""
     if self.lora is not None:
-      return self.train_step.merged(params, self.base)
+      return self._merge(params)
     if all(x.dtype == self.train_step.dtype for x in jax.tree.leaves(params)):
       return params
     return self.train_step.snapshot_of(params)

@@ -32,6 +32,9 @@ The refresh (`load_weights`), at each lag refresh, for all replicas at once:
      (`jax.make_array_from_single_device_arrays`): the replica's own buffers when it lives on
      the trainer's devices (sync mode: no copy at all), else a device-to-device copy of each
      shard (async mode: engines on their own devices).
+A LoRA run with model.lora.merge="in_refresh" hands step 1 the frozen base and the adapters
+(`MergeOnLoad`): each adapted weight is merged in its layer's turn, so no merged copy of the
+base is made (`lora.merge_weight`: the values `lora.merged` gives, bit for bit).
 No host transfer: tested under `jax.transfer_guard_host_to_device("disallow_explicit")` and
 its device-to-host twin (tests/test_engine_mesh.py, the loop's own refresh included; the plain
 `transfer_guard("disallow")` would not refuse a shard routed through numpy).
@@ -43,6 +46,7 @@ device too (a constant of a tiny jitted function).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -55,6 +59,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from oapl_jax import sharding as sharding_lib
 from oapl_jax.errors import ConfigError
+from oapl_jax.models import lora as lora_lib
 from oapl_jax.models.transformer import ModelConfig
 
 FUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # held in `decode`, not `params`
@@ -71,6 +76,21 @@ class EngineParams:
   params: Any
   version: jax.Array
   decode: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MergeOnLoad:
+  """A frozen base and low-rank adapters, given to the refresh in place of merged weights
+  (model.lora.merge="in_refresh"): `load_weights` merges each adapted weight inside its
+  re-layout, layer by layer in the order the layers are laid out (`EngineLayout.relayout`), so
+  no merged copy of the whole base exists on the devices, only one layer's in transit. The
+  values are `lora.merged`'s bit for bit (`lora.merge_weight`). base: the base's `nnx.State`
+  (model.dtype, the trainer's shardings); adapters: the adapters' State (same mesh); scale:
+  alpha / rank. Compared by identity (`Sampler.load` lays out one object once per version)."""
+
+  base: Any
+  adapters: Any
+  scale: float
 
 
 def engine_rules(rules) -> dict:
@@ -146,11 +166,14 @@ class EngineLayout:
   def _cast(self, x: jax.Array) -> jax.Array:
     return x if _is_norm(x) else x.astype(self.cfg.dtype)
 
-  def relayout(self, params: nnx.State, via: dict | None = None, out=None) -> tuple[nnx.State, dict]:
+  def relayout(self, params: nnx.State, via: dict | None = None, out=None,
+               merge: tuple | None = None) -> tuple[nnx.State, dict]:
     """pi_theta's `nnx.State` (any dtype) -> (`EngineParams.params`, `EngineParams.decode`).
 
     via: {path: NamedSharding} a weight passes through on its way to its engine sharding
     (`staging_steps`), or None. out: the result's shardings (the jitted refresh's), or None.
+    merge: (adapters State, scale) or None: `params` is a frozen base and each adapted weight
+    is merged (`lora.merge_weight`) after its layer's barrier, in the layer's turn (`MergeOnLoad`).
 
     The layers are laid out in turn (chained by `optimization_barrier`, their results
     constrained to `out`): a layer's weights are gathered once the layer before has its fused
@@ -170,12 +193,17 @@ class EngineLayout:
     e = cfg.hidden_size
     split = lambda w: w.reshape(e, t, -1)  # [E, ...] -> [E, T, .../T]: tensor shard t's columns  # noqa: E731
     out_rest = ({tuple(p): v.get_value() for p, v in nnx.to_flat_state(out[0])} if out else {})
+    pairs = {} if merge is None else lora_lib.targets_of(merge[0])  # {base path: (A, B)}
     layers, done = [], None
     for i in range(cfg.num_layers):
       own = [p for p in value if p[:2] == ("layers", i)]
+      adapted = [p for p in own if p in pairs]
+      ab = [pairs[p] for p in adapted]
       if done is not None:  # layer i is gathered after layer i-1 is fused: one layer in transit
-        done, mine = jax.lax.optimization_barrier((done, [value[p] for p in own]))
+        done, mine, ab = jax.lax.optimization_barrier((done, [value[p] for p in own], ab))
         value.update(zip(own, mine))
+      for p, (a, b) in zip(adapted, ab):  # merged in the layer's turn: one layer's merge alive
+        value[p] = lora_lib.merge_weight(value[p], a, b, merge[1])
       for p in own:  # the unfused weights: by way of their staging step to their engine sharding
         value[p] = _placed(value[p], via.get(p), out_rest.get(p))
       attn = [value[("layers", i, "attn", n)] for n in ("q_proj", "k_proj", "v_proj")]
@@ -266,14 +294,20 @@ class EngineLayout:
         steps[tuple(path)] = NamedSharding(stage, PartitionSpec(*spec))
     return steps
 
-  def jitted_relayout(self, stage: Mesh, out_shardings, params: nnx.State):
+  def jitted_relayout(self, stage: Mesh, out_shardings, params: nnx.State, scale: float | None = None):
     """`relayout` jitted onto the staging mesh `stage` (one compile per trainer sharding),
-    through the `staging_steps` of `params` (worked out once, with the compile)."""
-    if stage not in self._jitted:
-      self._jitted[stage] = jax.jit(
-          functools.partial(self.relayout, via=self.staging_steps(params, stage), out=out_shardings),
-          out_shardings=out_shardings)
-    return self._jitted[stage]
+    through the `staging_steps` of `params` (worked out once, with the compile). scale: not
+    None: the function takes (base, adapters) and merges them (`MergeOnLoad`)."""
+    key = stage if scale is None else (stage, scale)
+    if key not in self._jitted:
+      via = self.staging_steps(params, stage)
+      if scale is None:
+        fn = functools.partial(self.relayout, via=via, out=out_shardings)
+      else:
+        fn = lambda base, adapters: self.relayout(base, via=via, out=out_shardings,  # noqa: E731
+                                                  merge=(adapters, scale))
+      self._jitted[key] = jax.jit(fn, out_shardings=out_shardings)
+    return self._jitted[key]
 
   def cache_specs(self) -> tuple[PartitionSpec, PartitionSpec]:
     """PartitionSpecs of one layer's keys `[S, K, D, M]` and values `[S, K, M, D]`: K only."""
@@ -388,7 +422,13 @@ def load_weights(params: nnx.State, version: int, layout: EngineLayout,
 
   groups: multi-host, every process's replica device groups (`Replicas.global_groups`), so
   every process builds the same staging mesh and runs the same re-layout program; each then
-  assembles its own replicas (`meshes`) from its own shards."""
+  assembles its own replicas (`meshes`) from its own shards.
+
+  params may be a `MergeOnLoad` (a base and adapters): merged inside the re-layout."""
+  merge = params if isinstance(params, MergeOnLoad) else None
+  adapters = None
+  if merge is not None:
+    params, adapters = merge.base, merge.adapters
   source = _source_devices(params)
   stage = staging_mesh(source, meshes if groups is None else [engine_mesh(g) for g in groups],
                        layout.tensor, in_source_order=groups is not None)
@@ -396,9 +436,16 @@ def load_weights(params: nnx.State, version: int, layout: EngineLayout,
   if order != source:  # the re-layout's argument must list its devices as its result does
     params = jax.device_put(params, in_device_order(
         jax.tree.map(lambda x: x.sharding, params), order))
+    if adapters is not None:
+      adapters = jax.device_put(adapters, in_device_order(
+          jax.tree.map(lambda x: x.sharding, adapters), order))
   rest_s, decode_s = layout.shardings(params, stage)
   replicated = NamedSharding(stage, PartitionSpec())
-  staged_rest, staged_decode = layout.jitted_relayout(stage, (rest_s, decode_s), params)(params)
+  if merge is None:
+    staged_rest, staged_decode = layout.jitted_relayout(stage, (rest_s, decode_s), params)(params)
+  else:
+    staged_rest, staged_decode = layout.jitted_relayout(
+        stage, (rest_s, decode_s), params, merge.scale)(params, adapters)
   staged = EngineParams(staged_rest, _stamp(int(version), replicated), staged_decode)
   out = []
   for mesh in meshes:

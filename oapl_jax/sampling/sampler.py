@@ -115,6 +115,9 @@ class Sampler:
     devices, stamped with `version` (on device: `layout.load_weights`); once per (params, version)."""
     loaded_params, loaded_version, weights = self._loaded
     if loaded_params is not params or loaded_version != version:
+      # the old copy let go first: with nothing else holding it (sync mode: no rollout in
+      # flight) its memory is free for the new one, not two engine copies at a refresh
+      self._loaded = loaded_params = weights = None
       weights = self.replicas.load_params(params, version=version)
       self._loaded = (params, version, weights)
     return weights
