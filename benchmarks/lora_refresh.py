@@ -12,7 +12,10 @@ repeat. Printed: the medians over `--repeats`
 (after one untimed refresh and rollout that compile), answer tokens per second of the rollouts,
 and the bytes each run holds on the devices after a refresh (arrays made since just before
 the run was built: base, adapters, AdamW state, pi_old, the merged copy where kept, the
-engine's weights and KV cache), and their difference.
+engine's weights and KV cache), and their difference; then the temp and output bytes of the
+refresh's compiled programs (XLA's memory_analysis): the merge and the re-layout ("kept": two
+programs) and the re-layout with the merge inside ("in_refresh"), whose temp beyond the plain
+re-layout's is the merge in transit.
 """
 
 from __future__ import annotations
@@ -68,6 +71,27 @@ def rollout(run, weights, seed: int) -> tuple[float, int]:
   return seconds, int(scored.rollout.lengths.sum())
 
 
+def compiled_bytes(run) -> dict:
+  """Temp and output bytes (XLA's memory_analysis) of the refresh's programs for `run`'s model,
+  compiled on this backend: the merge alone ("kept" runs it before the re-layout), the
+  re-layout of merged weights, and the re-layout with the merge inside ("in_refresh")."""
+  from oapl_jax.models import lora as lora_lib  # noqa: PLC0415
+  from oapl_jax.sampling.layout import staging_mesh, _source_devices  # noqa: PLC0415
+  replicas = run.sampler.replicas
+  layout, base, adapters = replicas.engine.layout, run.base, run.snapshot
+  stage = staging_mesh(_source_devices(base), replicas.meshes, layout.tensor)
+  out = layout.shardings(base, stage)
+  scale = run.lora.scale
+
+  def sizes(fn, *args):
+    m = fn.lower(*args).compile().memory_analysis()
+    return m.temp_size_in_bytes, m.output_size_in_bytes
+
+  return {"merge (kept)": sizes(jax.jit(lambda b, a: lora_lib.merged(b, a, scale)), base, adapters),
+          "re-layout (kept)": sizes(layout.jitted_relayout(stage, out, base), base),
+          "re-layout + merge (in_refresh)": sizes(layout.jitted_relayout(stage, out, base, scale), base, adapters)}
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--repeats", type=int, default=7)
@@ -108,6 +132,9 @@ def main():
     print(f"{mode:<18} {statistics.median(t['refresh']):>10.4f} {statistics.median(t['rollout']):>10.4f} "
           f"{statistics.median(t['tokens']):>10.1f} {held[mode]:>14,}")
   print(f"held: kept - in_refresh = {held['kept'] - held['in_refresh']:,} B (the base in {c.model.dtype}: {base:,} B)")
+  print(f"compiled refresh programs ({jax.devices()[0].platform}): temp / output bytes")
+  for name, (temp, output) in compiled_bytes(runs["in_refresh"]).items():
+    print(f"  {name:<32} {temp:>14,} {output:>14,}")
   for run in runs.values():
     run.close()
 
