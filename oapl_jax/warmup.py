@@ -39,16 +39,34 @@ PROGRESS_S = 20.0  # seconds between the warm-up's progress lines (step, loss, e
 
 def demo_batch(task, tokenizer, rng: np.random.Generator, *, batch_size: int, seq_len: int,
                digit_noise: float) -> dict[str, np.ndarray]:
-  """tokens `[B, seq_len]` (bos + prompt + answer + eos, padded), mask `[B, seq_len-1]` on answer targets."""
+  """tokens `[B, seq_len]` (bos + prompt + answer, padded), mask `[B, seq_len-1]` on answer targets
+  (`demo_answer`: the model's tokens; an environment's are context)."""
   tokens = np.full((batch_size, seq_len), tokenizer.pad_id, np.int32)
   mask = np.zeros((batch_size, seq_len - 1), np.float32)
   for i, problem in enumerate(task.train_problems(rng, batch_size)):
     prompt = tokenizer.encode(problem.prompt, add_bos=True)
-    answer = tokenizer.encode(task.demonstration(problem, rng, digit_noise=digit_noise)) + [tokenizer.eos_id]
+    answer, targets = demo_answer(tokenizer, task.demonstration(problem, rng, digit_noise=digit_noise))
     row = (prompt + answer)[:seq_len]
     tokens[i, :len(row)] = row
-    mask[i, len(prompt) - 1:len(row) - 1] = 1.0
+    mask[i, len(prompt) - 1:len(row) - 1] = targets[:len(row) - len(prompt)]
   return {"tokens": tokens, "mask": mask}
+
+
+def demo_answer(tokenizer, demo) -> tuple[list[int], list[float]]:
+  """A demonstration's answer tokens and which are targets. `demo`: one model turn (a str), or
+  a trajectory (tasks/tool_mix.py): model turns (str, each ended by EOS; targets) and, between
+  them, an environment's messages (a list of dicts, rendered as a run's are:
+  `envs.episodes.env_turn_tokens`; context, not targets)."""
+  from oapl_jax.envs.episodes import env_turn_tokens  # noqa: PLC0415
+  tokens, targets = [], []
+  for part in [demo] if isinstance(demo, str) else demo:
+    if isinstance(part, str):
+      ids = tokenizer.encode(part) + [tokenizer.eos_id]
+    else:
+      ids = env_turn_tokens(tokenizer, part, None)
+    tokens += ids
+    targets += [1.0 if isinstance(part, str) else 0.0] * len(ids)
+  return tokens, targets
 
 
 def run(graphdef, params, task, tokenizer, cfg, *, seq_len: int, seed: int):

@@ -33,6 +33,11 @@ def _make_chain_mix(config):
   return make_chain_mix_task(config)
 
 
+def _make_tool_mix(config):
+  from oapl_jax.tasks.tool_mix import make_tool_mix_task  # noqa: PLC0415
+  return make_tool_mix_task(config)
+
+
 def _tools(config) -> list[dict] | None:
   """The schemas of the tools `config.env` offers (None: no environment), which the chat
   template puts in the prompt."""
@@ -66,6 +71,7 @@ TASKS: dict[str, Callable] = {
     "addition": _make_addition,  # procedural, embedded (arithmetic.py); character tokenizer
     "chain_addition": _make_chain_addition,  # addition answered by a chain of steps (chain.py)
     "chain_mix": _make_chain_mix,  # +, - and x a digit, each a chain of steps (chain_mix.py)
+    "tool_mix": _make_tool_mix,  # chain_mix with the calculator the model may call (tool_mix.py)
     "math": _make_math,  # rows of files / TFDS (math.py)
     "code": _make_code,  # rows of files / TFDS, sandboxed tests (code.py)
     "reasoning_gym": _make_reasoning_gym,  # procedural, the gym's verifiers (reasoning_gym.py)
