@@ -189,4 +189,4 @@ def test_task_registry_imports_no_jax_flax_or_transformers():
   code = ("import sys; from oapl_jax.tasks.registry import TASKS; print(list(TASKS)); "
           "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'transformers'}))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-  assert out.stdout.split("\n")[:2] == ["['addition', 'chain_addition', 'chain_mix', 'math', 'code', 'reasoning_gym']", "[]"]
+  assert out.stdout.split("\n")[:2] == ["['addition', 'chain_addition', 'chain_mix', 'tool_mix', 'math', 'code', 'reasoning_gym']", "[]"]
