@@ -27,7 +27,7 @@ from oapl_jax.checkpoint import SaveFailed, storage_failure
 from oapl_jax.errors import UserError
 from oapl_jax.metrics import ConsoleNotes, DeadModelWatch, MetricsLog, read_json, read_metrics, say, write_json
 from oapl_jax.placement import seq_len
-from oapl_jax.rl.names import loss_line
+from oapl_jax.rl.names import run_lines
 from oapl_jax.rl.loop import Run
 from oapl_jax.aot import model_flops
 from oapl_jax.timing import Profiler
@@ -70,12 +70,7 @@ def run_validated(config, workdir: str) -> dict:
                               f"config.mesh.topology={config.mesh.topology}")
   say(f"jax {jax.__version__}, devices {jax.devices()}"  # process 0's console only
       + (f", process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""))
-  say(loss_line(config))
-  if config.env.name is not None:  # multi-turn trajectories (docs/agents.md)
-    e = config.env
-    say(f"environment {e.name}: up to {e.max_turns} model turns, {e.tool_timeout_s:g} s and "
-        f"{e.tool_output_chars} characters per tool call; env_* and tool_call_rate in metrics.jsonl")
-  for line in changed: say(line)  # noqa: E701 (the settings this resume changes)
+  for line in (*run_lines(config), *changed): say(line)  # noqa: E701 (loss, environment, settings this resume changes)
   plan_lib.check(config)  # before anything is allocated
   lock = (WorkdirLock(workdir, config.checkpoint.lock_lease_s, config.checkpoint.lock_wait_s)
           if distributed.is_writer() else contextlib.nullcontext())

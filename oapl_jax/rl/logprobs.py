@@ -27,6 +27,7 @@ scores its own rows' tiles); a per-device block is `[B/shards, tile, V]`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -203,7 +204,7 @@ def make_batch(rollout: Rollout, rewards: np.ndarray, *, seq_len: int, pad_id: i
   The rows carry the engine's version stamps and `snapshot_step` -1 until `buffer.stamp`.
   With `count_truncated=False`, answers cut at the length limit get mask 0 (they are in their
   group's V_hat but out of the loss). A multi-turn rollout's environment tokens (`Rollout.model`
-  0) are context, not targets (`trajectory.only_model_targets`).
+  0) are context, not targets (`only_model_targets`).
   """
   from oapl_jax.sampling.engine import FINISH_LENGTH  # noqa: PLC0415 (see TYPE_CHECKING above)
   n, g = rollout.num_samples, rollout.group_size
@@ -225,6 +226,21 @@ def make_batch(rollout: Rollout, rewards: np.ndarray, *, seq_len: int, pad_id: i
               version=np.asarray(rollout.versions, np.int32), snapshot_step=np.full((n,), -1, np.int32))
   if rollout.model is None:
     return rows
-  from oapl_jax.rl.trajectory import only_model_targets  # noqa: PLC0415 (it builds on this module)
   model = rollout.model * (np.arange(rollout.model.shape[1])[None] < rollout.lengths[:, None])
   return only_model_targets(rows, model, np.array([len(rollout.prompts[i // g]) for i in range(n)]))
+
+
+def only_model_targets(rows: Rows, model: np.ndarray, prompt_lengths: np.ndarray) -> Rows:
+  """`rows` (laid out by `make_batch`, every token after the prompt an answer token) with the
+  environment's tokens taken out of the targets: mask and sampler log-probs 0 there, answer
+  lengths the model tokens. model: `[N, A]` flags, 1 on answer token j of row i that the
+  model wrote (0 past the answer); prompt_lengths: `[N]`. Rows with no 0 flag are unchanged."""
+  n, a = model.shape
+  t = rows.mask.shape[1]
+  flags = np.ones((n, t), np.float32)  # [N, T-1]: 1 outside answers (their mask is 0 anyway)
+  cols = np.asarray(prompt_lengths)[:, None] - 1 + np.arange(a)[None, :]  # [N, A] target of token j
+  inside = cols < t
+  flags[np.nonzero(inside)[0], cols[inside]] = model[inside]
+  return dataclasses.replace(rows, mask=rows.mask * flags,
+                             sampler_logprobs=rows.sampler_logprobs * flags,
+                             answer_lengths=model.astype(np.int64).sum(axis=1).astype(rows.answer_lengths.dtype))

@@ -54,3 +54,14 @@ def loss_line(config) -> str:
   g = rl.grpo
   return (f"loss grpo: pi_prox {g.prox}, clip {g.eps_low:g}/{g.eps_high:g}, IS {g.is_level} "
           f"{g.is_mode} C={g.is_cap:g}, lag {rl.lag}")
+
+
+def run_lines(config) -> list[str]:
+  """What a run says of itself at start: its loss (`loss_line`) and, for multi-turn
+  trajectories, its environment (docs/agents.md)."""
+  lines = [loss_line(config)]
+  e = config.env
+  if e.name is not None:
+    lines.append(f"environment {e.name}: up to {e.max_turns} model turns, {e.tool_timeout_s:g} s and "
+                 f"{e.tool_output_chars} characters per tool call; env_* and tool_call_rate in metrics.jsonl")
+  return lines

@@ -34,7 +34,7 @@ snapshot step) of the round's start; the policy the header names is kept as prov
 Imported traces (`python -m oapl_jax.import_traces`, docs/agents.md) are a round file with one
 more array, `answer_model` (1 on the tokens the model wrote, 0 on the environment's: tool
 results, user turns), whose rows have the environment's tokens out of the targets
-(`trajectory.only_model_targets`); a header's `"logprobs": "none"` says no sampler log-probs are
+(`logprobs.only_model_targets`); a header's `"logprobs": "none"` says no sampler log-probs are
 stored, and the run takes pi_old's by rescoring every answer with its pi_old (`fill_logprobs`,
 said in the run's log) instead of checking them.
 
@@ -59,7 +59,7 @@ from oapl_jax.errors import UserError
 from oapl_jax.models.names import compiler_options
 from oapl_jax.rl.buffer import Rows
 from oapl_jax.rl.logprobs import make_batch, token_logprobs
-from oapl_jax.rl.trajectory import only_model_targets
+from oapl_jax.rl.logprobs import only_model_targets
 from oapl_jax.sampling.processing import SamplingParams
 from oapl_jax.sampling.rollout import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout
 from oapl_jax.tasks.base import Problem

@@ -26,7 +26,7 @@ import dataclasses
 import numpy as np
 
 from oapl_jax.rl.buffer import Rows
-from oapl_jax.rl.logprobs import make_batch
+from oapl_jax.rl.logprobs import make_batch, only_model_targets  # noqa: F401 (only_model_targets: read from here too)
 
 MODEL, ENV = "model", "env"  # span kinds
 
@@ -65,22 +65,6 @@ class Trajectory:
     logprobs = [lp for s in self.spans for lp in (s.logprobs if s.kind == MODEL else [0.0] * len(s.tokens))]
     return (np.asarray(tokens, np.int32), np.asarray(flags, np.int8),
             np.asarray(logprobs, np.float32))
-
-
-def only_model_targets(rows: Rows, model: np.ndarray, prompt_lengths: np.ndarray) -> Rows:
-  """`rows` (laid out by `make_batch`, every token after the prompt an answer token) with the
-  environment's tokens taken out of the targets: mask and sampler log-probs 0 there, answer
-  lengths the model tokens. model: `[N, A]` flags, 1 on answer token j of row i that the
-  model wrote (0 past the answer); prompt_lengths: `[N]`. Rows with no 0 flag are unchanged."""
-  n, a = model.shape
-  t = rows.mask.shape[1]
-  flags = np.ones((n, t), np.float32)  # [N, T-1]: 1 outside answers (their mask is 0 anyway)
-  cols = np.asarray(prompt_lengths)[:, None] - 1 + np.arange(a)[None, :]  # [N, A] target of token j
-  inside = cols < t
-  flags[np.nonzero(inside)[0], cols[inside]] = model[inside]
-  return dataclasses.replace(rows, mask=rows.mask * flags,
-                             sampler_logprobs=rows.sampler_logprobs * flags,
-                             answer_lengths=model.astype(np.int64).sum(axis=1).astype(rows.answer_lengths.dtype))
 
 
 def rows_of(trajectories: list[Trajectory], *, group_size: int, seq_len: int, pad_id: int,
