@@ -65,6 +65,8 @@ def main(argv):
   keys = [k for k in summary["eval_after"] if k.startswith("pass@")]
   print(json.dumps({"pass@k before": {k: round(summary["eval_before"][k], 4) for k in keys},
                     "pass@k after": {k: round(summary["eval_after"][k], 4) for k in keys},
+                    **({"tool_call_rate before, after": [round(summary[e]["tool_call_rate"], 4) for e in
+                        ("eval_before", "eval_after")]} if "tool_call_rate" in summary["eval_after"] else {}),
                     "train_seconds": round(summary["train_seconds"], 1),
                     "samples_generated": summary["samples_generated"],
                     "trainer_steps": summary["trainer_steps"],

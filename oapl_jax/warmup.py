@@ -131,6 +131,8 @@ def eval_cache_path(config, seq_len: int) -> str | None:
   if base is None:
     return None
   key = {"eval": config.eval.to_dict(), "sampling": config.sampling.to_dict(), "keys": SAMPLING_KEYS}
+  if config.env.name is not None:  # trajectories: the environment's settings too (single answers: keys as before)
+    key["env"] = config.env.to_dict()
   return f"{base}.eval-{_digest(key)}.json"
 
 

@@ -172,3 +172,24 @@ def test_offline_rounds_of_trajectories_are_sampled_checked_and_trained(scripted
   with pytest.raises(offline.OfflineFileError, match="sampled without an environment"):
     offline.check_matches(single, c, data.header["model"])
   offline.check_matches(data, c, data.header["model"])
+
+
+def test_the_bases_cached_evaluation_is_keyed_by_the_environment():
+  """A base's "eval before" is cached beside it: with an environment its key holds the
+  environment's settings (another turn limit is another evaluation); without one the key is what
+  it was before environments existed (the studies' cached evaluations stay valid)."""
+  import hashlib
+
+  from oapl_jax import warmup
+  from oapl_jax.sampling.rollout import SAMPLING_KEYS
+  c = config_lib.repo_config("tools.py:smoke")
+  c.warmup.cache_dir = "/tmp/cache"
+  paths = {warmup.eval_cache_path(c, 64)}
+  c.env.max_turns += 1
+  paths.add(warmup.eval_cache_path(c, 64))
+  assert len(paths) == 2
+  plain = config_lib.repo_config("mix.py:smoke")
+  plain.warmup.cache_dir = "/tmp/cache"
+  old_key = {"eval": plain.eval.to_dict(), "sampling": plain.sampling.to_dict(), "keys": SAMPLING_KEYS}
+  digest = hashlib.sha256(json.dumps(old_key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+  assert warmup.eval_cache_path(plain, 64).endswith(f".eval-{digest}.json")

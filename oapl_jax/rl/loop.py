@@ -477,6 +477,7 @@ class Run:
     t0 = time.perf_counter()
     out = evaluate(self.sampler, self.engine_copy(params),
                    samples_per_problem=self.config.eval.samples_per_problem, key=eval_key(self.config.seed))
+    tools = f", tool_call_rate={out['tool_call_rate']:.3f}" if "tool_call_rate" in out else ""  # multi-turn
     say(f"eval {tag}: " + ", ".join(f"{k}={v:.3f}" for k, v in out.items() if k.startswith("pass@"))
-        + f" ({time.perf_counter() - t0:.1f}s)")
+        + f"{tools} ({time.perf_counter() - t0:.1f}s)")
     return out
