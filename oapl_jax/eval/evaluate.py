@@ -43,9 +43,10 @@ def evaluate(sampler: Sampler, params, *, samples_per_problem: int, key: jax.Arr
          "samples_per_problem": n, "mean_answer_tokens": float(lengths.mean()),
          "entropy_per_token": float(-logprob_sums.sum() / max(lengths.sum(), 1)),
          "correct_per_problem": correct.sum(axis=1).tolist()}  # any pass@k can be recomputed
-  if scored.env_metrics is not None:  # multi-turn: how the episodes went (this process's)
-    env = scored.env_metrics
-    out["tool_call_rate"] = env["episodes_calling"] / max(len(scored.rewards), 1)
+  if scored.env_metrics is not None:  # multi-turn: how the episodes went, over all processes
+    names = sorted(scored.env_metrics)
+    env = dict(zip(names, distributed.totals(*(scored.env_metrics[k] for k in names))))
+    out["tool_call_rate"] = env["episodes_calling"] / (len(problems) * n)
     out["env"] = env
   final_answer = getattr(sampler.task, "final_answer", None)
   if final_answer is not None:

@@ -421,8 +421,9 @@ class Run:
       metrics["sample_wait_seconds"] = wait_seconds
       if not placement.overlaps_training(self.config):  # overlapped sampling: no rate from the wait
         metrics["sample_tokens_per_s"] = answer_tokens / max(wait_seconds, 1e-9)
-    if "env" in taken:  # multi-turn: the episodes sampled for this step (env_*: this process's)
-      env = taken["env"]
+    if "env" in taken:  # multi-turn: the episodes sampled for this step, over all processes
+      names = sorted(taken["env"])  # the same counters in every process (EpisodeTurns.metrics)
+      env = dict(zip(names, distributed.totals(*(taken["env"][k] for k in names))))
       metrics |= {f"env_{k}": v for k, v in env.items()}
       metrics["tool_call_rate"] = env["episodes_calling"] / max(env["episodes"], 1)
     if lags.max() == 0:  # pi_theta == pi_old at this step: the engine/trainer mismatch
