@@ -134,8 +134,14 @@ def test_a_sampler_job_samples_trajectories_as_the_sync_run_does(tiny_qwen3, tmp
   wait(run("oapl_jax.main", [f"--workdir={tmp_path / 'sync'}"], "sync"), "sync")
   remote = ["--config.rl.mode=remote", "--config.rl.remote.reproducible=True", f"--workdir={tmp_path / 'remote'}"]
   trainer, sampler = run("oapl_jax.main", remote, "trainer"), run("oapl_jax.sample", remote, "sampler")
-  wait(trainer, "trainer")
-  wait(sampler, "sampler")
+  try:
+    wait(trainer, "trainer")
+    wait(sampler, "sampler")
+  finally:  # a failed trainer leaves its sampler waiting for it: not past the test
+    for proc in (trainer, sampler):
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
   def losses(workdir):
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
