@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import multiprocessing
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,24 @@ def test_engine_defines_every_method_of_jetstreams_engine():
 
 
 def test_orchestrator_decodes_concurrent_requests():
+  """Six requests (text and token ids) through JetStream's Driver and LLMOrchestrator on a
+  three-slot engine give the greedy reference's tokens. The driver is stopped before the event
+  loop closes: stopped after, its detokenize thread could still hand a result to the closed loop
+  ("Event loop is closed"), and a JetStream driver thread that raises kills its whole process
+  with SIGKILL (`orchestrator.JetThread`): a CI run's pytest was killed so (exit 137, no report).
+  Run in a child process, so that such a kill is this test's failure, with the thread's
+  traceback in the captured output, not the end of the session."""
+  child = multiprocessing.get_context("spawn").Process(target=_decode_concurrent_requests)
+  child.start()
+  child.join(timeout=600)
+  if child.is_alive():
+    child.kill()
+    child.join()
+  assert child.exitcode == 0, (f"exit code {child.exitcode} (-9: a JetStream driver thread raised "
+                               "and killed its process; its traceback is in the captured output)")
+
+
+def _decode_concurrent_requests():
   tok = CharTokenizer()
   cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=16, mlp_dim=128)
@@ -81,12 +100,12 @@ def test_orchestrator_decodes_concurrent_requests():
       max_tokens=MAX_TOKENS) for t in texts[3:]]
 
   async def all_requests():
-    return await asyncio.gather(*[_decode(client, r) for r in requests])
+    try:
+      return await asyncio.wait_for(asyncio.gather(*[_decode(client, r) for r in requests]), timeout=300)
+    finally:  # stopped while the event loop is open: the detokenize thread's last results land on
+      await asyncio.to_thread(driver.stop)  # it (on a closed loop the thread raised, and SIGKILLed)
 
-  try:
-    results = asyncio.run(asyncio.wait_for(all_requests(), timeout=300))
-  finally:
-    driver.stop()
+  results = asyncio.run(all_requests())
   stop_ids = {tok.eos_id, tok.pad_id}
   for text, got in zip(texts, results):
     want = _greedy_reference(model, tok.encode(text, add_bos=True), stop_ids)
