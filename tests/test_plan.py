@@ -163,7 +163,8 @@ def test_host_window_bytes_covers_the_buffers_a_rollout_allocates():
   answers.lengths[:] = 3
   rollout = types.SimpleNamespace(num_samples=n, group_size=g, prompts=[[1, 2, 3, 4]] * 6,
                                   answers=answers.tokens, logprobs=answers.logprobs,
-                                  lengths=answers.lengths, finish=answers.finish, versions=answers.versions)
+                                  lengths=answers.lengths, finish=answers.finish, versions=answers.versions,
+                                  model=answers.model)
   rows = make_batch(rollout, np.zeros(n), seq_len=seq_len(c), pad_id=0)
   allocated = (sum(a.nbytes for a in vars(answers).values() if isinstance(a, np.ndarray))
                + sum(a.nbytes for a in rows.as_dict().values()))
