@@ -8,6 +8,7 @@ Ctrl-C outside a run's loop is one line and exit code 130; `--help` exits 0.
 from __future__ import annotations
 
 import ast
+import contextlib
 import logging
 import os
 import sys
@@ -66,9 +67,9 @@ def run_command(main: Callable[[list[str]], Any]) -> None:
                       "missing file), print the Python traceback instead of one line.")
 
   def wrapped(argv):
-    said_once()
     try:
-      return main(argv)
+      with said_once():
+        return main(argv)
     except (UserError, Interrupted) as e:
       if flags.FLAGS.verbose:
         traceback.print_exc()
@@ -164,15 +165,26 @@ class _NotSaidTwice:
     return not getattr(record, "said", False)
 
 
-def said_once() -> None:
-  """Keeps a command's logging from printing a record a second time: the lock take-over or a
-  damaged checkpoint is one plain line on stderr, not also a `W1206 ...` (absl's handler) or a
-  `WARNING:root:...` (the plain handler that absl's first log call sets up outside `app.run`, as
-  in the study commands: set up here instead, filtered)."""
+@contextlib.contextmanager
+def said_once():
+  """For a command's duration, keeps its logging from printing a record a second time: the lock
+  take-over or a damaged checkpoint is one plain line on stderr, not also a `W1206 ...` (absl's
+  handler) or a `WARNING:root:...` (the plain handler that absl's first log call sets up outside
+  `app.run`, as in the study commands: set up here instead, filtered). The filters it adds are
+  removed on the way out, so a command's main called in-process (a notebook, a test) leaves the
+  caller's handlers as they were (pytest's log capture once lost every later take-over so)."""
   from absl import logging as absl_logging  # noqa: PLC0415
   root = logging.getLogger()
   if not root.handlers:
     logging.basicConfig()  # what absl's first log call would do (a no-op once a handler exists)
+  added = []
   for handler in (*root.handlers, absl_logging.get_absl_handler()):
     if not any(isinstance(f, _NotSaidTwice) for f in handler.filters):
-      handler.addFilter(_NotSaidTwice())
+      kept = _NotSaidTwice()
+      handler.addFilter(kept)
+      added.append((handler, kept))
+  try:
+    yield
+  finally:
+    for handler, kept in added:
+      handler.removeFilter(kept)

@@ -145,8 +145,8 @@ sys.argv = sys.argv[:1]
 if sys.argv[-1] == "absl":
   errors.run_command(main)  # an absl command (main, sample, evaluate, ...)
 else:  # a study command (argparse, no app.run): its main starts with said_once()
-  errors.said_once()
-  main(None)
+  with errors.said_once():
+    main(None)
 """
 
 
@@ -163,6 +163,21 @@ def test_normal_events_are_one_plain_line_each_not_also_absl_warnings(tmp_path, 
   assert not [line for line in lines if ABSL_LINE.match(line) or line.startswith("WARNING:")], out.stderr
   assert len([line for line in lines if "taking it over" in line]) == 1, out.stderr
   assert len([line for line in lines if "damaged and skipped" in line]) == 1, out.stderr
+
+
+def test_a_command_called_in_process_leaves_the_callers_logging_as_it_was(tmp_path, caplog):
+  """A study's main called from a notebook or a test filters its said-once records only while it
+  runs: afterwards the caller's handlers (here pytest's capture) get them again. (A filter left on
+  pytest's one capture handler hid a later test's lock take-over, and failed it in CI.)"""
+  import logging  # noqa: PLC0415
+  from oapl_jax.studies import lag_study  # noqa: PLC0415
+  root = logging.getLogger()
+  before = {h: list(h.filters) for h in root.handlers}
+  assert lag_study.main(["--out", str(tmp_path), "--report-only"]) == 2  # no finished runs: one line
+  assert {h: list(h.filters) for h in root.handlers} == before
+  with caplog.at_level("WARNING"):
+    logging.warning("%s", "a said-once record", extra={"said": True})
+  assert "a said-once record" in caplog.text
 
 
 def test_the_warmup_says_how_it_is_going(smoke_config, monkeypatch, capsys):

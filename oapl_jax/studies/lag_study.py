@@ -238,7 +238,11 @@ def _run_pieces(args) -> int | None:
 
 
 def main(argv=None) -> int:
-  said_once()  # a lock take-over is one plain line, not also a logging record
+  with said_once():  # a lock take-over is one plain line, not also a logging record
+    return _main(argv)
+
+
+def _main(argv) -> int:
   args = _parse(argv)
   if args.save_results:
     written = save_results(args.out, args.results)

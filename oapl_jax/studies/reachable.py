@@ -206,7 +206,11 @@ def write_report(out: str | None, results: str | None, report: str,
 
 
 def main(argv=None) -> int:
-  said_once()  # a lock take-over is one plain line, not also a logging record
+  with said_once():  # a lock take-over is one plain line, not also a logging record
+    return _main(argv)
+
+
+def _main(argv) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", required=True, help="folder for the runs (resumable)")
   p.add_argument("--results", default=None, help="committed results: their runs count as finished")
