@@ -28,7 +28,7 @@
   python launch/make_tiny_hf.py --preset=tiny_qwen3
   python -m oapl_jax.main --config=configs/gsm8k.py:tiny --workdir=/tmp/oapl_gsm8k_tiny
 
-Arg string: comma-separated `tiny`, `large`, `lora`, `lora_4b`, `lora_4b_l4` and/or `lag=N`. Reading this file
+Arg string: comma-separated `tiny`, `large`, `lora`, `lora_4b`, `lora_4b_l4`, `qlora_4b` and/or `lag=N`. Reading this file
 downloads nothing.
 
 Rows are GSM8K's: `question` and `answer`, the answer a worked solution ending in `#### N`
@@ -52,7 +52,10 @@ in bfloat16, only the adapters and their AdamW state are float32, so Qwen3-0.6B 
 v5e-1 with two questions per step (8.8 GiB planned), and `lora_4b` puts Qwen3-4B on a 40 GB
 A100 (28.2 GiB; a 24 GB L4 is 5.8 GiB short of it). `lora_4b_l4` is `lora_4b` without a standing
 merged copy of the weights (model.lora.merge="in_refresh": the refresh merges each layer as it lays
-it out for the engine), which puts Qwen3-4B on a 24 GB L4 (21.0 GiB planned). Planned bytes:
+it out for the engine), which puts Qwen3-4B on a 24 GB L4 (21.0 GiB planned). `qlora_4b` is
+`lora_4b_l4` over an int8 base (model.base_quant: the trainer's base 4.1 GiB, not 7.5) whose engine
+holds its bfloat16 weights (7.5 GiB) only while it samples (sampling.release_weights: laid out
+again for each rollout): Qwen3-4B on a 16 GB T4 (13.8 GiB planned) or v5e-1 (14.6). Planned bytes:
 docs/real_model.md; `--dry_run` with --config.mesh.topology=t4x1, v5e-1, a100-40gx1 or l4x1.
 """
 
@@ -97,7 +100,9 @@ def hub_files() -> tuple[str, str, str]:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = config_lib.parse_arg(arg, tiny=bool, large=bool, lora=bool, lora_4b=bool, lora_4b_l4=bool, lag=int)
+  args = config_lib.parse_arg(arg, tiny=bool, large=bool, lora=bool, lora_4b=bool, lora_4b_l4=bool,
+                              qlora_4b=bool, lag=int)
+  args["lora_4b_l4"] = args["lora_4b_l4"] or args["qlora_4b"]
   args["lora_4b"] = args["lora_4b"] or args["lora_4b_l4"]
   preset = "tiny_qwen3" if args["tiny"] else "qwen3_4b" if args["lora_4b"] else "qwen3_0_6b"
   c = config_lib.defaults(preset)
@@ -155,6 +160,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.groups_per_rollout = 1
   if args["lora_4b_l4"]:  # Qwen3-4B on a 24 GB L4 (l4x1): 21.0 GiB planned, 1.3 GiB to spare
     c.model.lora.merge = "in_refresh"  # No standing merged copy (7.5 GiB): merged layer by layer at each refresh.
+  if args["qlora_4b"]:  # Qwen3-4B on a 16 GB T4 or v5e-1: 13.8 / 14.6 GiB planned
+    c.model.base_quant = "int8"  # The frozen base's projections in int8: 4.1 GiB, not 7.5 (the engine's copy stays bf16).
+    c.sampling.release_weights = True  # The engine's bf16 copy (7.5 GiB) only while it samples, laid out per rollout.
 
   if args["tiny"]:
     config_lib.shrink_for_cpu(c, TINY_MODEL)  # float32, 4 RL steps, lag 2, 2 groups per step

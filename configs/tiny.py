@@ -8,9 +8,11 @@ The run: supervised warm-up (clean, then noisy demonstrations: the base model, p
       --config.seed=3 --config.rl.lag=20
   python -m oapl_jax.main --config=configs/tiny.py:smoke --workdir=/tmp/oapl_smoke  # seconds; CI
   python -m oapl_jax.main --config=configs/tiny.py:lora --workdir=/tmp/oapl_tiny_lora
+  python -m oapl_jax.main --config=configs/tiny.py:lora,int8 --workdir=/tmp/oapl_tiny_qlora
 
 Variants through the arg string: `smoke` (a few steps, for tests and CI); `lora` (rank-8
-adapters on the warmed-up base, which stays frozen: docs/real_model.md "Low-rank adapters").
+adapters on the warmed-up base, which stays frozen: docs/real_model.md "Low-rank adapters");
+`int8` (with `lora`: the frozen base quantised to int8, `model.base_quant`).
 Every setting and its comment: oapl_jax/config.py `defaults`; this file overrides a few.
 """
 
@@ -20,7 +22,7 @@ from oapl_jax import config as config_lib
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = config_lib.parse_arg(arg, smoke=bool, lora=bool)
+  args = config_lib.parse_arg(arg, smoke=bool, lora=bool, int8=bool)
   c = config_lib.defaults("tiny_addition")  # model: 2 layers, width 128, 18-token vocabulary
 
   c.task = config_lib.task_section("addition")  # Embedded procedural task (oapl_jax/tasks/arithmetic.py).
@@ -45,6 +47,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.lora.rank = 8  # Adapters on every projection; the warmed-up base is frozen.
     c.model.lora.alpha = 16.0
     c.train.lr = 2e-3  # Adapters start at zero and move through a rank-8 product: a larger step.
+  if args["int8"]:  # with lora: the frozen base's projections held as int8 (QLoRA-style)
+    c.model.base_quant = "int8"
 
   if args["smoke"]:
     c.warmup.steps = 30

@@ -245,6 +245,9 @@ def _trainer_programs(b: _Build) -> list[Program]:
   if b.step.lora is not None:  # pi_theta, pi_old and the reference: the adapters, over the frozen base
     from oapl_jax.models import build  # noqa: PLC0415
     base = _sds(b.abstract, b.step.base_shardings, jnp.dtype(config.model.dtype))
+    if b.step.base_quant != "none":  # the step's frozen base as the run holds it: int8 + scales
+      from oapl_jax.models import quant  # noqa: PLC0415
+      base = _sds(quant.abstract(base, b.step.base_quant), b.step.frozen_shardings)
     adapters = build.lora_abstract(config)[1]
     params = _sds(adapters, b.step.param_shardings)
     snapshot = _sds(adapters, b.step.param_shardings, jnp.dtype(config.model.dtype))

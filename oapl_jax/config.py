@@ -17,7 +17,7 @@ from ml_collections.config_dict import placeholder
 
 from oapl_jax.envs.registry import ENVS  # environment names -> builders: no JAX
 from oapl_jax.errors import ConfigError
-from oapl_jax.models.names import LOGICAL_AXES, LORA_TARGETS, ROPE_SCALING_TYPES, dtype_name
+from oapl_jax.models.names import BASE_QUANTS, LOGICAL_AXES, LORA_TARGETS, ROPE_SCALING_TYPES, dtype_name
 from oapl_jax.models.pallas_names import ATTENTION_KERNELS  # names only: no JAX
 from oapl_jax.models.presets import PRESETS  # names and numbers only: no JAX, no Flax
 from oapl_jax.rl.names import ADV_NORMS, BETA2_RULES, GRPO_PROX, IS_LEVELS, IS_MODES, LOSS_NAMES, NORMS
@@ -80,6 +80,12 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   # base-sized copy less per trainer device (Qwen3-4B: 7.5 GiB), the same weights bit for bit.
   # The engines' own copy is there in both (docs/real_model.md "Low-rank adapters").
   c.model.lora.merge = "kept"
+  # How a LoRA run holds its frozen base (oapl_jax/models/quant.py): "none" = in model.dtype;
+  # "int8" = the block projections as int8 with a float32 scale per output channel (QLoRA-style;
+  # the embedding, head and norms stay in model.dtype): about half a bf16 base's bytes on the
+  # trainer. Both the trainer and the engines use the same dequantised base (the engines sample
+  # from it merged with the adapters, in model.dtype). Needs model.lora.rank > 0.
+  c.model.base_quant = "none"
   c.model.exact_rounding = True  # Round to model.dtype wherever the program says, in the train step and the engines (XLA may otherwise keep float32 there, by shape: bfloat16 log-probs then depend on the batch; docs/design.md "Engine/trainer parity in bfloat16"). False: XLA's default (faster on CPU/GPU).
 
   # The device mesh of the trainer: axes ("data", "fsdp", "tensor"); their product is the number
@@ -142,6 +148,11 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   c.sampling.cache_bucket = 64  # KV cache grows in power-of-two multiples of this (one compile each); on TPU a multiple of 128 (configs/math.py: docs/memory.md).
   c.sampling.max_prefill_batch = 8  # Prompts prefilled together in one call.
   c.sampling.min_decode_width = 8  # Once no prompt waits, decoding narrows (halving) down to this many slots; >= max_slots: off.
+  # Sync mode: the engines let go of their weights (pi_old laid out for them; under model.lora the
+  # merged copy too) after each rollout and lay them out again for the next, so no engine copy is
+  # held while the trainer steps: one model-sized copy less at a shared device's peak, for one
+  # re-layout per rollout instead of per pi_old version. The same weights bit for bit.
+  c.sampling.release_weights = False
 
   c.rl = ml_collections.ConfigDict()
   c.rl.loss = "oapl"  # Loss name: oapl_jax.rl.names.LOSS_NAMES (registered in rl/losses.py).
@@ -606,6 +617,10 @@ def validate(c, *, dry_run: bool = False) -> None:
            f"{per_engine} slots per engine (over sampling.engines={s.engines}) must be >= "
            f"{setting}={_get(c, setting)}: a group is decoded on one engine")
   _int(c, "sampling.steps_per_call", 1)
+  release = s.get("release_weights", False)
+  _check(isinstance(release, bool), "sampling.release_weights", release, "must be True or False")
+  _check(not release or c.rl.mode == "sync", "sampling.release_weights", release,
+         f"needs rl.mode 'sync' (in rl.mode {c.rl.mode!r} the engines sample while the trainer steps)")
   _int(c, "sampling.attn_chunk", 1)
   _int(c, "sampling.cache_bucket", 1)
   _int(c, "sampling.max_prefill_batch", 1)
@@ -737,6 +752,10 @@ def _validate_model(c) -> None:
     # checkpoint names its adapters, oapl_jax/generate.py, but offline mode does not train them)
     _check(not c.model.lora.rank or c.rl.mode != "offline", "model.lora.rank",
            c.model.lora.rank, "adapters train in rl.mode 'sync', 'async' or 'remote' (not 'offline') for now")
+  quant = c.model.get("base_quant", "none")
+  _check(quant in BASE_QUANTS, "model.base_quant", quant, f"must be one of {BASE_QUANTS}")
+  _check(quant == "none" or ("lora" in c.model and c.model.lora.rank > 0), "model.base_quant", quant,
+         "quantises a frozen base: it needs model.lora.rank > 0 (full fine-tuning trains every weight)")
 
 
 def _validate_sharding(c) -> None:

@@ -10,7 +10,11 @@ writes its weights as saved (pi_theta: model.param_dtype); a LoRA run writes the
 with the adapters in model.dtype (what its engines sample) and `<out>/adapter/` in PEFT's format
 (`peft.PeftModel.from_pretrained(base_model, "<out>/adapter")`, adapters in float32), whose
 `base_model_name_or_path` is config.model.path, or, for a base the run made (a random init, a
-warm-up), `<out>/base/`: that base as a Hugging Face model, written there. The config
+warm-up), `<out>/base/`: that base as a Hugging Face model, written there. A run on a quantised
+base (model.base_quant) writes the adapters the same way, its base named and not merged into a
+quantised copy: `<out>/base/` is the dequantised base the run trained on (model.dtype), and
+`<out>` the merged weights in model.dtype; over config.model.path the adapter names the
+full-precision checkpoint, which differs from the run's base by the quantisation. The config
 must be the run's (the same validation as `oapl_jax.main`); a LoRA run's base is rebuilt and
 checked against the checkpoint's sha256. A refused setting or a workdir without a checkpoint is
 one line on stderr and exit code 2.
@@ -43,7 +47,7 @@ def export_checkpoint(config, workdir: str, out: str, policy: str = "theta") -> 
   run made)}."""
   from flax import nnx  # noqa: PLC0415
   from oapl_jax.policies import restore_adapters, restore_policy  # noqa: PLC0415
-  from oapl_jax.models import build, lora  # noqa: PLC0415
+  from oapl_jax.models import build, lora, quant  # noqa: PLC0415
   from oapl_jax.models.hf import to_hf  # noqa: PLC0415
 
   lora_cfg = build.lora_of(config)
@@ -56,7 +60,7 @@ def export_checkpoint(config, workdir: str, out: str, policy: str = "theta") -> 
     base_model = config.model.path
     if base_model is None:  # a base made in the run (random init, warm-up): exported beside, for PEFT
       written["base"] = base_model = os.path.abspath(os.path.join(out, "base"))
-      to_hf(nnx.merge(graphdef, base), base_model)
+      to_hf(nnx.merge(graphdef, quant.dequantized(base, config.model.dtype)), base_model)  # model.base_quant: as the run read it
     lora.to_peft(adapters, lora_cfg, written["adapter"], base_model=base_model)
     weights = lora.merged(base, adapters, lora_cfg.scale)  # what the run's engines sample
   to_hf(nnx.merge(graphdef, weights), out, source_dir=config.model.path)

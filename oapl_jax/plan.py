@@ -333,6 +333,36 @@ def lora_merge(config) -> str:
   return lora.get("merge", "kept") if lora is not None else "kept"
 
 
+def _quantized(key: tuple[str, ...]) -> int:
+  """How many input axes a base weight's int8 scale reduces (`quant.IN_AXES`), 0 if it is kept."""
+  from oapl_jax.models.quant import IN_AXES  # noqa: PLC0415
+  return IN_AXES.get(key[-1], 0) if key and key[0] == "layers" else 0
+
+
+def quantized_base_bytes(specs: dict, dtype, mesh: dict) -> int:
+  """Bytes per device of a model.base_quant="int8" base (`quant.quantize_base`): each block
+  projection as int8 plus its float32 scale (the input axes 1, unsplit), the rest in `dtype`."""
+  total = 0
+  for key, (shape, spec) in specs.items():
+    n = _quantized(key)
+    if not n:
+      total += shard_bytes(shape, dtype, spec, mesh)
+      continue
+    axes = tuple(spec) + (None,) * (len(shape) - len(spec))
+    total += shard_bytes(shape, np.int8, spec, mesh)
+    total += shard_bytes((1,) * n + tuple(shape[n:]), np.float32, PartitionSpec(*([None] * n), *axes[n:]), mesh)
+  return total
+
+
+def dequantized_bytes(config, specs: dict, dtype, mesh: dict) -> int:
+  """The train step's dequantised projections (model.base_quant): under a remat scan one
+  block's at a time, with remat "none" every block's (the backward keeps what it multiplies by)."""
+  kept = {k: v for k, v in specs.items() if _quantized(k)}
+  if config.train.remat != "none":
+    kept = {k: v for k, v in kept.items() if k[:2] == ("layers", "0")}
+  return weights_bytes(kept, dtype, mesh)
+
+
 def refresh_merge_bytes(config, mesh: dict) -> int:
   """model.lora.merge="in_refresh": what the refresh's merge adds per trainer device, one
   block's adapted weights (the layer in transit, `layout.MergeOnLoad`) as float32 sums
@@ -366,13 +396,14 @@ SETTINGS = {
     "gradients": "mesh.fsdp (more devices: mesh.topology)",
     "trainer snapshot": "mesh.fsdp (more devices: mesh.topology)",
     "reference policy": "mesh.fsdp (more devices: mesh.topology)",
-    "frozen base": "mesh.fsdp (more devices: mesh.topology)",
+    "frozen base": "model.base_quant='int8' (with model.lora) or mesh.fsdp (more devices: mesh.topology)",
+    "dequantised weights": "train.remat (a scan dequantises one block at a time) or mesh.fsdp",
     "merged weights": "model.lora.merge='in_refresh' (no standing merged copy) or mesh.fsdp",
     "refresh merge": "mesh.fsdp (more devices: mesh.topology)",
     "train batch": "rl.groups_per_step (or more devices: mesh.topology)",
     "activations": "train.grad_accum, train.remat or train.attn_block",  # see activation_settings
     "log-prob kernel": "train.logprob_tile or train.grad_accum",
-    "engine snapshot": "sampling.tensor",
+    "engine snapshot": "sampling.tensor (sync mode: sampling.release_weights)",
     "KV cache": "sampling.max_slots (or spread the cache: sampling.engines x sampling.tensor)",
     "engine sampling": "sampling.max_slots (or sampling.engines)",
     "decode loop copy": "sampling.max_slots (or spread the cache: sampling.engines x sampling.tensor)",
@@ -567,6 +598,8 @@ def make_plan(config) -> Plan:
   rows, slots = micro_batch_rows(config), placement.engine_slots(config)
   lora = bool(_lora_rank(config))
   what = f"adapters (rank {m.lora.rank})" if lora else "params"
+  # sync mode, sampling.release_weights: the engines' weights live while they sample only
+  released = bool(config.sampling.get("release_weights", False)) and config.rl.mode == "sync"
   items = [
       Item("master weights", master, "trainer", "state",
            (f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count:,}") + f" {what} in {pd.name}, "
@@ -578,12 +611,24 @@ def make_plan(config) -> Plan:
   ]
   if lora:
     base = weights_bytes(base_specs, cd, mesh)
-    items.append(Item("frozen base", base, "trainer", "state",
-                      f"model.lora: the base's weights in {cd.name}, frozen, trainer layout"))
+    quant = m.get("base_quant", "none")
+    if quant == "none":
+      items.append(Item("frozen base", base, "trainer", "state",
+                        f"model.lora: the base's weights in {cd.name}, frozen, trainer layout"))
+    else:
+      items.append(Item("frozen base", quantized_base_bytes(base_specs, cd, mesh), "trainer", "state",
+                        f"model.lora over a {quant} base: block projections in {quant} + a float32 "
+                        f"scale per output channel, the rest in {cd.name}, trainer layout"))
+      items.append(Item("dequantised weights", dequantized_bytes(config, base_specs, cd, mesh), "trainer",
+                        "step", f"the projections read as {cd.name} in the step: "
+                        + ("every block's, kept for the backward (remat none)" if tr.remat == "none"
+                           else "one block's at a time (the remat scan)")))
     if lora_merge(config) == "kept":
-      items.append(Item("merged weights", base, "trainer", "state",
+      items.append(Item("merged weights", base, "engine" if released else "trainer",
+                        "step" if released else "state",
                         f"base + adapters in {cd.name}, merged at a refresh and kept (the engines "
-                        "load them; model.lora.merge='in_refresh': none)"))
+                        "load them; model.lora.merge='in_refresh': none)"
+                        + ("; sampling.release_weights: while sampling only" if released else "")))
   merge_temp = refresh_merge_bytes(config, mesh) if lora and lora_merge(config) == "in_refresh" else 0
   from oapl_jax.rl.step import uses_reference  # noqa: PLC0415 (optax: only for a plan)
   if uses_reference(config):
@@ -602,12 +647,15 @@ def make_plan(config) -> Plan:
            f"hidden states + {LOGPROB_TILE_COPIES} f32 [{x.bh}, {min(tr.logprob_tile, x.t)}, {x.v}] tiles"),
   ]
   if merge_temp:
-    items.append(Item("refresh merge", merge_temp, "trainer", "step",
+    items.append(Item("refresh merge", merge_temp, "engine" if released else "trainer", "step",
                       "model.lora.merge='in_refresh': one block's adapted weights merged in f32 as "
-                      "the refresh lays it out (at a refresh, not during a step: counted with it)"))
+                      "the refresh lays it out " + ("(before each rollout: counted with sampling)" if released
+                                                    else "(at a refresh, not during a step: counted with it)")))
   items += [
-      Item("engine snapshot", weights_bytes(engine_specs, cd, {"tensor": s.tensor}), "engine", "state",
-           f"pi_old in {cd.name}, engine layout (split over sampling.tensor={s.tensor} only)"),
+      Item("engine snapshot", weights_bytes(engine_specs, cd, {"tensor": s.tensor}), "engine",
+           "step" if released else "state",
+           f"pi_old in {cd.name}, engine layout (split over sampling.tensor={s.tensor} only)"
+           + ("; sampling.release_weights: held while sampling only" if released else "")),
       Item("KV cache", kv_cache_bytes(config), "engine", "state",
            f"{slots} slots x {seq_len(config)} positions x {m.num_layers} layers, "
            f"{m.num_kv_heads} KV heads over tensor {s.tensor}, {cd.name}"),
@@ -636,6 +684,23 @@ def sampler_config(config):
   return out
 
 
+def sampler_base_items(config) -> tuple[Item, ...]:
+  """A LoRA sampler job's base (`rl.sampler_job.SamplerJob`): the frozen base it builds once (in
+  model.base_quant's form) and the base merged with each version's adapters, both whole on the
+  job's first device (not split), kept until the next version is merged."""
+  cd = np.dtype(config.model.dtype)
+  whole = {k: (shape, PartitionSpec()) for k, (shape, _) in
+           param_specs(abstract_params(config), config.sharding.rules).items()}
+  quant = config.model.get("base_quant", "none")
+  base = weights_bytes(whole, cd, {}) if quant == "none" else quantized_base_bytes(whole, cd, {})
+  return (Item("frozen base", base, "engine", "state",
+               f"model.lora: the job's own base in {cd.name if quant == 'none' else quant}, built once, "
+               "whole on its first device", "sampling.tensor does not split it: a device with room"),
+          Item("merged weights", weights_bytes(whole, cd, {}), "engine", "state",
+               f"base + the version's adapters in {cd.name}, whole on the first device, which the "
+               "engines lay out from", "sampling.tensor does not split it: a device with room"))
+
+
 def make_sampler_plan(config) -> Plan:
   """The plan of a remote sampler job (`python -m oapl_jax.sample --dry_run`) of `config` on
   its topology: its engines' items only (the trainer is elsewhere); `sampling.engines` x
@@ -648,6 +713,8 @@ def make_sampler_plan(config) -> Plan:
                       f"and {where.name} has {where.devices // where.processes} per host")
   full = make_plan(sampler_config(config))
   items = tuple(i for i in full.items if i.where == "engine")
+  if _lora_rank(config):  # snapshots are adapters: the job's own frozen base and the merge (`SamplerJob`)
+    items += sampler_base_items(config)
   return dataclasses.replace(full, items=items, shared=False, concurrent=False, sampler_job=True,
                              host_bytes=0, host_note="one rollout's answers at a time")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 
 from oapl_jax import checkpoint
-from oapl_jax.models import build
+from oapl_jax.models import build, quant
 from oapl_jax.models.lora import merged
 
 POLICIES = {"theta": "params", "snapshot": "snapshot"}  # a policy's name -> its checkpoint item
@@ -55,7 +55,8 @@ def restore_adapters(config, workdir: str, policy: str):
 def frozen_base(config):
   """model.lora: (graphdef, base) of the frozen base a run trains its adapters on, made as
   `loop.Run` makes it: config.model's weights in model.dtype (model.path, or the seed's init),
-  warmed up when `warmup.steps` (read from the cache when it is there)."""
+  warmed up when `warmup.steps` (read from the cache when it is there), then quantised as
+  model.base_quant says (`quant.quantize_base`: what the run's checkpoints record the sha256 of)."""
   from oapl_jax import warmup  # noqa: PLC0415
   from oapl_jax.placement import seq_len  # noqa: PLC0415
   from oapl_jax.tasks import make_task  # noqa: PLC0415
@@ -63,4 +64,8 @@ def frozen_base(config):
   if config.warmup.steps:
     task, tokenizer = make_task(config)
     base, _ = warmup.base_model(config, graphdef, base, task, tokenizer, seq_len=seq_len(config))
+  mode = config.model.get("base_quant", "none")
+  if mode != "none":
+    dtype = config.model.dtype  # as `step.TrainStep.base_of` makes it, bit for bit
+    base = jax.jit(lambda b: quant.quantize_base(jax.tree.map(lambda x: x.astype(dtype), b), mode))(base)
   return graphdef, base

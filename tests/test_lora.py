@@ -94,6 +94,7 @@ def test_a_train_step_moves_only_the_adapters(tmp_path):
 
 
 SHARDED = textwrap.dedent("""
+    import sys
     import jax, numpy as np
     from configs import tiny
     from oapl_jax import sharding
@@ -109,6 +110,7 @@ SHARDED = textwrap.dedent("""
       c.rl.old_logprobs, c.train.remat = "snapshot", "full"
       c.train.lr, c.train.warmup_ratio, c.train.eps = 1e-3, 0.0, 1e-3  # as tests/test_mesh_train.py
       c.mesh.fsdp, c.mesh.tensor = fsdp, tensor
+      c.model.base_quant = sys.argv[1] if len(sys.argv) > 1 else "none"  # tests/test_quant.py: "int8"
       return c
 
     def one_step(c, devices):
@@ -118,6 +120,7 @@ SHARDED = textwrap.dedent("""
       step = make_train_step(c, graphdef, make_optimizer(c.train, c.train.steps),
                              SamplingParams.from_config(c.sampling), mesh)
       base = step.base_of(base)
+      assert any(x.dtype == np.int8 for x in jax.tree.leaves(base)) == (c.model.base_quant == "int8")
       key = iter(jax.random.split(jax.random.key(5), 1000))
       move = lambda t, s: jax.tree.map(lambda x: x + s * jax.random.normal(next(key), x.shape), t)
       params = step.place_params(move(adapters, 0.05))  # B != 0: A gets gradients too

@@ -16,7 +16,7 @@ nnx.Param)`). The trainer differentiates the adapters only; the base is frozen.
 Why Flax NNX's LoRA and not qwix: the projections here are multi-axis einsums over weights that
 the engine re-lays out (`sampling/layout.py`), and the remat path stacks each block's weights into
 one scan; an adapter module beside each weight keeps both as they are, where qwix intercepts
-the einsum calls by module path (its quantised bases are not needed for a bf16 base).
+the einsum calls by module path. A quantised base (model.base_quant) is `models/quant.py`'s.
 
 The engine never sees adapters: at a refresh it samples from `merged(base, adapters)`, the base
 weights plus the scaled product, computed in float32 and rounded once to the base's dtype
@@ -38,6 +38,7 @@ from flax import nnx
 
 from oapl_jax.errors import ConfigError
 from oapl_jax.models.names import LORA_TARGETS
+from oapl_jax.models.quant import is_qarray
 from oapl_jax.models.transformer import ADAPTER_SUFFIX as SUFFIX
 from oapl_jax.models.transformer import ModelConfig, Transformer
 
@@ -140,13 +141,17 @@ def merged(base, adapters, scale: float):
   """The base weights State with each adapted weight replaced by W + scale * A B: A and B
   rounded to W's dtype first (the compute dtype, in which the trainer applies them: pi_old is
   the adapters in it), the product and sum in float32, rounded once to W's dtype. The engines'
-  weights; at B = 0 exactly W. Jit it with the base's shardings to merge on the devices."""
+  weights; at B = 0 exactly W. Jit it with the base's shardings to merge on the devices.
+  A quantised base (`quant.QArray` weights, model.base_quant) comes out as plain arrays of its
+  dtype: each W is the array its QArray reads as."""
   targets = _targets_of(adapters)
   out = []
   for path, var in nnx.to_flat_state(base):
     w = var.get_value()
     if tuple(path) in targets:
       w = merge_weight(w, *targets[tuple(path)], scale)
+    elif is_qarray(w):
+      w = w.dequantize()
     out.append((path, var.replace(w)))
   return nnx.from_flat_state(out)
 

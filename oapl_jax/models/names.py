@@ -17,6 +17,7 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")  # Weight / compute dtypes the 
 # N query heads, K key/value heads, D head width; "norm" is the hidden-size RMSNorm weights;
 # "vocab_embed" is E of the embedding table and LM head (a rule of its own: see config.py).
 # Projections of a block a low-rank adapter may be attached to (config.model.lora.targets).
+BASE_QUANTS = ("none", "int8")  # model.base_quant: how a LoRA run holds its frozen base (models/quant.py)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LOGICAL_AXES = ("vocab", "embed", "vocab_embed", "mlp", "q_heads", "kv_heads", "head_dim", "norm")
 

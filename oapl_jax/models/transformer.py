@@ -58,6 +58,7 @@ from flax import nnx
 from oapl_jax.models.attention import DEFAULT_ATTN_BLOCK, causal_attention
 from oapl_jax.models.names import ROPE_SCALING_TYPES, dtype_name
 from oapl_jax.models.pallas_names import ATTENTION_KERNELS
+from oapl_jax.models.quant import is_qarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +335,8 @@ def _scan_blocks(layers: list[Block], x, rope_cs, attn_block: int, remat: str, r
     splits = [_split_trainable(layer) for layer in layers]
     return _full_remat_scan((splits[0][0], attn_block, rows), x, [s[1] for s in splits],
                             [s[2] for s in splits], rope_cs, segment_ids), []
-  states = [jax.tree.map(lambda w: w.astype(x.dtype), nnx.state(layer)) for layer in layers]
+  states = [jax.tree.map(lambda w: w if is_qarray(w) else w.astype(x.dtype), nnx.state(layer),
+                         is_leaf=is_qarray) for layer in layers]  # a QArray keeps its int8 and scale
   stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *states)  # [L, ...] per weight
 
   def step(x, state):
@@ -362,12 +364,26 @@ def _as_bits(w: jax.Array) -> jax.Array:
 
 
 def _stack_bits(states, dtype) -> Any:
-  """List over layers of weight pytrees -> one pytree of `[L, ...]` bits of the weights in `dtype`."""
-  return jax.tree.map(lambda *ws: jnp.stack([_as_bits(w.astype(dtype)) for w in ws]), *states)
+  """List over layers of weight pytrees -> one pytree of `[L, ...]` bits of the weights in `dtype`
+  (a quantised base's `QArray`s are stacked as they are: int8 values and float32 scales, which no
+  pass widens, read as `dtype` inside the block)."""
+  def stack(*ws):
+    if is_qarray(ws[0]):
+      return jax.tree.map(lambda *xs: jnp.stack(xs), *ws)
+    return jnp.stack([_as_bits(w.astype(dtype)) for w in ws])
+  return jax.tree.map(stack, *states, is_leaf=is_qarray)
 
 
 def _from_bits(bits, dtype) -> Any:
-  return jax.tree.map(lambda b: jax.lax.bitcast_convert_type(b, dtype), bits)
+  return jax.tree.map(lambda b: b if is_qarray(b) else jax.lax.bitcast_convert_type(b, dtype), bits,
+                      is_leaf=is_qarray)
+
+
+def _no_gradient(w: jax.Array, shape) -> jax.Array:
+  """The (zero) cotangent of a frozen weight leaf: float0 for integers (a QArray's values)."""
+  if jnp.issubdtype(w.dtype, jnp.integer):
+    return np.zeros(shape, jax.dtypes.float0)
+  return jnp.zeros(shape, w.dtype)
 
 
 def _split_trainable(layer: Block):
@@ -418,8 +434,7 @@ def _full_remat_bwd(static, residuals, dy):
   grads = _from_bits(dbits, dtype)  # [L, ...] per weight, in the compute dtype
   dstates = [jax.tree.map(lambda g, z: g[i].astype(z.dtype), grads, dtypes)
              for i in range(inputs.shape[0])]
-  dfrozen = [jax.tree.map(lambda z, w: jnp.broadcast_to(z, w.shape[1:]), z, frozen_bits)
-             for z in zeros]
+  dfrozen = [jax.tree.map(lambda z, w: _no_gradient(z, w.shape[1:]), z, frozen_bits) for z in zeros]
   return dx, dstates, dfrozen, jax.tree.map(jnp.zeros_like, rope_cs), None
 
 

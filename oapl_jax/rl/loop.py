@@ -217,16 +217,17 @@ class Run:
     self.engine_device_count = max(distributed.total(len(engine_devices(config))), 1)
     self.useful_flops = None  # (tokens, pairs) -> a step's useful FLOPs (aot.model_flops): set by train.py; None: no MFU
     self.peak_flops, self.peak_source = timing.device_peak(self.mesh.devices.flat[0], config.log.peak_flops)
-    if self.lora:
-      self.set_base(params)
+    if self.lora:  # a base the warm-up will train is quantised after it (model.base_quant)
+      self.set_base(params, quantize=not config.warmup.steps)
       params = adapters
     self.start_from(params)
     self.ckpt = Checkpointer(checkpoint.directory_of(config, workdir), keep=config.checkpoint.keep)
 
-  def set_base(self, params) -> None:
-    """model.lora: the frozen base <- `params` in model.dtype (the trainer's shardings), and
-    the record a checkpoint is checked against: model.path and the weights' sha256."""
-    self.base = self.train_step.base_of(params)
+  def set_base(self, params, quantize: bool = True) -> None:
+    """model.lora: the frozen base <- `params` in model.dtype (the trainer's shardings; as
+    model.base_quant says unless `quantize` is False), and the record a checkpoint is checked
+    against: model.path and the weights' sha256."""
+    self.base = self.train_step.base_of(params, quantize)
     self.base_record = checkpoint.base_record(self.config, self.base)
     self._merged = (None, None)
 
@@ -298,6 +299,12 @@ class Run:
   def engine_weights(self) -> list:
     """The snapshot on every engine's device, stamped with the version (placed once per snapshot)."""
     return self.sampler.load(self.engine_snapshot(), self.counters.version)
+
+  def release_engine_weights(self) -> None:
+    """Lets go of the engines' copy of pi_old and, under model.lora.merge="kept", the merged
+    weights (sampling.release_weights): remade, the same, for the next rollout."""
+    self.sampler.release()
+    self._merged = (None, None)
 
   def engine_snapshot(self):
     """pi_old as the engines load it: the snapshot, or under model.lora the base merged with

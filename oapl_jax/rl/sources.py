@@ -91,7 +91,10 @@ class SyncSource:
     return step % lag == 0
 
   def next(self, make_job: MakeJob) -> Drawn:
-    return make_job(self.window - self._run.counters.rollouts % self.window)()
+    drawn = make_job(self.window - self._run.counters.rollouts % self.window)()
+    if self._run.config.sampling.get("release_weights", False):
+      self._run.release_engine_weights()  # none held while the trainer steps
+    return drawn
 
   def pending(self) -> Drawn | None:
     """The rollout in flight (waited for), for checkpoints; sync mode has none."""

@@ -36,6 +36,7 @@ from oapl_jax import sharding as sharding_lib
 from oapl_jax.errors import ConfigError
 from oapl_jax.models import build
 from oapl_jax.models import lora as lora_lib
+from oapl_jax.models import quant
 from oapl_jax.models.names import compiler_options
 from oapl_jax.rl import losses, packing
 from oapl_jax.rl.buffer import Rows
@@ -195,7 +196,11 @@ class TrainStep:
     else:  # pi_theta: the adapters; the frozen base is the step's last argument
       _, abstract, _ = build.lora_abstract(config)
       self.param_shardings = sharding_lib.param_shardings(abstract, mesh, config.sharding.rules)
-      self.base_shardings = build.param_shardings(config, mesh)
+      self.base_shardings = build.param_shardings(config, mesh)  # plain: merged weights'
+    # the frozen base as the step holds it: model.base_quant's QArrays (values, scale), or plain
+    self.base_quant = config.model.get("base_quant", "none")
+    self.frozen_shardings = (None if self.base_shardings is None else quant.shardings(
+        self.base_shardings, self.base_quant, config.model.dtype))
     self.opt_shardings = opt_state_shardings(optimizer, abstract, self.param_shardings, mesh)
     self.replicated = NamedSharding(mesh, PartitionSpec())
     self.batch_sharding = NamedSharding(
@@ -211,14 +216,14 @@ class TrainStep:
     self.jitted = jax.jit(
         fn, donate_argnums=(0, 1),
         in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings, batch,
-                      reference, self.base_shardings),
+                      reference, self.frozen_shardings),
         out_shardings=(self.param_shardings, self.opt_shardings, self.replicated),
         compiler_options=compiler_options(config.model.exact_rounding))
     self.dtype = jnp.dtype(config.model.dtype)
     self._snapshot = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p),
                              out_shardings=self.param_shardings)
     self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)
-    self._merge = self._base_of = None  # model.lora: jitted on first use (`merged`, `base_of`)
+    self._merge, self._base_of = None, {}  # model.lora: jitted on first use (`merged`, `base_of`)
     self.rows_sharding = NamedSharding(mesh, PartitionSpec(sharding_lib.batch_axes(config.sharding.rules)))
     self._orders = {}  # multi-host: rows -> jitted shuffle into the global order
     self._relayout = jax.jit(lambda b: jax.tree.map(
@@ -374,14 +379,17 @@ class TrainStep:
     with jax.set_mesh(self.mesh):
       return self._snapshot(params)
 
-  def base_of(self, params):
+  def base_of(self, params, quantize: bool = True):
     """model.lora: `params` (a model's weights, any dtype and layout; donated) as the frozen
-    base, in model.dtype and the weights' shardings."""
-    if self._base_of is None:
-      self._base_of = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p),
-                              donate_argnums=0, out_shardings=self.base_shardings)
+    base, in model.dtype and the weights' shardings; quantised as model.base_quant says
+    (`quant.quantize_base`) unless `quantize` is False (a base the warm-up is yet to train)."""
+    mode = self.base_quant if quantize else "none"
+    if mode not in self._base_of:
+      self._base_of[mode] = jax.jit(
+          lambda p: quant.quantize_base(jax.tree.map(lambda x: x.astype(self.dtype), p), mode),
+          donate_argnums=0, out_shardings=quant.shardings(self.base_shardings, mode, self.dtype))
     with jax.set_mesh(self.mesh):
-      return self._base_of(params)
+      return self._base_of[mode](params)
 
   def merged(self, adapters, base):
     """The weights the engines sample with under `model.lora`: base + scale * A B, merged on

@@ -122,6 +122,11 @@ class Sampler:
       self._loaded = (params, version, weights)
     return weights
 
+  def release(self) -> None:
+    """Lets go of the engines' copy `load` made (sampling.release_weights): the next `load`
+    lays the weights out again, the same bit for bit."""
+    self._loaded = (None, None, None)
+
   def sample(self, weights, problems: list, *, group_size: int, key: jax.Array) -> Scored:
     """G = `group_size` answers per problem (multi-host: to this process's share of them, each
     host scoring its own). weights: from `load`, or bare params (version -1)."""
