@@ -747,11 +747,6 @@ def _validate_model(c) -> None:
            "model.lora.init_from_check_name", c.model.lora.get("init_from_check_name"), "must be True or False")
     _check(c.model.lora.get("merge", "kept") in LORA_MERGES, "model.lora.merge",
            c.model.lora.get("merge"), f"must be one of {LORA_MERGES}")
-    # remote mode publishes pi_old as the adapters (a sampler job merges them into its own base);
-    # offline mode's round check and rescoring take full weights (a round file from a LoRA
-    # checkpoint names its adapters, oapl_jax/generate.py, but offline mode does not train them)
-    _check(not c.model.lora.rank or c.rl.mode != "offline", "model.lora.rank",
-           c.model.lora.rank, "adapters train in rl.mode 'sync', 'async' or 'remote' (not 'offline') for now")
   quant = c.model.get("base_quant", "none")
   _check(quant in BASE_QUANTS, "model.base_quant", quant, f"must be one of {BASE_QUANTS}")
   _check(quant == "none" or ("lora" in c.model and c.model.lora.rank > 0), "model.base_quant", quant,

@@ -47,17 +47,31 @@ flags.mark_flags_as_required(["config", "out"])
 
 
 def base_policy(config):
-  """(params, graphdef, model_cfg, task, tokenizer, policy record) of the config's base."""
+  """(params, graphdef, model_cfg, task, tokenizer, policy record) of the config's base: under
+  model.lora the frozen base as the run makes it (`policies.frozen_base`; model.base_quant's
+  int8 read back as model.dtype), which is the run's pi_old before its adapters move."""
   from oapl_jax import warmup  # noqa: PLC0415 (after validation: TensorFlow logs)
+  from oapl_jax.models import build  # noqa: PLC0415
   from oapl_jax.models.build import init_model  # noqa: PLC0415
   from oapl_jax.placement import seq_len  # noqa: PLC0415
   from oapl_jax.tasks import make_task  # noqa: PLC0415
   task, tokenizer = make_task(config)
-  model_cfg, graphdef, params = init_model(config)
   source = f"base ({config.model.path or 'random init, seed %d' % config.seed})"
   if config.warmup.steps:
-    params, _ = warmup.base_model(config, graphdef, params, task, tokenizer, seq_len=seq_len(config))
     source = f"base (warm-up of {config.warmup.steps} steps, seed {config.seed})"
+  if config.model.lora.get("rank"):  # a LoRA run's first pi_old: its frozen base as the run makes it
+    from oapl_jax.models import quant  # noqa: PLC0415
+    from oapl_jax.policies import frozen_base  # noqa: PLC0415
+    graphdef, base = frozen_base(config)
+    model_cfg = build.ModelConfig.from_config(config.model)
+    quantized = config.model.get("base_quant", "none")
+    if quantized != "none":
+      source = source[:-1] + f", {quantized})"
+    return (quant.dequantized(base, config.model.dtype), graphdef, model_cfg, task, tokenizer,
+            {"version": 0, "snapshot_step": 0, "source": source})
+  model_cfg, graphdef, params = init_model(config)
+  if config.warmup.steps:
+    params, _ = warmup.base_model(config, graphdef, params, task, tokenizer, seq_len=seq_len(config))
   return params, graphdef, model_cfg, task, tokenizer, {"version": 0, "snapshot_step": 0, "source": source}
 
 

@@ -335,12 +335,9 @@ def test_bad_lora_settings_are_refused_in_one_line(setting, value, needle):
   assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_lora_in_offline_mode_is_refused_for_now():
-  from oapl_jax.config import ConfigError, validate  # noqa: PLC0415
+def test_lora_in_remote_and_offline_modes_is_accepted():
+  from oapl_jax.config import validate  # noqa: PLC0415
   c = _lora_config()
-  c.rl.mode = "remote"
-  validate(c)  # remote mode publishes adapters (tests/test_remote_lora.py)
-  c.rl.mode = "offline"
-  with pytest.raises(ConfigError, match="model.lora.rank=4: adapters train in rl.mode 'sync', 'async' or 'remote' "
-                     r"\(not 'offline'\)"):
+  for mode in ("remote", "offline"):  # tests/test_remote_lora.py, tests/test_lora_offline.py
+    c.rl.mode = mode
     validate(c)

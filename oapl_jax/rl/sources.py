@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from oapl_jax.errors import ConfigError
-from oapl_jax import distributed, placement, storage
+from oapl_jax import checkpoint, distributed, placement, storage
 from oapl_jax.metrics import say
 from oapl_jax.placement import seq_len
 from oapl_jax.rl import offline, remote
@@ -179,7 +179,7 @@ class OfflineSource:
     self._first = None
     if off.path is not None:  # refused now, before any warm-up, if it is not this run's
       self._first = offline.read(off.path)
-      offline.check_matches(self._first, config, run.model_meta())
+      offline.check_matches(self._first, config, run.model_cfg.architecture())
       offline.check_problems(self._first, run.sampler.tokenizer)
       if offline.SPAN_ARRAY in self._first.arrays and off.rounds > 1 and config.env.name is None:
         raise ConfigError(f"config.rl.offline.rounds={off.rounds}: {off.path} holds multi-turn "
@@ -238,12 +238,13 @@ class OfflineSource:
       if not os.path.exists(path):
         self._sample(round_index, path)
       data = offline.read(path)
-    offline.check_matches(data, config, run.model_meta())
+    offline.check_matches(data, config, run.model_cfg.architecture())
     offline.check_problems(data, run.sampler.tokenizer)
-    if self._recompute is None:
-      self._recompute = offline.logprob_fn(config, run.graphdef, run.mesh)
+    if self._recompute is None:  # the engines' model (without adapters): pi_old's full weights
+      self._recompute = offline.logprob_fn(config, run.engine_graphdef, run.mesh)
+    pi_old = self._pi_old()
     if not data.has_logprobs:  # imported traces without the sampler's log-probs (docs/agents.md)
-      tokens = offline.fill_logprobs(data, self._recompute, run.snapshot, seq_len=seq_len(config),
+      tokens = offline.fill_logprobs(data, self._recompute, pi_old, seq_len=seq_len(config),
                                      pad_id=run.sampler.tokenizer.pad_id)
       say(f"offline round {round_index + 1}: {data.groups} groups from {data.path} "
           f"({data.header['policy'].get('source')}, stored without log-probs: pi_old is "
@@ -251,7 +252,7 @@ class OfflineSource:
           f"{tokens} model tokens)")
       self._loaded = (round_index, data)
       return data
-    gap = offline.check_logprobs(data, config, self._recompute, run.snapshot,
+    gap = offline.check_logprobs(data, config, self._recompute, pi_old,
                                  seq_len=seq_len(config), pad_id=run.sampler.tokenizer.pad_id,
                                  what=f"this run's pi_old (version {run.counters.version})")
     say(f"offline round {round_index + 1}: {data.groups} groups from {data.path} "
@@ -259,16 +260,26 @@ class OfflineSource:
     self._loaded = (round_index, data)
     return data
 
+  def _pi_old(self):
+    """pi_old's full weights, which round files are rescored with: the snapshot, or under
+    model.lora the base merged with the snapshot's adapters (as the engines sample them)."""
+    run = self._run
+    return run.snapshot if run.lora is None else run.train_step.merged(run.snapshot, run.base)
+
   def _sample(self, round_index: int, path: str) -> None:
-    """Samples round `round_index`'s file with pi_old into `path`."""
+    """Samples round `round_index`'s file with pi_old into `path` (under model.lora its policy
+    names the adapters, as `oapl_jax.generate` does)."""
     run, c = self._run, self._run.counters
     problems = (offline.round_one_problems(run.config, run.sampler.task) if round_index == 0
                 else self._problems_of_round_one())
     policy = {"version": c.version, "snapshot_step": c.snapshot_step,
               "source": f"pi_old of the run in {os.path.dirname(self._dir)} at step {c.step}"}
+    if run.lora is not None:
+      policy["adapters"] = {**run.lora.record(), "sha256": checkpoint.tree_digest(run.snapshot),
+                            "base": run.base_record}
     header, arrays, _ = offline.sample_round(
         run.config, run.sampler, run.engine_weights(), problems, round_index=round_index,
-        policy=policy, model_meta=run.model_meta())
+        policy=policy, model_meta=run.model_cfg.architecture())
     offline.write(path, header, arrays)
 
   def _problems_of_round_one(self):
