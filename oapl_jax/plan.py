@@ -397,7 +397,7 @@ SETTINGS = {
     "trainer snapshot": "mesh.fsdp (more devices: mesh.topology)",
     "reference policy": "mesh.fsdp (more devices: mesh.topology)",
     "frozen base": "model.base_quant='int8' (with model.lora) or mesh.fsdp (more devices: mesh.topology)",
-    "dequantised weights": "train.remat (a scan dequantises one block at a time) or mesh.fsdp",
+    "dequantised base": "train.remat (a scan dequantises one block at a time) or mesh.fsdp",
     "merged weights": "model.lora.merge='in_refresh' (no standing merged copy) or mesh.fsdp",
     "refresh merge": "mesh.fsdp (more devices: mesh.topology)",
     "train batch": "rl.groups_per_step (or more devices: mesh.topology)",
@@ -617,9 +617,9 @@ def make_plan(config) -> Plan:
                         f"model.lora: the base's weights in {cd.name}, frozen, trainer layout"))
     else:
       items.append(Item("frozen base", quantized_base_bytes(base_specs, cd, mesh), "trainer", "state",
-                        f"model.lora over a {quant} base: block projections in {quant} + a float32 "
+                        f"model.lora over an {quant} base: block projections in {quant} + a float32 "
                         f"scale per output channel, the rest in {cd.name}, trainer layout"))
-      items.append(Item("dequantised weights", dequantized_bytes(config, base_specs, cd, mesh), "trainer",
+      items.append(Item("dequantised base", dequantized_bytes(config, base_specs, cd, mesh), "trainer",
                         "step", f"the projections read as {cd.name} in the step: "
                         + ("every block's, kept for the backward (remat none)" if tr.remat == "none"
                            else "one block's at a time (the remat scan)")))

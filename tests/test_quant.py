@@ -170,8 +170,8 @@ def test_the_planner_counts_the_int8_base():
     plans[arg] = plan.make_plan(c)
   q, b = ({i.name: i.nbytes for i in plans[a].items} for a in ("qlora_4b", "lora_4b_l4"))
   assert 0.5 < q["frozen base"] / b["frozen base"] < 0.6  # the projections at 1 byte, not 2
-  assert 0 < q["dequantised weights"] < q["frozen base"] / 20  # one block of 36
-  assert "dequantised weights" not in b
+  assert 0 < q["dequantised base"] < q["frozen base"] / 20  # one block of 36
+  assert "dequantised base" not in b
   assert plans["qlora_4b"].fits and plans["qlora_4b"].total < plans["lora_4b_l4"].total - 2 * 2**30
 
 

@@ -17,7 +17,7 @@ leading ones (`IN_AXES`): `[E, N, D]` q_proj reduces E, `[N, D, E]` o_proj reduc
 Both sides of OAPL's log-prob contract see the same quantised base: the trainer computes
 `x deq(Wq) + scale x A B`; the engines sample from `merged`, deq(Wq) + scale A B in float32,
 rounded once to `model.dtype`, where deq(Wq) is the `model.dtype` array the QArray reads as: the
-contract is the bf16-base run's, with the dequantised weights as the base.
+contract is the bf16-base run's, with the dequantised base as the base.
 The engines' weights are therefore `model.dtype` as in a bf16-base run: what the quantised base
 saves is the trainer's copy of the base (and, with `model.lora.merge="in_refresh"`, the only
 base copy on the devices between refreshes); sampling from int8 weights is not done here.
