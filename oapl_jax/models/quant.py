@@ -7,8 +7,8 @@ Under `model.lora` the base is frozen, so its block projections (q/k/v/o, gate/u
 all of a model's bytes besides the embedding) can be held as int8 with one float32 scale per
 output channel: a `QArray`, a pytree of (`values` int8, `scale` float32) that reads as the
 dequantised weight rounded to the base's dtype. The model's code is unchanged: a projection is
-read as `self.q_proj[...]`, which on a `QArray` dequantises. The embedding, the head and the norms stay in
-`model.dtype`.
+read as `self.q_proj[...]`, which on a `QArray` dequantises. The embedding, the head and the
+norms stay in `model.dtype`.
 
 Symmetric per-output-channel int8: scale = max |w| over the input axes / 127, values =
 round(w / scale), clipped to [-127, 127]. The contraction axes of each projection are its
@@ -17,10 +17,10 @@ leading ones (`IN_AXES`): `[E, N, D]` q_proj reduces E, `[N, D, E]` o_proj reduc
 Both sides of OAPL's log-prob contract see the same quantised base: the trainer computes
 `x deq(Wq) + scale x A B`; the engines sample from `merged`, deq(Wq) + scale A B in float32,
 rounded once to `model.dtype`, where deq(Wq) is the `model.dtype` array the QArray reads as: the
-contract is the bf16-base run's, with the dequantised base as the base.
-The engines' weights are therefore `model.dtype` as in a bf16-base run: what the quantised base
-saves is the trainer's copy of the base (and, with `model.lora.merge="in_refresh"`, the only
-base copy on the devices between refreshes); sampling from int8 weights is not done here.
+contract is the bf16-base run's, with the dequantised base as the base. The engines' weights
+are therefore `model.dtype` as in a bf16-base run: what the quantised base saves is the trainer's
+copy of the base (with `model.lora.merge="in_refresh"` and `sampling.release_weights`, the only
+base copy on a shared device while the trainer steps); sampling from int8 weights is not done.
 
 Why not qwix: it quantises by intercepting the einsum calls of modules it is given, where the
 frozen base here must also pass through the engine's re-layout, the remat scans' stacking and
@@ -53,7 +53,7 @@ class QArray:
 
   values: jax.Array
   scale: jax.Array
-  dtype_name: str = struct.field(pytree_node=False, default="bfloat16")
+  dtype_name: str = struct.field(pytree_node=False)  # the base's dtype, what it reads as
 
   @property
   def shape(self) -> tuple[int, ...]:
