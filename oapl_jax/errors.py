@@ -56,6 +56,21 @@ def one_line(message: str) -> str:
   return out
 
 
+def stopped_by(e: BaseException) -> Interrupted | None:
+  """The `Interrupted` that `e` was raised while handling, if any (its `__context__` chain): a
+  stop signal's exception raised inside library code whose own cleanup then failed (tqdm's
+  write lock, half made when the SIGTERM landed, raised AttributeError on its way out, and the
+  sampler job exited 1 with a traceback instead of 143 with one line). Such an error is the
+  stop's consequence, not a bug of its own."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    if isinstance(e, Interrupted):
+      return e
+    seen.add(id(e))
+    e = e.__context__
+  return None
+
+
 def run_command(main: Callable[[list[str]], Any]) -> None:
   """Runs an absl `main(argv)` with `app.run`, as a command: a `UserError` is printed as
   `error: <message>` on one line of stderr and the process exits with its `exit_code`; with
@@ -77,6 +92,14 @@ def run_command(main: Callable[[list[str]], Any]) -> None:
         print(f"error: {one_line(e)}", file=sys.stderr)
       sys.stderr.flush()
       sys.exit(e.exit_code)
+    except Exception as e:
+      stop = stopped_by(e)
+      if stop is None:
+        raise  # a bug: absl's traceback
+      if flags.FLAGS.verbose:
+        traceback.print_exc()
+      print(f"error: {one_line(stop)}", file=sys.stderr, flush=True)
+      sys.exit(stop.exit_code)
     except KeyboardInterrupt:  # Ctrl-C where no StopSignals handler turns it into a clean stop
       if flags.FLAGS.verbose:
         traceback.print_exc()

@@ -81,7 +81,7 @@ def test_a_workdir_that_is_a_file_is_one_line(module, tmp_path):
 
 @pytest.mark.parametrize("config, override, why", [
     ("configs/tiny.py:nope", None, "--config=configs/tiny.py:nope: the config file did not load: "
-     "ValueError: unknown config arg 'nope' (unknown variant; known: smoke, lora)"),
+     "ValueError: unknown config arg 'nope' (unknown variant; known: smoke, lora, int8)"),
     ("{no_get}", None, "--config={no_get}: the config file did not load: AttributeError: "),
     ("{raises}", None, "--config={raises}: the config file did not load: RuntimeError: boom"),
     ("configs/tiny.py", "--config.rl.group_size=8x",

@@ -62,3 +62,40 @@ def test_interrupted_is_not_an_exception_so_guards_let_it_through():
     caught = e.exit_code
   assert caught == 143
   assert not issubclass(Interrupted, UserError)
+
+
+# A command stopped by SIGTERM inside library code whose cleanup then fails: tqdm's first write
+# makes its lock lazily; the signal landing there left `_lock` unset and tqdm's `finally` raised
+# AttributeError over the stop (a CI run's sampler job exited 1 with a traceback, not 143).
+_MASKED = textwrap.dedent("""
+    import os, signal
+    from oapl_jax import errors
+    from oapl_jax.workdir import StopSignals
+
+    class Library:
+      def write(self):
+        try:
+          os.kill(os.getpid(), signal.SIGTERM)  # the handler raises Interrupted here
+          for _ in range(1000):
+            pass
+        finally:
+          self._lock.release()  # never made: AttributeError, raised while handling the stop
+
+    def main(argv):
+      with StopSignals():
+        Library().write()
+      print("went on")
+
+    errors.run_command(main)
+""")
+
+
+def test_a_stop_whose_library_cleanup_fails_is_still_one_line_and_143():
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  done = subprocess.run([sys.executable, "-c", _MASKED], env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 143, done.stdout + done.stderr
+  assert done.stderr.strip().splitlines() == ["error: stopped by SIGTERM"], done.stderr
+  # a bug whose own exception is not raised while handling a stop keeps its traceback
+  bug = _MASKED.replace("os.kill(os.getpid(), signal.SIGTERM)", "pass")
+  done = subprocess.run([sys.executable, "-c", bug], env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1 and "AttributeError" in done.stderr and "Traceback" in done.stderr, done.stderr
