@@ -118,11 +118,22 @@ def _abstract_params(cfg: ModelConfig) -> nnx.State:
 
 def trained_params(config) -> nnx.State:
   """The weights the trainer differentiates, abstract: every weight (`abstract_params`), or
-  under model.lora the adapters (`build.lora_abstract`), in model.param_dtype."""
+  under model.lora the adapters (`build.lora_abstract`'s), in model.param_dtype. Not to be
+  modified: both are cached (a 36-layer model's adapters take 10 s to trace)."""
   if not _lora_rank(config):
     return abstract_params(config)
-  from oapl_jax.models.build import lora_abstract  # noqa: PLC0415
-  return lora_abstract(config)[1]
+  from oapl_jax.models.build import lora_of  # noqa: PLC0415
+  return _abstract_adapters(ModelConfig.from_config(config.model), lora_of(config))
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_adapters(cfg: ModelConfig, lora) -> nnx.State:
+  """The adapters of `lora` on a `cfg` model, abstract (`build.lora_abstract`'s shapes and
+  dtypes: those do not depend on the seed)."""
+  from oapl_jax.models import lora as lora_lib  # noqa: PLC0415
+  base = dataclasses.replace(cfg, param_dtype=cfg.dtype)
+  model = nnx.eval_shape(lambda: lora_lib.attach(Transformer(base, rngs=nnx.Rngs(params=0)), lora, 0))
+  return nnx.state(model, nnx.LoRAParam)
 
 
 def _lora_rank(config) -> int:
