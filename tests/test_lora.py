@@ -64,6 +64,19 @@ def test_zero_init_adapters_leave_every_logit_and_the_merged_weights_bit_equal(s
   assert not np.allclose(np.asarray(nnx.merge(lgraph, adapters, base)(tokens)), np.asarray(want), atol=1e-3)
 
 
+def step_batch(c):
+  """One step's batch of random rows (answers at positions 6-11, sampler log-probs -1, rewards 0
+  or 1: non-zero advantages) for config `c` (also tests/test_quant.py's)."""
+  from oapl_jax.rl.step import Batch  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  b, t = c.rl.groups_per_step * c.rl.group_size, 14
+  tokens = rng.integers(3, c.model.vocab_size, (b, t)).astype(np.int32)
+  mask = np.zeros((b, t - 1), np.float32)
+  mask[:, 6:12] = 1.0
+  return Batch(tokens=tokens, mask=mask, sampler_logprobs=np.where(mask > 0, -1.0, 0.0).astype(np.float32),
+               rewards=rng.integers(0, 2, b).astype(np.float32))
+
+
 def test_a_train_step_moves_only_the_adapters(tmp_path):
   """One optimizer step of a LoRA run on a batch with non-zero advantages: the adapters move
   (B leaves zero), the frozen base is bit-equal, AdamW holds state for the adapters only."""
@@ -71,15 +84,7 @@ def test_a_train_step_moves_only_the_adapters(tmp_path):
   r = train.Run(c, str(tmp_path))
   base_before = jax.tree.map(np.asarray, r.base)
   adapters_before = jax.tree.map(np.asarray, r.params)
-  rng = np.random.default_rng(0)
-  b, t = c.rl.groups_per_step * c.rl.group_size, 14
-  tokens = rng.integers(3, c.model.vocab_size, (b, t)).astype(np.int32)
-  mask = np.zeros((b, t - 1), np.float32)
-  mask[:, 6:12] = 1.0
-  from oapl_jax.rl.step import Batch  # noqa: PLC0415
-  batch = Batch(tokens=tokens, mask=mask, sampler_logprobs=np.where(mask > 0, -1.0, 0.0).astype(np.float32),
-                rewards=rng.integers(0, 2, b).astype(np.float32))
-  params, opt_state, m = r.train_step(r.params, r.opt_state, r.snapshot, batch, r.reference, r.base)
+  params, opt_state, m = r.train_step(r.params, r.opt_state, r.snapshot, step_batch(c), r.reference, r.base)
   assert m["step_skipped"] == 0.0 and float(m["grad_norm"]) > 0
   flat_new, flat_old = dict(nnx.to_flat_state(params)), dict(nnx.to_flat_state(adapters_before))
   b_paths = [p for p in flat_new if p[-1] == "lora_b"]

@@ -21,9 +21,9 @@ from oapl_jax.models import lora as lora_lib
 from oapl_jax.models import quant
 from oapl_jax.models.hf import from_hf
 from oapl_jax.rl.logprobs import make_batch, token_logprobs
-from oapl_jax.rl.step import Batch
 from oapl_jax.sampling import Engine, SamplingParams, rollout
 from oapl_jax.sampling.engine import engine_settings
+from test_lora import step_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,14 +83,7 @@ def test_a_step_over_an_int8_base_moves_the_adapters_only_in_every_remat(tmp_pat
     r = train.Run(c, str(tmp_path / remat))
     assert sum(quant.is_qarray(v.get_value()) for _, v in nnx.to_flat_state(r.base)) == c.model.num_layers * 7
     base_before = jax.tree.map(np.asarray, r.base)
-    rng = np.random.default_rng(0)
-    b, t = c.rl.groups_per_step * c.rl.group_size, 14
-    tokens = rng.integers(3, c.model.vocab_size, (b, t)).astype(np.int32)
-    mask = np.zeros((b, t - 1), np.float32)
-    mask[:, 6:12] = 1.0
-    batch = Batch(tokens=tokens, mask=mask, sampler_logprobs=np.where(mask > 0, -1.0, 0.0).astype(np.float32),
-                  rewards=rng.integers(0, 2, b).astype(np.float32))
-    params, _, m = r.train_step(r.params, r.opt_state, r.snapshot, batch, r.reference, r.base)
+    params, _, m = r.train_step(r.params, r.opt_state, r.snapshot, step_batch(c), r.reference, r.base)
     assert m["step_skipped"] == 0.0 and float(m["grad_norm"]) > 0
     assert all(np.array_equal(np.asarray(x), y)
                for x, y in zip(jax.tree.leaves(r.base), jax.tree.leaves(base_before)))
