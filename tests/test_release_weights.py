@@ -22,11 +22,13 @@ SAMPLED = ("loss", "entropy", "answer_length", "reward_mean", "trainer_vs_sample
     ("smoke,lora", "kept"),  # the standing merged copy is let go too
 ])
 def test_released_weights_give_the_same_run_bit_for_bit(tmp_path, monkeypatch, arg, merge):
-  """The smoke run (6 steps, pi_old refreshed every 3) with and without release_weights: every
+  """The smoke run (6 steps, pi_old refreshed every 3, on a base that earns rewards) with and
+  without release_weights: every
   logged step's sampled figures and losses are equal, bit for bit; with it the engines lay the
   weights out once per rollout, without once per version (the evaluations alike). Broken by hand
   once (release without the layout counted: `Sampler.release` a no-op): the layout counts
-  were equal and the test failed on them."""
+  were equal and the test failed on them; and once with a released copy reused (version 0's
+  weights sampled after the refresh): the logged steps differed."""
   layouts = []
   real = Replicas.load_params
   monkeypatch.setattr(Replicas, "load_params", lambda self, *a, **k: layouts.append(1) or real(self, *a, **k))
@@ -36,12 +38,14 @@ def test_released_weights_give_the_same_run_bit_for_bit(tmp_path, monkeypatch, a
     if merge:
       c.model.lora.merge = merge
     c.sampling.release_weights = release
+    c.seed, c.warmup.steps, c.warmup.noisy_steps = 3, 200, 50  # a base that earns rewards: the policy moves
     c.warmup.cache_dir = str(tmp_path / "cache")
     layouts.clear()
     train.run(c, str(tmp_path / f"run{release}"))
     counts[release] = len(layouts)
     rows[release] = [{k: r[k] for k in SAMPLED if k in r} for r in read_metrics(str(tmp_path / f"run{release}"))]
   assert len(rows[True]) == 6 and rows[True] == rows[False]
+  assert any(r["reward_mean"] > 0 for r in rows[True]), rows[True]  # advantages: pi_theta moved
   rollouts, versions = rows[True][-1]["rollouts"], rows[True][-1]["policy_version"] + 1
   assert rollouts > versions  # more layouts with the release: one per rollout, not per version
   assert counts[True] - counts[False] == rollouts - versions, (counts, rollouts, versions)
