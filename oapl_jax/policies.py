@@ -66,6 +66,5 @@ def frozen_base(config):
     base, _ = warmup.base_model(config, graphdef, base, task, tokenizer, seq_len=seq_len(config))
   mode = config.model.get("base_quant", "none")
   if mode != "none":
-    dtype = config.model.dtype  # as `step.TrainStep.base_of` makes it, bit for bit
-    base = jax.jit(lambda b: quant.quantize_base(jax.tree.map(lambda x: x.astype(dtype), b), mode))(base)
+    base = jax.jit(lambda b: quant.as_frozen_base(b, mode, config.model.dtype))(base)  # as the trainer's
   return graphdef, base

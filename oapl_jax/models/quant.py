@@ -112,6 +112,13 @@ def quantize_base(base: nnx.State, mode: str) -> nnx.State:
   return nnx.from_flat_state(out)
 
 
+def as_frozen_base(weights: nnx.State, mode: str, dtype) -> nnx.State:
+  """A model's weights as a LoRA run's frozen base: cast to `dtype` (model.dtype), then
+  quantised as `mode` says. The one recipe the trainer and every command use, so their bases
+  (and sha256s) are equal bit for bit."""
+  return quantize_base(jax.tree.map(lambda x: x.astype(dtype), weights), mode)
+
+
 def dequantized(base: nnx.State, dtype) -> nnx.State:
   """`base` with each QArray read back as an array of `dtype` (what the engines load)."""
   return nnx.from_flat_state([(p, v.replace(v.get_value().astype(dtype)) if is_qarray(v.get_value()) else v)

@@ -386,7 +386,7 @@ class TrainStep:
     mode = self.base_quant if quantize else "none"
     if mode not in self._base_of:
       self._base_of[mode] = jax.jit(
-          lambda p: quant.quantize_base(jax.tree.map(lambda x: x.astype(self.dtype), p), mode),
+          lambda p: quant.as_frozen_base(p, mode, self.dtype),
           donate_argnums=0, out_shardings=quant.shardings(self.base_shardings, mode, self.dtype))
     with jax.set_mesh(self.mesh):
       return self._base_of[mode](params)
