@@ -5,6 +5,7 @@ from setuptools import find_packages, setup
 # The test tools every test venv gets (the "test" extra adds torch, "test-no-torch" does not).
 TEST_TOOLS = [
     "pytest>=8,<10",
+    "pytest-xdist>=3.5,<4",  # `pytest -n 2`: the suite on two worker processes (README, .ci/run)
     "chex>=0.1.88,<0.2",
     "nbclient>=0.10,<0.12",  # tests/test_notebooks.py executes notebooks/*.ipynb
     "nbformat>=5.10,<6",
