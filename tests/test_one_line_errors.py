@@ -109,11 +109,14 @@ def test_ctrl_c_during_a_commands_warmup_is_one_line_and_exit_130(tmp_path):
   wrapper, which says so in one line and exits 130 (128 + SIGINT), as a shell expects. The command
   starts with SIGINT's default action, as a terminal's foreground job does: a suite started in the
   background (`bash .ci/run &`) ignores SIGINT, its processes inherit that, and Python then leaves
-  Ctrl-C ignored (this test timed out so in a backgrounded CI run)."""
-  proc = subprocess.Popen([sys.executable, "-m", "oapl_jax.generate", "--config=configs/tiny.py:smoke",
-                           f"--out={tmp_path / 'r.npz'}", "--config.warmup.steps=100000"],
-                          cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+  Ctrl-C ignored (this test timed out so in a backgrounded CI run). A small launcher sets it and
+  execs the command in the same process (not `preexec_fn`: a fork of this multithreaded process)."""
+  command = [sys.executable, "-m", "oapl_jax.generate", "--config=configs/tiny.py:smoke",
+             f"--out={tmp_path / 'r.npz'}", "--config.warmup.steps=100000"]
+  launcher = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+              "os.execv(sys.argv[1], sys.argv[1:])")
+  proc = subprocess.Popen([sys.executable, "-c", launcher, *command], cwd=ROOT, env=ENV,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     for line in proc.stdout:  # the warm-up's first line: it has started
       if line.startswith("warm-up:"):
