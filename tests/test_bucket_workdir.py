@@ -16,6 +16,7 @@ import importlib.util
 
 import pytest
 
+from oapl_jax import checkpoint as ckpt
 from oapl_jax import timing
 from oapl_jax import metrics, storage, workdir
 from oapl_jax.errors import UserError
@@ -184,21 +185,15 @@ def test_a_run_in_a_bucket_killed_then_resumed_from_another_host_is_the_straight
 
 
 
-def _in_place(checkpoints) -> list[int]:
-  """The steps orbax has put in place in the folder `checkpoints` (a save renames its step's
-  folder into place once it is written; one in flight is `<step>.orbax-checkpoint-tmp...`)."""
-  return sorted(int(n) for n in os.listdir(checkpoints) if n.isdigit()) if os.path.isdir(checkpoints) else []
-
-
 def _kill_after_steps(launcher, run_dir, steps: int, checkpoint: tuple | None = None) -> None:
   """SIGKILL the launcher and both its processes at once, as soon as the run has logged `steps`
-  steps and, with `checkpoint=(folder, step)`, that checkpoint is in place (saves are written in
-  the background: on a busy machine a step logged after a save does not mean the save is done);
-  a 15-minute safety net, not a timing check."""
+  steps and, with `checkpoint=(folder, step)`, a checkpoint of that step or a later one is in
+  place (`checkpoint.newest_step`; saves are written in the background: on a busy machine a step
+  logged after a save does not mean the save is done); a 15-minute safety net, not a timing check."""
   t0 = time.time()
   while (not (run_dir / "metrics.jsonl").exists()
          or len((run_dir / "metrics.jsonl").read_text().splitlines()) < steps
-         or (checkpoint is not None and checkpoint[1] not in _in_place(checkpoint[0]))):
+         or (checkpoint is not None and (ckpt.newest_step(str(checkpoint[0])) or 0) < checkpoint[1])):
     assert launcher.poll() is None, launcher.communicate()[0][-3000:]
     assert time.time() - t0 < 900
     time.sleep(0.05)
@@ -237,7 +232,7 @@ def test_a_two_process_run_in_a_bucket_killed_then_resumed_redoes_its_lost_steps
   first = launch(tmp_path / "logs1")
   _kill_after_steps(first, run_dir, 6, checkpoint=(tmp_path / "ckpt", 4))
   killed = _rows((run_dir / "metrics.jsonl").read_text())
-  newest = _in_place(tmp_path / "ckpt")[-1]  # 4, unless the machine was so slow that 8 was written too
+  newest = ckpt.newest_step(str(tmp_path / "ckpt"))  # 4, unless the machine was so slow that 8 was written too
   assert any(r["reward_mean"] > 0 for r in killed), killed  # one-digit sums: rewards to tell answers apart
   assert not (run_dir / "summary.json").exists()
   lock = json.loads((run_dir / "run.lock").read_text())
