@@ -133,6 +133,10 @@ def defaults(model_preset: str) -> ml_collections.ConfigDict:
   # "eval before" (cached beside it, keyed by the eval and sampling settings too); runs that need
   # the same uncached base at once build it once (the others wait on its lock); None = off.
   c.warmup.cache_dir = placeholder(str)
+  # True: the base must already be in warmup.cache_dir (e.g. committed bases a study goes on
+  # from: a base depends on the CPU it was built on); it is read, never built, and a missing one
+  # is an error naming the folder looked in. Not part of the base's key.
+  c.warmup.cached_only = False
 
   c.sampling = ml_collections.ConfigDict()
   c.sampling.temperature = 1.0  # Logits are divided by this before sampling (> 0).
@@ -541,6 +545,8 @@ def validate(c, *, dry_run: bool = False) -> None:
   _validate_sharding(c)
   _check(c.warmup.steps == 0 or c.task.name in WARMUP_TASKS, "warmup.steps", c.warmup.steps,
          f"the supervised warm-up exists only for the embedded tasks {WARMUP_TASKS}")
+  _check(not c.warmup.cached_only or (c.warmup.cache_dir and c.warmup.steps), "warmup.cached_only",
+         c.warmup.cached_only, "needs warmup.cache_dir (where the bases are) and warmup.steps > 0")
 
   rl = c.rl
   _check(rl.loss in LOSS_NAMES, "rl.loss", rl.loss, f"unknown loss; known: {sorted(LOSS_NAMES)}")

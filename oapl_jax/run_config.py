@@ -47,6 +47,7 @@ RULES = {
                          "same bit for bit)"),
     "warmup": (WORKDIR, "the base model RL started from"),
     "warmup.cache_dir": (QUIET, "where the base is cached, not what it is"),
+    "warmup.cached_only": (QUIET, "whether the base may be built, not what it is"),
     "sampling": (SAID, "how the engines are laid out and batched, not what they sample"),
     "sampling.temperature": (RUN, _PI_OLD),
     "sampling.top_p": (RUN, _PI_OLD),

@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from oapl_jax import distributed
+from oapl_jax.errors import UserError
 from oapl_jax.workdir import exclusive_flock
 from oapl_jax.metrics import say, write_json
 from oapl_jax.sampling.rollout import SAMPLING_KEYS
@@ -103,16 +104,31 @@ def run(graphdef, params, task, tokenizer, cfg, *, seq_len: int, seed: int):
   return params, float(loss)
 
 
+# Settings added after bases were first cached, each with the value that gives the bases (and the
+# "eval before") made before it: at that value a setting is left out of the keys below, so adding
+# it keeps every earlier base's name - a cache, and committed bases (docs/mix_study/paired_check),
+# stay found. A new setting in a keyed section (model, task, warmup, sampling, eval, env) goes
+# here with that value, unless it changes what is built (then the new names are right).
+KEY_NEUTRAL = {"model.base_quant": "none", "sampling.release_weights": False}
+
+
+def _keyed(section: str, settings: dict) -> dict:
+  """`settings` of `section` without those at their `KEY_NEUTRAL` value."""
+  return {k: v for k, v in settings.items()
+          if f"{section}.{k}" not in KEY_NEUTRAL or KEY_NEUTRAL[f"{section}.{k}"] != v}
+
+
 def cache_path(config, seq_len: int) -> str | None:
   """`<warmup.cache_dir>/<hash>`, the hash of everything the warmed-up base depends on."""
   if not config.warmup.cache_dir:
     return None
-  model = config.model.to_dict()
+  model = _keyed("model", config.model.to_dict())
   lora = model.pop("lora", None)  # adapters are trained after the warm-up: a LoRA run shares the base
   if lora and lora["rank"] and config.model.dtype != config.model.param_dtype:
     model["base_dtype"] = config.model.dtype  # ... unless it holds the base in another dtype
-  key = {"seed": config.seed, "model": model, "task": config.task.to_dict(),
-         "warmup": {k: v for k, v in config.warmup.items() if k != "cache_dir"},
+  key = {"seed": config.seed, "model": model, "task": _keyed("task", config.task.to_dict()),
+         "warmup": _keyed("warmup", {k: v for k, v in config.warmup.items()
+                                     if k not in ("cache_dir", "cached_only")}),
          "seq_len": seq_len}
   return os.path.join(os.path.abspath(config.warmup.cache_dir), f"seed{config.seed}-{_digest(key)}")
 
@@ -130,9 +146,10 @@ def eval_cache_path(config, seq_len: int) -> str | None:
   base = cache_path(config, seq_len)
   if base is None:
     return None
-  key = {"eval": config.eval.to_dict(), "sampling": config.sampling.to_dict(), "keys": SAMPLING_KEYS}
+  key = {"eval": _keyed("eval", config.eval.to_dict()),
+         "sampling": _keyed("sampling", config.sampling.to_dict()), "keys": SAMPLING_KEYS}
   if config.env.name is not None:  # trajectories: the environment's settings too (single answers: keys as before)
-    key["env"] = config.env.to_dict()
+    key["env"] = _keyed("env", config.env.to_dict())
   return f"{base}.eval-{_digest(key)}.json"
 
 
@@ -182,6 +199,10 @@ def _cached_or_built(config, graphdef, params, task, tokenizer, *, path, seq_len
       info = {**json.load(f), "cached": path}
     say(f"warm-up: base model read from {path}")
     return params, info
+  if config.warmup.cached_only:
+    raise UserError(f"warmup.cached_only: no base model at {path} (its name is the seed and a hash "
+                    f"of the model, task and warm-up settings; a base built from other settings has "
+                    f"another name); copy the base there, or unset warmup.cached_only to build one")
   t0 = time.perf_counter()
   params, loss = run(graphdef, params, task, tokenizer, config.warmup, seq_len=seq_len, seed=config.seed)
   info = {"seconds": time.perf_counter() - t0, "final_loss": loss, "steps": config.warmup.steps}

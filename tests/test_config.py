@@ -27,7 +27,7 @@ BAD = [
     ("model.rms_norm_eps", 0.0), ("model.max_position_embeddings", 0),
     ("model.rope_scaling_type", "yarn"), ("model.dtype", "float8"), ("model.param_dtype", "int8"),
     ("warmup.steps", -1), ("warmup.noisy_steps", 2000), ("warmup.batch_size", 0),
-    ("warmup.lr", NAN), ("warmup.lr", 0.0), ("warmup.digit_noise", 1.0),
+    ("warmup.lr", NAN), ("warmup.lr", 0.0), ("warmup.digit_noise", 1.0), ("warmup.cached_only", True),
     ("sampling.temperature", 0.0), ("sampling.temperature", NAN), ("sampling.top_p", 1.5),
     ("sampling.top_p", NAN), ("sampling.top_k", -1), ("sampling.max_prompt_len", 0),
     ("sampling.max_new_tokens", 0), ("sampling.max_slots", 4), ("sampling.engines", 0),

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import time
 
 import numpy as np
@@ -846,3 +847,53 @@ def test_bad_method_lags_are_refused(bad, capsys):
   with pytest.raises(SystemExit) as e:
     lag_study._parse(["--study", "mix", "--out", "/tmp/x", "--methods", "oapl_b1", "--lags", "200", "100", *bad])
   assert e.value.code == 2 and "--method-lags" in capsys.readouterr().err
+
+
+def test_a_study_goes_on_from_committed_bases_and_never_builds_one(study, tmp_path, capsys):
+  # the fixture's seed-0 base and its "eval before", as a repository holds committed bases
+  committed = tmp_path / "committed"
+  shutil.copytree(layout.base_models_dir(study), committed, ignore=shutil.ignore_patterns("*.lock"))
+  out = str(tmp_path / "out")
+  argv = ["--out", out, "--reduced", "--methods", "oapl", "--lags", "1", "--bases", str(committed)]
+  assert lag_study.main([*argv, "--seeds", "0"]) == 0
+  printed = capsys.readouterr().out
+  assert printed.count(f"copied from {committed}") == 2 and "warm-up: base model read from" in printed
+  assert "final loss" not in printed  # read, not built ("warm-up: N steps, final loss ...")
+  run, = results.load_runs(out)
+  fixture_run, = [r for r in results.load_runs(study) if (r.method, r.lag) == ("oapl", 1)]
+  assert run.summary["eval_before"] == fixture_run.summary["eval_before"]
+  assert run.summary["warmup"]["final_loss"] == fixture_run.summary["warmup"]["final_loss"]
+  built = lambda: sorted(n for n in os.listdir(layout.base_models_dir(out)) if not n.endswith(".lock"))
+  before = built()
+  # a seed with no committed base: one line naming the folder looked in; nothing is built
+  assert lag_study.main([*argv, "--seeds", "1"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: warmup.cached_only: no base model at ") and "\n" not in err, err
+  assert os.path.join(out, "base_models", "seed1-") in err and built() == before
+  # a base already in the folder that is not the committed one is refused, not used
+  eval_file, = [n for n in before if ".eval-" in n]
+  with open(os.path.join(layout.base_models_dir(out), eval_file), "a") as f:
+    f.write(" ")
+  assert lag_study.main([*argv, "--seeds", "0"]) == 2
+  assert "differs from" in capsys.readouterr().err
+  assert lag_study.main([*argv[:-1], str(tmp_path / "none"), "--seeds", "0"]) == 2
+  assert "no such folder" in capsys.readouterr().err
+
+
+def test_the_committed_bases_keep_their_names():
+  """The paired check's committed bases (docs/mix_study/paired_check/base_models) are found by
+  the names today's settings give them: a setting added to a keyed section (model, task, warmup,
+  sampling, eval, env) renames every base unless `warmup.KEY_NEUTRAL` holds its old-behaviour
+  value."""
+  from oapl_jax import warmup
+  from oapl_jax.placement import seq_len
+  committed = os.path.join(os.path.dirname(__file__), "..", "docs", "mix_study", "paired_check", "base_models")
+  names = set()
+  for seed in (0, 1, 2):
+    c = definitions.study_config("oapl_tied", 200, seed, study="mix", cache_dir=committed)
+    base, evaluated = warmup.cache_path(c, seq_len(c)), warmup.eval_cache_path(c, seq_len(c))
+    assert os.path.isfile(os.path.join(base, "info.json")) and os.path.isfile(evaluated), base
+    names |= {os.path.basename(base), os.path.basename(evaluated)}
+  assert names == set(os.listdir(committed))
+  c.model.base_quant = "int8"  # at another value than its neutral one, the setting is keyed
+  assert warmup.cache_path(c, seq_len(c)) != base

@@ -34,6 +34,10 @@ processes share the study's runs seed by seed, so the first seeds finish first.
 `--method-lags METHOD=L,L,...` gives a method its own lags among `--lags` (a study step whose
 variants run at different lags: docs/mix_study.md, "Step 2"); the runs still go seed by seed,
 lag by lag in `--lags` order.
+`--bases DIR` starts every run from committed bases (`<DIR>/seed<S>-<hash>`, copied into
+`<out>/base_models`; a seed's base is then read, never built: `warmup.cached_only`), so a study
+goes on on another machine from the bases its runs began from (a base is the warm-up's result,
+and that depends on the CPU's kernels: docs/mix_study.md, "Step 2").
 `--save-results` copies the finished runs' small results (results.compact: kilobytes each)
 from `--out` into `--results`, to be committed.
 From Python: `run_study(...)`, then `write_report(...)`.
@@ -54,7 +58,7 @@ from oapl_jax.studies.definitions import DEFAULT_SEEDS, METHODS, STUDIES
 from oapl_jax.studies.plots import plot
 from oapl_jax.studies.report import kept_notes, report_markdown
 from oapl_jax.studies.results import load_compact, load_runs, read_search_plan, save_results
-from oapl_jax.studies.runner import BudgetSpent, RunsElsewhere, beyond, run_study, search
+from oapl_jax.studies.runner import BudgetSpent, RunsElsewhere, beyond, copy_bases, run_study, search
 
 REFERENCE = "reference.json"  # in a results folder: an earlier study's final pass@1 (report.py)
 
@@ -131,6 +135,11 @@ def _parser() -> argparse.ArgumentParser:
                  help="a results folder (committed): its runs count as finished and are reported")
   p.add_argument("--save-results", action="store_true",
                  help="copy the finished runs' small results from --out into --results, then stop")
+  p.add_argument("--bases", default=None, metavar="DIR",
+                 help="start every run from the bases committed in DIR (e.g. "
+                      "docs/mix_study/paired_check/base_models): copied into <out>/base_models, "
+                      "never built (a seed without one there is an error); a base depends on the "
+                      "CPU that built it")
   p.add_argument("--budget-minutes", type=float, default=None,
                  help="start no run after this many minutes (exit 3: run again to go on)")
   p.add_argument("--reduced", action="store_true", help="CI-sized runs (a few steps each)")
@@ -209,8 +218,12 @@ def _run_pieces(args) -> int | None:
   (3: budget spent, more to run; 4: the runs left are another process's; a `UserError`'s code,
   with one line on stderr), else None."""
   deadline = (time.perf_counter() + 60 * args.budget_minutes) if args.budget_minutes is not None else None
-  common = {"reduced": args.reduced, "study": args.study, "deadline": deadline, "results": args.results}
+  common = {"reduced": args.reduced, "study": args.study, "deadline": deadline, "results": args.results,
+            "bases_only": args.bases is not None}
   try:
+    if args.bases is not None:
+      for name in copy_bases(args.bases, args.out):
+        print(f"base {name}: copied from {args.bases}")
     top_k = search_lib.SCREEN_TOP_K if args.search else None  # the lr sweep runs every lr
     settings = (search(args.out, grid=args.grid, lags=args.sweep_lags, seed=args.sweep_seed, top_k=top_k,
                        **common) if args.grid else None)

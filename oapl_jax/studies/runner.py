@@ -8,10 +8,14 @@ the deadline no run starts (`BudgetSpent`), so a study runs in pieces.
 from __future__ import annotations
 
 import dataclasses
+import filecmp
 import json
 import os
+import re
+import shutil
 import time
 
+from oapl_jax.errors import UserError
 from oapl_jax.studies import layout, search as search_lib
 from oapl_jax.studies.definitions import DEFAULT_LAGS, DEFAULT_METHODS, DEFAULT_SEEDS, study_config
 from oapl_jax.studies.results import finished, load_compact
@@ -46,6 +50,47 @@ class Run:
     return layout.run_name(self.method, self.lag, self.seed, self.point)
 
 
+def copy_bases(src: str, out: str) -> list[str]:
+  """Puts the bases committed in `src` (`<src>/seed<S>-<hash>` folders and their
+  `.eval-<hash>.json` "eval before" files, as `warmup.cache_path` names them) into
+  `<out>/base_models`; returns the names copied. One already there is kept if it equals the
+  committed one byte for byte, else `UserError` (a base built here, from this machine's
+  kernels: runs would start from it, not from the committed one)."""
+  if not os.path.isdir(src):
+    raise UserError(f"--bases={src}: no such folder")
+  names = sorted(n for n in os.listdir(src) if _BASE_NAME.match(n))
+  if not names:
+    raise UserError(f"--bases={src}: no base models in it (folders named seed<S>-<hash>)")
+  dest, copied = layout.base_models_dir(out), []
+  os.makedirs(dest, exist_ok=True)
+  for name in names:
+    a, b = os.path.join(src, name), os.path.join(dest, name)
+    if os.path.exists(b):
+      if not _same_tree(a, b):
+        raise UserError(f"--bases={src}: {b} is there and differs from {a} (a base built or copied "
+                        f"before): remove it, or give another --out")
+      continue
+    tmp = f"{b}.copying{os.getpid()}"  # copied aside, then renamed: a killed copy leaves no half base
+    shutil.rmtree(tmp, ignore_errors=True)
+    (shutil.copytree if os.path.isdir(a) else shutil.copyfile)(a, tmp)
+    os.rename(tmp, b)
+    copied.append(name)
+  return copied
+
+
+_BASE_NAME = re.compile(r"^seed\d+-[0-9a-f]+(\.eval-[0-9a-f]+\.json)?$")
+
+
+def _same_tree(a: str, b: str) -> bool:
+  """Whether file or folder `a` equals `b`: the same files, byte for byte."""
+  if os.path.isfile(a) or os.path.isfile(b):
+    return os.path.isfile(a) and os.path.isfile(b) and filecmp.cmp(a, b, shallow=False)
+  files = lambda root: sorted(os.path.relpath(os.path.join(d, f), root)
+                              for d, _, fs in os.walk(root) for f in fs)
+  return files(a) == files(b) and all(filecmp.cmp(os.path.join(a, f), os.path.join(b, f), shallow=False)
+                                      for f in files(a))
+
+
 def _add_wall_seconds(d: str, seconds: float) -> None:
   """Adds a piece's wall time to run `d`'s total (pieces of a resumed run add up)."""
   wall_path = os.path.join(d, layout.WALL_SECONDS)
@@ -58,10 +103,12 @@ def _add_wall_seconds(d: str, seconds: float) -> None:
 
 
 def _run_all(out: str, todo: list[Run], *, reduced: bool, study: str, deadline: float | None,
-             echo, results: str | None = None) -> list[str]:
+             echo, results: str | None = None, bases_only: bool = False) -> list[str]:
   """Makes each run of `todo` not finished yet (under `out` or committed under `results`); a
   run left unfinished by an earlier piece resumes from its checkpoints. Raises `BudgetSpent`
-  past `deadline`, and `RunsElsewhere` at the end if another process held some runs' workdirs."""
+  past `deadline`, and `RunsElsewhere` at the end if another process held some runs' workdirs.
+  bases_only: the runs read their seed's base from `<out>/base_models` and never build one
+  (`warmup.cached_only`; `layout.copy_bases` put the committed ones there)."""
   from oapl_jax import train  # heavy import, only when running
   from oapl_jax.workdir import Interrupted, WorkdirBusy
   dirs, elsewhere = [], []
@@ -78,6 +125,7 @@ def _run_all(out: str, todo: list[Run], *, reduced: bool, study: str, deadline: 
     config = study_config(run.method, run.lag, run.seed, reduced=reduced, study=study,
                           overrides=run.overrides, cache_dir=layout.base_models_dir(out),
                           search=run.point is not None)
+    config.warmup.cached_only = bases_only
     try:
       s = train.run(config, d)
     except WorkdirBusy:  # another process is making this run: go on with the next
@@ -98,7 +146,7 @@ def _run_all(out: str, todo: list[Run], *, reduced: bool, study: str, deadline: 
 
 def search(out: str, *, grid: dict, lags, seed: int, top_k: int | None = None, reduced: bool = False,
            study: str = "tiny", deadline: float | None = None, echo=print,
-           results: str | None = None) -> dict[str, dict]:
+           results: str | None = None, bases_only: bool = False) -> dict[str, dict]:
   """Every point of each method's grid at the first lag on seed `seed`, then its `top_k` best
   (`search.screened`; None: all) at each later lag, in `search.run_order`; returns each method's
   chosen overrides (`search.choose`) and writes them with the scores to `<out>/sweep/chosen.json`.
@@ -121,7 +169,8 @@ def search(out: str, *, grid: dict, lags, seed: int, top_k: int | None = None, r
       break
     _run_all(out, [Run(seed, lag, m, search_lib.overrides(grid[m], idx), search_lib.label(grid[m], idx))
                    for lag, m, idx in new],
-             reduced=reduced, study=study, deadline=deadline, echo=echo, results=results)
+             reduced=reduced, study=study, deadline=deadline, echo=echo, results=results,
+             bases_only=bases_only)
     done.update(new)
   final = scores()
   picked = search_lib.choose(grid, lags, final, top_k)
@@ -140,7 +189,7 @@ def search(out: str, *, grid: dict, lags, seed: int, top_k: int | None = None, r
 
 def beyond(out: str, *, grid: dict, lags, seed: int, checks, top_k: int | None = None, reduced: bool = False,
            study: str = "tiny", deadline: float | None = None, echo=print,
-           results: str | None = None) -> list[str]:
+           results: str | None = None, bases_only: bool = False) -> list[str]:
   """The edge checks, after the study: for each (method, axis tag, value) of `checks`, the
   method's chosen search point with that axis moved to `value` (`search.beyond`), on the search's
   seed at each of its lags, as search runs named as a grid point would be. They are reported
@@ -153,7 +202,8 @@ def beyond(out: str, *, grid: dict, lags, seed: int, checks, top_k: int | None =
   for method, tag, value in checks:
     axes, idx = search_lib.beyond(grid[method], picked[method], tag, value)
     todo += [Run(seed, lag, method, search_lib.overrides(axes, idx), search_lib.label(axes, idx)) for lag in lags]
-  return _run_all(out, todo, reduced=reduced, study=study, deadline=deadline, echo=echo, results=results)
+  return _run_all(out, todo, reduced=reduced, study=study, deadline=deadline, echo=echo, results=results,
+                  bases_only=bases_only)
 
 
 def sweep(out: str, *, methods, lrs, lag: int, seed: int, **kwargs) -> dict[str, float]:
@@ -166,7 +216,7 @@ def run_study(out: str, *, methods=DEFAULT_METHODS, lags=DEFAULT_LAGS, seeds=DEF
               reduced: bool = False, overrides: dict | None = None, echo=print,
               study: str = "tiny", settings: dict[str, dict] | None = None,
               deadline: float | None = None, results: str | None = None,
-              method_lags: dict | None = None) -> list[str]:
+              method_lags: dict | None = None, bases_only: bool = False) -> list[str]:
   """Runs every (seed, lag, method) not finished yet; returns the run folders.
 
   Seeds outermost, so a study stopped early has every method and lag for its first seeds.
@@ -178,4 +228,4 @@ def run_study(out: str, *, methods=DEFAULT_METHODS, lags=DEFAULT_LAGS, seeds=DEF
   todo = [Run(s, l, m, {**(overrides or {}), **(settings or {}).get(m, {})})
           for s in seeds for l in lags for m in methods if l in (method_lags or {}).get(m, lags)]
   return _run_all(out, todo, reduced=reduced, study=study, deadline=deadline, echo=echo,
-                  results=results)
+                  results=results, bases_only=bases_only)
