@@ -341,3 +341,21 @@ def test_the_launchers_start_sampler_slices_beside_the_trainer_in_remote_mode():
     bad = subprocess.run(["bash", f"launch/{script}", "--dry-run", "--samplers=two"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--samplers=two: give a count" in bad.stderr
+
+
+def test_the_step2_launcher_runs_39_runs_in_stages_from_the_committed_bases():
+  from oapl_jax.studies import lag_study
+  p = subprocess.run(["bash", "launch/mix_step2.sh", "--dry-run", "/tmp/s2"], cwd=REPO, capture_output=True,
+                     text=True, timeout=60)
+  assert p.returncode == 0, p.stderr
+  n, problems = check_text(p.stdout, "mix_step2.sh --dry-run")
+  assert n == 10 and not problems, (p.stdout, problems)
+  runs = 0
+  for line in p.stdout.splitlines():
+    assert "--bases=docs/mix_study/paired_check/base_models" in line
+    assert "--results=docs/mix_study/paired_check " in line and "--seeds 0 1 2" in line
+    args = lag_study._parse(shlex.split(line)[3:])  # every stage's flags are accepted as given
+    if "half_" in line:
+      runs += len(args.methods) * len(args.lags) * len(args.seeds)
+  assert runs == 39
+  assert os.path.isdir(os.path.join(REPO, "docs/mix_study/paired_check/base_models"))
