@@ -418,7 +418,8 @@ class WorkdirLock:
 
 
 class StopSignals:
-  """`with StopSignals() as stop:` catches SIGTERM / SIGINT for the block (main thread only).
+  """`with StopSignals() as stop:` catches SIGTERM / SIGINT for the block (main thread only); a
+  signal the process was started ignoring (SIGINT in a job a script started with `&`) stays ignored.
 
   Outside `deferring` a signal raises `Interrupted` wherever the main thread is. Where Python
   cannot raise (a garbage-collector callback, JAX registers one; a `__del__`; a weakref
@@ -471,13 +472,14 @@ class StopSignals:
   def __enter__(self) -> "StopSignals":
     if threading.current_thread() is threading.main_thread():
       for s in self.SIGNALS:
-        self._previous[s] = signal.signal(s, self._handle)
+        if signal.getsignal(s) is not signal.SIG_IGN:  # one ignored at start (a background job's
+          self._previous[s] = signal.signal(s, self._handle)  # SIGINT) stays ignored, as Python leaves it
       self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
     return self
 
   def __exit__(self, *exc) -> None:
     for s, handler in self._previous.items():
       signal.signal(s, handler)
-    if self._previous:
-      sys.unraisablehook = self._previous_hook
+    if self._previous_hook is not None:
+      sys.unraisablehook, self._previous_hook = self._previous_hook, None
     self._previous = {}

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 
 # One persistent XLA compilation cache for the whole test session, fresh per session, inherited
@@ -92,6 +93,16 @@ def requires_peft(requires_torch):
     pytest.fail("peft is not installed (pip install -e '.[test]'); a failure, not a skip: CI is set",
                 pytrace=False)
   pytest.skip(NO_PEFT)
+
+
+def with_default_sigint(argv: list[str]) -> list[str]:
+  """`argv` started with SIGINT's default action, as a terminal's foreground job has: a suite
+  started in the background (`bash .ci/run &`) ignores SIGINT, its processes inherit that, and
+  then a command keeps ignoring it (Python, and workdir.StopSignals). A small launcher sets it and
+  execs `argv` in the same process (not `preexec_fn`: a fork of the multithreaded test process)."""
+  launcher = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+              "os.execv(sys.argv[1], sys.argv[1:])")
+  return [sys.executable, "-c", launcher, *argv]
 
 
 # The background runs of the test in progress (trainers, sampler jobs, launchers): `start_session`

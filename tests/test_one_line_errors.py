@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from conftest import with_default_sigint
 from oapl_jax import warmup
 from oapl_jax.metrics import ConsoleNotes
 
@@ -107,15 +108,11 @@ def test_a_warmup_cache_that_is_a_file_is_refused_before_the_workdir_is_made(tmp
 def test_ctrl_c_during_a_commands_warmup_is_one_line_and_exit_130(tmp_path):
   """generate warms up its base with no stop handler: Ctrl-C there reaches the commands'
   wrapper, which says so in one line and exits 130 (128 + SIGINT), as a shell expects. The command
-  starts with SIGINT's default action, as a terminal's foreground job does: a suite started in the
-  background (`bash .ci/run &`) ignores SIGINT, its processes inherit that, and Python then leaves
-  Ctrl-C ignored (this test timed out so in a backgrounded CI run). A small launcher sets it and
-  execs the command in the same process (not `preexec_fn`: a fork of this multithreaded process)."""
+  starts with SIGINT's default action, as a terminal's foreground job does (`with_default_sigint`:
+  this test timed out in a backgrounded CI run without it)."""
   command = [sys.executable, "-m", "oapl_jax.generate", "--config=configs/tiny.py:smoke",
              f"--out={tmp_path / 'r.npz'}", "--config.warmup.steps=100000"]
-  launcher = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-              "os.execv(sys.argv[1], sys.argv[1:])")
-  proc = subprocess.Popen([sys.executable, "-c", launcher, *command], cwd=ROOT, env=ENV,
+  proc = subprocess.Popen(with_default_sigint(command), cwd=ROOT, env=ENV,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     for line in proc.stdout:  # the warm-up's first line: it has started

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import with_default_sigint
 from oapl_jax import timing
 from oapl_jax import config as config_lib
 from oapl_jax import train
@@ -279,9 +280,10 @@ _TIMING = timing.TIMED  # wall-time metrics: the rest repeat exactly
 
 
 def _main(workdir, **kw):
+  """The run, started with SIGINT's default action (as from a terminal) whatever the suite's."""
   kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kw}
-  return subprocess.Popen([sys.executable, "-m", "oapl_jax.main", f"--workdir={workdir}", *_CONFIG],
-                          text=True, **kw)
+  return subprocess.Popen(with_default_sigint([sys.executable, "-m", "oapl_jax.main", f"--workdir={workdir}",
+                                               *_CONFIG]), text=True, **kw)
 
 
 def _finish(proc, timeout=600):

@@ -99,3 +99,34 @@ def test_a_stop_whose_library_cleanup_fails_is_still_one_line_and_143():
   bug = _MASKED.replace("os.kill(os.getpid(), signal.SIGTERM)", "pass")
   done = subprocess.run([sys.executable, "-c", bug], env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 1 and "AttributeError" in done.stderr and "Traceback" in done.stderr, done.stderr
+
+
+# A process started with SIGINT ignored (a job a script starts with `&`, as .ci/run's and the
+# study launchers' are) keeps ignoring it inside StopSignals, as Python itself does; SIGTERM, the
+# launchers' way to stop their jobs, still stops it.
+_IGNORED = textwrap.dedent("""
+    import os, signal, sys, time
+    from oapl_jax.workdir import Interrupted, StopSignals
+    with StopSignals():
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.2)
+      print("went on after SIGINT")
+      try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+      except Interrupted as e:
+        print("stopped by signal", e.signum)
+    print("handlers restored:", signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
+          sys.unraisablehook is sys.__unraisablehook__)
+""")
+
+
+def test_a_signal_ignored_at_start_stays_ignored_and_sigterm_still_stops():
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  launcher = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+              "os.execv(sys.argv[1], sys.argv[1:])")  # as `&` in a script starts a job
+  done = subprocess.run([sys.executable, "-c", launcher, sys.executable, "-c", _IGNORED], env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert done.stdout.splitlines() == ["went on after SIGINT", "stopped by signal 15",
+                                      "handlers restored: True True"], done.stdout
