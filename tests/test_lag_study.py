@@ -857,7 +857,7 @@ def test_a_study_goes_on_from_committed_bases_and_never_builds_one(study, tmp_pa
   argv = ["--out", out, "--reduced", "--methods", "oapl", "--lags", "1", "--bases", str(committed)]
   assert lag_study.main([*argv, "--seeds", "0"]) == 0
   printed = capsys.readouterr().out
-  assert printed.count(f"copied from {committed}") == 2 and "warm-up: base model read from" in printed
+  assert printed.count(f"bases: 2 files copied from {committed}") == 1 and "warm-up: base model read from" in printed
   assert "final loss" not in printed  # read, not built ("warm-up: N steps, final loss ...")
   run, = results.load_runs(out)
   fixture_run, = [r for r in results.load_runs(study) if (r.method, r.lag) == ("oapl", 1)]

@@ -222,8 +222,9 @@ def _run_pieces(args) -> int | None:
             "bases_only": args.bases is not None}
   try:
     if args.bases is not None:
-      for name in copy_bases(args.bases, args.out):
-        print(f"base {name}: copied from {args.bases}")
+      if copied := copy_bases(args.bases, args.out):
+        print(f"bases: {len(copied)} files copied from {args.bases} into {layout.base_models_dir(args.out)} "
+              f"({', '.join(n for n in copied if '.eval-' not in n)} and their evaluations)")
     top_k = search_lib.SCREEN_TOP_K if args.search else None  # the lr sweep runs every lr
     settings = (search(args.out, grid=args.grid, lags=args.sweep_lags, seed=args.sweep_seed, top_k=top_k,
                        **common) if args.grid else None)
