@@ -87,8 +87,9 @@ def _same_tree(a: str, b: str) -> bool:
     return os.path.isfile(a) and os.path.isfile(b) and filecmp.cmp(a, b, shallow=False)
   files = lambda root: sorted(os.path.relpath(os.path.join(d, f), root)
                               for d, _, fs in os.walk(root) for f in fs)
-  return files(a) == files(b) and all(filecmp.cmp(os.path.join(a, f), os.path.join(b, f), shallow=False)
-                                      for f in files(a))
+  names = files(a)
+  return names == files(b) and all(filecmp.cmp(os.path.join(a, f), os.path.join(b, f), shallow=False)
+                                   for f in names)
 
 
 def _add_wall_seconds(d: str, seconds: float) -> None:
@@ -108,7 +109,7 @@ def _run_all(out: str, todo: list[Run], *, reduced: bool, study: str, deadline: 
   run left unfinished by an earlier piece resumes from its checkpoints. Raises `BudgetSpent`
   past `deadline`, and `RunsElsewhere` at the end if another process held some runs' workdirs.
   bases_only: the runs read their seed's base from `<out>/base_models` and never build one
-  (`warmup.cached_only`; `layout.copy_bases` put the committed ones there)."""
+  (`warmup.cached_only`; `copy_bases` put the committed ones there)."""
   from oapl_jax import train  # heavy import, only when running
   from oapl_jax.workdir import Interrupted, WorkdirBusy
   dirs, elsewhere = [], []
