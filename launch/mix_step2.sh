@@ -46,15 +46,18 @@ if [[ -n "$dry" ]]; then
   exit 0
 fi
 
-# stages HALF: every stage in order, round again while some runs were the other half's
+source "$(dirname "$0")/halves.sh"  # pin_a / pin_b, two_halves
+# stages_of HALF (a or b): every stage in order on the half's core, round again while some runs
+# were the other half's
 stages_of() {
-  local rc left child=""
+  local rc left child="" pin=("${pin_a[@]}")
+  [[ $1 == b ]] && pin=("${pin_b[@]}")
   trap '[[ -n "$child" ]] && kill -TERM "$child" 2> /dev/null; wait; exit 143' TERM INT
   while true; do
     left=0
     for s in "${stages[@]}"; do
       read -ra args <<< "$s"
-      "${@:2}" "${study[@]}" "${args[@]}" --report="$out/half_$1.md" & child=$!
+      "${pin[@]}" "${study[@]}" "${args[@]}" --report="$out/half_$1.md" & child=$!
       wait "$child"; rc=$?
       case $rc in 0) ;; 4) left=1 ;; *) return $rc ;; esac
     done
@@ -62,18 +65,9 @@ stages_of() {
     sleep 60 & wait $!
   done
 }
-pin_a=() pin_b=()
-if command -v taskset > /dev/null && [[ "$(nproc)" -ge 2 ]]; then
-  pin_a=(taskset -c 0) pin_b=(taskset -c 1)
-fi
 mkdir -p "$out"
-pids=()
-trap 'kill -TERM "${pids[@]}" 2> /dev/null || true; wait; exit 143' TERM INT
-stages_of a "${pin_a[@]}" & pids+=($!)
-sleep 30  # the first half takes the first run; the second starts on the next
-stages_of b "${pin_b[@]}" & pids+=($!)
 status=0
-for p in "${pids[@]}"; do wait "$p" || status=$?; done
+two_halves stages_of || status=$?
 "${report[@]}" --save-results  # whatever finished, also after a stop
 if [[ $status -ne 0 ]]; then
   echo "a half exited with $status; run the same command again to go on" >&2

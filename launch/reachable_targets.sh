@@ -15,27 +15,20 @@ if [[ "${1:-}" == "--dry-run" ]]; then dry=1; shift; fi
 out=${1:-/tmp/oapl_reach}
 shift || true
 cmd=(python -m oapl_jax.studies.reachable --out="$out" --results=docs/reachable_targets/results "$@")
-pin_a=() pin_b=()
-if command -v taskset > /dev/null && [[ "$(nproc)" -ge 2 ]]; then
-  pin_a=(taskset -c 0) pin_b=(taskset -c 1)
-fi
+source "$(dirname "$0")/halves.sh"  # pin_a / pin_b, half, two_halves
 if [[ -n "$dry" ]]; then
   echo "${pin_a[*]} ${cmd[*]} --report=$out/half_a.md &"
   echo "${pin_b[*]} ${cmd[*]} --report=$out/half_b.md &"
   echo "${cmd[*]} --save-results && ${cmd[*]} --report-only"
   exit 0
 fi
-source "$(dirname "$0")/halves.sh"  # half CMD...: CMD again while it exits with 4
 # each half writes its report into OUT (from a copy of the registered one, which holds the prediction)
 mkdir -p "$out"
 cp docs/reachable_targets.md "$out/half_a.md"; cp docs/reachable_targets.md "$out/half_b.md"
-pids=()
-trap 'kill -TERM "${pids[@]}" 2> /dev/null || true; wait; exit 143' TERM INT
-half "${pin_a[@]}" "${cmd[@]}" --report="$out/half_a.md" & pids+=($!)
-sleep 30  # the first half takes the first run's workdir; the second starts on the next
-half "${pin_b[@]}" "${cmd[@]}" --report="$out/half_b.md" & pids+=($!)
+run_half() { local pin=("${pin_a[@]}"); [[ $1 == b ]] && pin=("${pin_b[@]}")
+  half "${pin[@]}" "${cmd[@]}" --report="$out/half_$1.md"; }
 status=0
-for p in "${pids[@]}"; do wait "$p" || status=$?; done
+two_halves run_half || status=$?
 "${cmd[@]}" --save-results
 "${cmd[@]}" --report-only
 exit $status

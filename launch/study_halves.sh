@@ -16,10 +16,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then dry=1; shift; fi
 out=${1:-$out}
 shift || true
 study=(python -m oapl_jax.studies.lag_study "${flags[@]}" --out="$out" --results="$results")
-pin_a=() pin_b=()
-if command -v taskset > /dev/null && [[ "$(nproc)" -ge 2 ]]; then
-  pin_a=(taskset -c 0) pin_b=(taskset -c 1)
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/halves.sh"  # pin_a / pin_b, half, two_halves
 a=("${pin_a[@]}" "${study[@]}" --report="$out/half_a.md" --seeds "${seeds[@]}" "$@")
 b=("${pin_b[@]}" "${study[@]}" --report="$out/half_b.md" --seeds "${seeds[@]}" "$@")
 full=("${study[@]}" --report="$report" --seeds "${seeds[@]}" "$@")
@@ -31,14 +28,9 @@ if [[ -n "$dry" ]]; then
   echo "${full[*]} --report-only"
   exit 0
 fi
-source "$(dirname "${BASH_SOURCE[0]}")/halves.sh"  # half CMD...: CMD again while it exits with 4
-pids=()
-trap 'kill -TERM "${pids[@]}" 2> /dev/null || true; wait; exit 143' TERM INT
-half "${a[@]}" & pids+=($!)
-sleep 30  # the first half takes the first search run; the second starts on the next
-half "${b[@]}" & pids+=($!)
+run_half() { if [[ $1 == a ]]; then half "${a[@]}"; else half "${b[@]}"; fi; }
 status=0
-for p in "${pids[@]}"; do wait "$p" || status=$?; done
+two_halves run_half || status=$?
 "${full[@]}" --save-results  # whatever finished, also after a stop
 if [[ $status -ne 0 ]]; then
   echo "a half of the study exited with $status; run the same command again to go on" >&2

@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import subprocess
+import time
 
 import pytest
 
@@ -359,3 +360,50 @@ def test_the_step2_launcher_runs_39_runs_in_stages_from_the_committed_bases():
       runs += len(args.methods) * len(args.lags) * len(args.seeds)
   assert runs == 39
   assert os.path.isdir(os.path.join(REPO, "docs/mix_study/paired_check/base_models"))
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
+def test_two_halves_passes_on_a_half_s_failure_and_a_sigterm_stops_both_halves_processes(tmp_path):
+  """launch/halves.sh, the study launchers' two processes: `two_halves FN` returns a half's
+  non-zero status, and a SIGTERM to the launcher reaches both halves' commands (through `half`),
+  none left running (broken by hand: with two_halves' trap not passing the kill on, the two
+  commands outlive the launcher and this fails)."""
+  status = subprocess.run(["bash", "-c", "source launch/halves.sh; job() { [[ $1 == b ]] && return 3; return 0; }; "
+                           "two_halves job; echo status $?"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "HALVES_GAP_S": "0"})
+  assert status.stdout.strip() == "status 3", (status.stdout, status.stderr)
+
+  script = ("source launch/halves.sh; "
+            f"job() {{ half bash -c 'echo $$ > {tmp_path}/$0.pid; exec sleep 300' \"$1\"; }}; "
+            "two_halves job")
+  launcher = subprocess.Popen(["bash", "-c", script], cwd=REPO, env={**os.environ, "HALVES_GAP_S": "0"},
+                              start_new_session=True)
+  pids = {}
+  try:
+    deadline = time.time() + 30
+    while len(pids) < 2 and time.time() < deadline:
+      for h in "ab":
+        f = tmp_path / f"{h}.pid"
+        if h not in pids and f.exists() and f.read_text().strip():
+          pids[h] = int(f.read_text())
+      time.sleep(0.1)
+    assert set(pids) == {"a", "b"}, "the two halves did not both start"
+    launcher.terminate()
+    assert launcher.wait(timeout=30) == 143
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(p) for p in pids.values()):
+      time.sleep(0.1)
+    assert not [h for h, p in pids.items() if _alive(p)], "a half's command outlived the launcher"
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, 9)
+    for p in pids.values():
+      if _alive(p):
+        os.kill(p, 9)
