@@ -214,6 +214,7 @@ def _main(workdir, cache, *extra):
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
+@pytest.mark.slow  # CI: test_reliability's kill / SIGTERM resumes; a LoRA checkpoint read back (below)
 def test_a_lora_run_killed_and_resumed_is_the_straight_run(tmp_path):
   """kill -9 mid-RL, the same command again: the metrics (losses, rewards, grad norms) and the
   final adapters' evaluation are the straight run's, bit for bit; the base is rebuilt (warm-up)

@@ -452,6 +452,7 @@ def _check_same_rows(multi, single, step: int) -> None:
     np.testing.assert_array_equal(x[order], y)
 
 
+@pytest.mark.slow  # CI: test_two_processes_sample_and_step_exactly_as_one_process_with_two_engines
 def test_local_multihost_smoke_run_is_the_two_engine_run(tmp_path):
   """launch/local_multihost.sh 2 configs/tiny.py:smoke (few steps) vs one process with
   sampling.engines=2: one metrics.jsonl and summary.json, equal losses (<= 1e-5) and metrics,
@@ -471,6 +472,7 @@ def test_local_multihost_smoke_run_is_the_two_engine_run(tmp_path):
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # CI: test_two_processes_packing_their_own_answers_step_like_one_padded_process
 def test_local_multihost_packed_run_is_the_one_process_packed_run(tmp_path):
   """train.packing end to end over 2 processes (each packs its own answers into its row of
   each micro-batch) vs one process with both engines packing all of them: the same losses (to
@@ -487,6 +489,7 @@ def test_local_multihost_packed_run_is_the_one_process_packed_run(tmp_path):
     assert 1 <= got["micro_batches"] and 1 <= want["micro_batches"]
 
 
+@pytest.mark.slow  # CI: the sharded LoRA step (test_lora.py) and the two-process steps above
 def test_local_multihost_lora_run_is_the_two_engine_run(tmp_path):
   """The same with low-rank adapters (model.lora): each process rebuilds the frozen base, the
   base's sha256 is agreed over both processes' shards, and the losses, metrics and the saved

@@ -167,7 +167,9 @@ MODEL_ROWS = ((7, 5, 9), (11, 10))  # 3 and 2 sequences in rows of 24 (padding 3
 MODEL_WIDTH = 24
 
 
-@pytest.mark.parametrize("remat, block", [("none", 4), ("dots", 4), ("full", 4), ("full", 64)])
+@pytest.mark.parametrize("remat, block", [  # CI: "dots" (saves some, recomputes some) and one block
+    pytest.param("none", 4, marks=pytest.mark.slow), ("dots", 4),
+    pytest.param("full", 4, marks=pytest.mark.slow), ("full", 64)])
 def test_packed_rows_give_each_sequence_alone(remat, block):
   """A packed row (positions from 0 in each segment, segment ids) gives each sequence's
   hidden states and logits as the sequence run alone, and the parameter gradients of a sum
