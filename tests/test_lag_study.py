@@ -425,6 +425,18 @@ def test_committed_results_are_small_count_as_finished_and_report_the_same(reaso
   assert open(a).read().replace("(a/", "(b/") == open(b).read()
 
 
+def test_saving_into_a_results_folder_whose_link_leads_nowhere_is_one_line(reason_study, tmp_path, capsys):
+  """A results folder copied without what its `runs` (or `sweep`) link names: one line naming
+  the link, exit 2, nothing written (it was a FileExistsError traceback)."""
+  committed = tmp_path / "copied"
+  committed.mkdir()
+  os.symlink("../elsewhere/runs", committed / "runs")
+  assert lag_study.main(["--out", reason_study, "--results", str(committed), "--save-results"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and f"{committed / 'runs'} is a link to ../elsewhere/runs, which does not exist" in err[0], err
+  assert os.listdir(committed) == ["runs"]
+
+
 def test_pass1_against_refreshes_counts_the_engine_refreshes():
   r = _fake_run("oapl", 2, 1)
   x, _ = r.eval_curve("pass@1", "refreshes")

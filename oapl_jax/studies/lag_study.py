@@ -259,7 +259,11 @@ def main(argv=None) -> int:
 def _main(argv) -> int:
   args = _parse(argv)
   if args.save_results:
-    written = save_results(args.out, args.results)
+    try:
+      written = save_results(args.out, args.results)
+    except UserError as e:  # a results folder it cannot write into: one line
+      print(f"error: {one_line(e)}", file=sys.stderr)
+      return e.exit_code
     print(f"{len(written)} results written into {args.results}")
     return 0
   command = "python -m oapl_jax.studies.lag_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))

@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from oapl_jax.errors import UserError
 from oapl_jax.metrics import read_metrics
 from oapl_jax.studies import layout
 from oapl_jax.studies.stats import mean_pass_at_k
@@ -166,6 +167,16 @@ def without_folder(tree, out: str):
   return tree
 
 
+def _folder_for(path: str) -> None:
+  """Makes `path`'s folder; a link there that leads nowhere (a results folder copied without
+  what its `sweep` link names) is one line naming it, not a traceback."""
+  folder = os.path.dirname(path)
+  if os.path.islink(folder) and not os.path.exists(folder):
+    raise UserError(f"{folder} is a link to {os.readlink(folder)}, which does not exist from there: "
+                    "save the results into the folder it was made in, or replace the link")
+  os.makedirs(folder, exist_ok=True)
+
+
 def save_results(out: str, results: str) -> list[str]:
   """Writes each finished run's `compact` result under `out` (both kinds) and the search's plan
   into `results`; returns the paths written."""
@@ -173,13 +184,13 @@ def save_results(out: str, results: str) -> list[str]:
   for kind in (layout.RUNS, layout.SWEEP):
     for name, result in load_compact(out, kind).items():
       path = layout.result_path(results, kind, name)
-      os.makedirs(os.path.dirname(path), exist_ok=True)
+      _folder_for(path)
       with open(path, "w") as f:
         json.dump(without_folder(result, out), f, separators=(",", ":"))
       written.append(path)
   plan = layout.search_plan_path(out)
   if os.path.isfile(plan):
-    os.makedirs(os.path.dirname(layout.search_plan_path(results)), exist_ok=True)
+    _folder_for(layout.search_plan_path(results))
     with open(layout.search_plan_path(results), "w") as f:
       json.dump(_read_json(plan), f, indent=1)
     written.append(layout.search_plan_path(results))
