@@ -8,6 +8,8 @@ pin_a=() pin_b=()
 if command -v taskset > /dev/null && [[ "$(nproc)" -ge 2 ]]; then
   pin_a=(taskset -c 0) pin_b=(taskset -c 1)
 fi
+# pin_of HALF: sets `pin` to that half's prefix (pin_a for a, pin_b for b)
+pin_of() { if [[ $1 == b ]]; then pin=("${pin_b[@]}"); else pin=("${pin_a[@]}"); fi; }
 
 # half CMD...: runs CMD, started again a minute later while it exits with 4 (runs left that the
 # other half is making); a SIGTERM / SIGINT is passed on to its python process, which

@@ -50,8 +50,8 @@ source "$(dirname "$0")/halves.sh"  # pin_a / pin_b, two_halves
 # stages_of HALF (a or b): every stage in order on the half's core, round again while some runs
 # were the other half's
 stages_of() {
-  local rc left child="" pin=("${pin_a[@]}")
-  [[ $1 == b ]] && pin=("${pin_b[@]}")
+  local rc left child="" pin
+  pin_of "$1"
   trap '[[ -n "$child" ]] && kill -TERM "$child" 2> /dev/null; wait; exit 143' TERM INT
   while true; do
     left=0

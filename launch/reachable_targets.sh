@@ -25,8 +25,7 @@ fi
 # each half writes its report into OUT (from a copy of the registered one, which holds the prediction)
 mkdir -p "$out"
 cp docs/reachable_targets.md "$out/half_a.md"; cp docs/reachable_targets.md "$out/half_b.md"
-run_half() { local pin=("${pin_a[@]}"); [[ $1 == b ]] && pin=("${pin_b[@]}")
-  half "${pin[@]}" "${cmd[@]}" --report="$out/half_$1.md"; }
+run_half() { local pin; pin_of "$1"; half "${pin[@]}" "${cmd[@]}" --report="$out/half_$1.md"; }
 status=0
 two_halves run_half || status=$?
 "${cmd[@]}" --save-results
