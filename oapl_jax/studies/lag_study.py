@@ -215,8 +215,7 @@ def _edge_check(p, args, text: str) -> tuple[str, str, float]:
 
 def _run_pieces(args) -> int | None:
   """The search (if asked) and the study's runs, within the budget; an exit code if they stopped
-  (3: budget spent, more to run; 4: the runs left are another process's; a `UserError`'s code,
-  with one line on stderr), else None."""
+  (3: budget spent, more to run; 4: the runs left are another process's), else None."""
   deadline = (time.perf_counter() + 60 * args.budget_minutes) if args.budget_minutes is not None else None
   common = {"reduced": args.reduced, "study": args.study, "deadline": deadline, "results": args.results,
             "bases_only": args.bases is not None}
@@ -245,25 +244,22 @@ def _run_pieces(args) -> int | None:
   except RunsElsewhere as e:  # another process is making them: run again once it has
     print(e)
     return 4
-  except (UserError, Interrupted) as e:  # a refused setting, or a signal (checkpoint saved): one line
-    print(f"error: {one_line(e)}", file=sys.stderr)
-    return e.exit_code
   return None
 
 
 def main(argv=None) -> int:
   with said_once():  # a lock take-over is one plain line, not also a logging record
-    return _main(argv)
+    try:
+      return _main(argv)
+    except (UserError, Interrupted) as e:  # a refused setting or folder, a signal (checkpoint saved): one line
+      print(f"error: {one_line(e)}", file=sys.stderr)
+      return e.exit_code
 
 
 def _main(argv) -> int:
   args = _parse(argv)
   if args.save_results:
-    try:
-      written = save_results(args.out, args.results)
-    except UserError as e:  # a results folder it cannot write into: one line
-      print(f"error: {one_line(e)}", file=sys.stderr)
-      return e.exit_code
+    written = save_results(args.out, args.results)
     print(f"{len(written)} results written into {args.results}")
     return 0
   command = "python -m oapl_jax.studies.lag_study " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
