@@ -374,6 +374,32 @@ def test_unsandboxed_when_allowed_warns(monkeypatch, runs_dir):
   assert os.listdir(runs_dir) == []
 
 
+def test_the_group_is_killed_before_its_leader_is_reaped(monkeypatch, runs_dir):
+  """The program's process group is killed while its leader is unreaped (a zombie or alive: its
+  pid, the group's id, still taken), never after: a group kill after the reap could reach a
+  process that reused the pid. Unsandboxed, so it runs everywhere."""
+  seen, real_killpg = [], os.killpg
+
+  def killpg(pgid, sig):
+    try:
+      exited = os.waitid(os.P_PID, pgid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None
+      seen.append("exited, unreaped" if exited else "running")
+    except ChildProcessError:
+      seen.append("reaped")
+    real_killpg(pgid, sig)
+
+  monkeypatch.setattr(sandbox, "_bwrap", lambda: None)
+  monkeypatch.setattr(os, "killpg", killpg)
+  with pytest.warns(RuntimeWarning):
+    r = run_program("print(1)", allow_unsandboxed=True, tmp_dir=runs_dir)
+  assert (r.status, r.returncode, r.stdout) == ("ok", 0, b"1\n")
+  with pytest.warns(RuntimeWarning):
+    r = run_program("import time\ntime.sleep(30)", timeout_s=0.5, allow_unsandboxed=True,
+                    tmp_dir=runs_dir)
+  assert r.status == "timeout"
+  assert seen == ["exited, unreaped", "running"]
+
+
 # --------------------------------------------------------------------------------------------
 # LiveCodeBench
 # --------------------------------------------------------------------------------------------

@@ -288,19 +288,27 @@ def _launcher_args(s: Settings, uid: int) -> list[str]:
           str(s.tmpfs_mb << 20), str(s.max_processes)]
 
 
-def _kill(proc: subprocess.Popen, sandboxed: bool) -> None:
-  if proc.returncode is None:
-    try:
-      os.killpg(proc.pid, signal.SIGKILL)  # bwrap (sandboxed) or the program's group
-    except OSError:
-      pass
-    proc.kill()
-    proc.wait()
-  elif not sandboxed:  # reaped already; children of an unsandboxed program may remain
-    try:
-      os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-      pass
+def _exited(proc: subprocess.Popen, timeout_s: float) -> bool:
+  """Whether `proc` exits within `timeout_s`, waited for without reaping it: until `_kill` reaps
+  it, its pid (its group's id) stays taken, so no other process can come to own that group."""
+  end = time.monotonic() + timeout_s
+  while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+    if time.monotonic() >= end:
+      return False
+    time.sleep(0.002)
+  return True
+
+
+def _kill(proc: subprocess.Popen) -> None:
+  """SIGKILLs the program's process group (bwrap's when sandboxed; unsandboxed, the program and
+  any children it left), then reaps the leader. The leader is never reaped before this (`_exited`),
+  so the group kill cannot reach a process that reused its pid."""
+  try:
+    os.killpg(proc.pid, signal.SIGKILL)
+  except OSError:
+    pass
+  proc.kill()  # the leader itself, if its group could not be signalled
+  proc.wait()
 
 
 def _execute(argv: list[str], *, cwd: str, env: dict | None, stdin, pass_fds: tuple[int, ...],
@@ -335,13 +343,10 @@ def _execute(argv: list[str], *, cwd: str, env: dict | None, stdin, pass_fds: tu
             break
         elif len(err) < _STDERR_KEEP:
           err += chunk[:_STDERR_KEEP - len(err)]
-    if status is None:
-      try:
-        proc.wait(max(0.0, deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        status = "timeout"
+    if status is None and not _exited(proc, max(0.0, deadline - time.monotonic())):
+      status = "timeout"
   finally:
-    _kill(proc, s.sandboxed)
+    _kill(proc)
     # Wait (bounded) for every holder of the pipes, i.e. the whole sandbox, to be gone.
     drain_end = time.monotonic() + _DRAIN_S
     while sel.get_map() and time.monotonic() < drain_end:
