@@ -217,6 +217,21 @@ def test_step2_has_no_section_without_its_runs_and_the_mix_report_carries_it(mad
   assert "| GRPO+IS (lr 3e-4) | 10 | 3 |" in text and "| async GRPO+TIS (lr 3e-4) | 10 | 3 |" in text
 
 
+def test_step2_tabulates_each_operation_through_the_first_window(made_up_tasks):
+  """Per operation and method, pass@1 at each evaluation of the first window at L = 200 (steps
+  0, 100, 200), mean over seeds; a method without runs at that lag has no row."""
+  runs = [r for r in _step2({(TIED, 200): {"star": 0.25}}) if (r.method, r.lag) != (B1_LEN, 200)]
+  lines = step2._first_window_table(step2.by_run(runs))
+  assert "| operation | method | seeds | step 0 | step 100 | step 200 |" in lines
+  star = [line for line in lines if line.startswith('| x a digit ("*") |')]
+  assert star == [f'| x a digit ("*") | {step2.NAMES[m]} | 3 | 0.078 | {s} | 0.078 |'
+                  for m, s in ((TIED, "0.250"), (B1, "0.500"), (S2_ASYNC, "0.094"), (GRPO_3E4, "0.094"))]
+  plus = [line for line in lines if line.startswith("| + |")]
+  assert len(plus) == 4 and all(line.endswith("| 0.078 | 0.156 | 0.078 |") for line in plus)
+  assert not any(step2.NAMES[B1_LEN] in line for line in lines)
+  assert step2._first_window_table(step2.by_run([r for r in runs if r.lag != 200])) == []
+
+
 def test_step2_compares_a_cell_with_fewer_seeds_to_tied_on_the_same_seeds(made_up_tasks):
   runs = [r for r in _step2({(TIED, 200): {"last3": 0.9}}) if not (r.method == B1 and r.seed > 0)]
   runs = [r for r in runs if not (r.method == TIED and r.lag == 200 and r.seed == 0)]

@@ -257,6 +257,35 @@ def _table(by) -> list[str]:
   return lines
 
 
+OP_NAMES = {"+": "+", "-": "-", "*": "x a digit (\"*\")", "x": "x two digits"}  # chain_mix.OPERATIONS
+FIRST_WINDOW_METHODS = (TIED, B1, B1_LEN, ASYNC, GRPO_3E4)
+
+
+def _first_window_table(by, lag: int = LONG) -> list[str]:
+  """Held-out pass@1 per operation at each evaluation of the first refresh window [0, `lag`]
+  (step 0: the base), mean over seeds, a row per (operation, method) of `FIRST_WINDOW_METHODS`
+  that ran at `lag`: how fast each learns each skill from the base's own samples."""
+  methods = [m for m in FIRST_WINDOW_METHODS if _runs(by, m, lag)]
+  if not methods:
+    return []
+  first = _runs(by, methods[0], lag)[0]
+  steps = [0] + [e["step"] for e in first.summary["evals_during"] if e["step"] <= lag]
+  ops = sorted(set(held_out_operations(first.summary["config"])), key=lambda o: "+-*x".index(o))
+  lines = [f"Held-out pass@1 per operation in the first refresh window at L = {lag} (steps 0-{lag}: "
+           "the base's samples only; mean over seeds; each operation's problems of the 64 held out):", "",
+           "| operation | method | seeds | " + " | ".join(f"step {t}" for t in steps) + " |",
+           "|---|---|---|" + "---|" * len(steps)]
+  for op in ops:
+    for m in methods:
+      rs = _runs(by, m, lag)
+      cells = []
+      for t in steps:
+        xs = [x for x in (op_pass1(r, t, op) for r in rs) if x is not None]
+        cells.append(f"{np.mean(xs):.3f}" if xs else "-")
+      lines.append(f"| {OP_NAMES.get(op, op)} | {NAMES[m]} | {len(rs)} | " + " | ".join(cells) + " |")
+  return lines + [""]
+
+
 def section(results) -> list[str]:
   """The report's section on step 2: the figures, then each prediction with its verdict ([]
   without a step-2 run)."""
@@ -269,7 +298,7 @@ def section(results) -> list[str]:
            "multiply-by-a-digit problems; windows fallen: refresh windows [kL, (k+1)L] with an evaluation "
            f"at both ends whose pass@1 fell by more than {FALL}; consecutive evaluations fallen: pairs of "
            f"consecutive evaluations inside one window whose pass@1 fell by more than {FALL}.", "",
-           *_table(by), ""]
+           *_table(by), "", *_first_window_table(by)]
   for c in claims(results):
     lines.append(f"**{c.name}: {c.verdict}.**")
     lines += [f"- {p.text}: {p.verdict}." for p in c.parts]
