@@ -91,18 +91,22 @@ def answer_tokens(num_columns: int, sum_digits: int) -> int:
   return 9 * num_columns + 1 + sum_digits + 1
 
 
-class ChainAdditionTask(AdditionTask):
+class ScoredByFinalAnswer:
+  """A task whose reward is 1.0 iff the answer a response commits to, `final_answer(response)`
+  (a staticmethod each task sets: its own chain's parser; None if malformed, never raising), is
+  the problem's answer; else 0.0. maj@k votes on the same `final_answer`."""
+
+  final_answer: staticmethod
+
+  @classmethod
+  def score(cls, response: str, problem: Problem) -> float:
+    return 1.0 if cls.final_answer(response) == problem.answer else 0.0
+
+
+class ChainAdditionTask(ScoredByFinalAnswer, AdditionTask):
   """`AdditionTask`'s problems and held-out split, answered with a chain of steps."""
 
-  @staticmethod
-  def score(response: str, problem: Problem) -> float:
-    """1.0 iff `response` is a well-formed chain whose final answer is the sum; else 0.0."""
-    return 1.0 if final_answer(response) == problem.answer else 0.0
-
-  @staticmethod
-  def final_answer(response: str) -> str | None:
-    """The answer a response commits to (maj@k votes on it); None if malformed."""
-    return final_answer(response)
+  final_answer = staticmethod(final_answer)
 
   @staticmethod
   def demonstration(problem: Problem, rng: np.random.Generator, *, digit_noise: float) -> str:

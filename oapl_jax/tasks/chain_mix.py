@@ -96,7 +96,7 @@ def final_answer(response: str) -> str | None:
   return chain_lib.final_answer(response, _CHAIN)
 
 
-class ChainMixTask:
+class ChainMixTask(chain_lib.ScoredByFinalAnswer):
   """Problems ``"a+b="``, ``"a-b="`` (a >= b), ``"a*d="`` (d a digit 2-9) and ``"axn="`` (n
   10-99), the operation
   drawn uniformly from `operations`, operands of `min_digits`..`max_digits` digits; a fixed
@@ -162,13 +162,7 @@ class ChainMixTask:
     n = self.max_digits
     return max(9 * n + 1 + n + 1 + 1, 12 * n + 1 + n + 2 + 1 if "x" in self.operations else 0)
 
-  @staticmethod
-  def score(response: str, problem: Problem) -> float:
-    return 1.0 if final_answer(response) == problem.answer else 0.0
-
-  @staticmethod
-  def final_answer(response: str) -> str | None:
-    return final_answer(response)
+  final_answer = staticmethod(final_answer)
 
   def demonstration(self, problem: Problem, rng: np.random.Generator, *, digit_noise: float) -> str:
     """The chain of `problem`, each carry or borrow dropped independently w.p. `digit_noise`

@@ -151,13 +151,7 @@ class ToolMixTask(chain_mix.ChainMixTask):
     call = 1 + 2 * self.max_digits + 1 + 1 + 1  # [call] a ? b [/call] <eos>
     return max(super().longest_answer_tokens(), call + (digits + 2) + (1 + digits + 1))
 
-  @staticmethod
-  def score(response: str, problem: Problem) -> float:
-    return 1.0 if final_answer(response) == problem.answer else 0.0
-
-  @staticmethod
-  def final_answer(response: str) -> str | None:
-    return final_answer(response)
+  final_answer = staticmethod(final_answer)
 
   def demonstration(self, problem: Problem, rng: np.random.Generator, *, digit_noise: float):
     """chain_mix's chain (a str: one turn), or w.p. `tool_demos` the calculator trajectory: a
