@@ -72,6 +72,8 @@ def demo_answer(tokenizer, demo) -> tuple[list[int], list[float]]:
 
 def run(graphdef, params, task, tokenizer, cfg, *, seq_len: int, seed: int):
   """Trains `params` for `cfg.steps` (>= 1) steps; returns (params, final loss)."""
+  if cfg.steps < 1:  # callers skip the warm-up at warmup.steps = 0: there is no final loss
+    raise ValueError(f"warmup.run needs warmup.steps >= 1, got {cfg.steps}")
   warm = max(1, cfg.steps // 20)
   sched = optax.warmup_cosine_decay_schedule(cfg.lr / (warm + 1), cfg.lr, warm, max(cfg.steps, warm + 1), cfg.lr * 0.05)
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))

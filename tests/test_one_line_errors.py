@@ -198,6 +198,9 @@ def test_the_warmup_says_how_it_is_going(smoke_config, monkeypatch, capsys):
   assert "warm-up: 3 supervised steps make the base model" in out, out
   steps = re.findall(r"warm-up: step (\d+)/3, loss \d+\.\d+, \d+s", out)
   assert steps == ["1", "2"], out
+  smoke_config.warmup.steps, smoke_config.warmup.noisy_steps = 0, 0  # no steps, no final loss: said
+  with pytest.raises(ValueError, match="warmup.steps >= 1, got 0"):
+    warmup.run(graphdef, params, task, tokenizer, smoke_config.warmup, seq_len=16, seed=0)
 
 
 def test_skipped_steps_and_stale_groups_are_said_on_the_console(smoke_config):
