@@ -1,6 +1,7 @@
 """The mixed-task study's registered predictions (oapl_jax/studies/predictions.py), checked on
 runs made up in memory: each verdict follows the figures it reads, and flips when they do."""
 
+import numpy as np
 import pytest
 
 from oapl_jax.studies import predictions, results
@@ -215,6 +216,20 @@ def test_step2_has_no_section_without_its_runs_and_the_mix_report_carries_it(mad
   assert "## Step 2's registered predictions, checked" in text and "**S2-6. " in text
   assert "| OAPL (beta1 = 1, beta2 = 0.1) | 200 | 3 |" in text
   assert "| GRPO+IS (lr 3e-4) | 10 | 3 |" in text and "| async GRPO+TIS (lr 3e-4) | 10 | 3 |" in text
+
+
+def test_step2_tables_each_method_by_lag(made_up_tasks):
+  """The README's table: a row per method, a column per lag, last three / area over the seeds
+  (a cell with fewer seeds says how many; a lag a method did not run: "-")."""
+  runs = [r for r in _step2() if not (r.method == B1 and r.lag == 50 and r.seed > 0)]
+  by = step2.by_run(runs)
+  lines = step2._by_lag_table(by)
+  assert "| method | L = 10 | L = 50 | L = 100 | L = 200 |" in lines
+  row = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in lines if line.startswith("| ") and " ± " in line}
+  b1_200 = [r for r in runs if (r.method, r.lag) == (B1, 200)]
+  assert row[step2.NAMES[B1]][0] == "-" and row[step2.NAMES[B1]][1].endswith("(1 seed)")
+  assert row[step2.NAMES[B1]][3].startswith(f"{np.mean([step2.last_evals_mean(r) for r in b1_200]):.3f} ± ")
+  assert list(row) == [step2.NAMES[m] for m in step2.BY_LAG_METHODS]
 
 
 def test_step2_tabulates_each_operation_through_the_first_window(made_up_tasks):

@@ -257,6 +257,31 @@ def _table(by) -> list[str]:
   return lines
 
 
+BY_LAG_METHODS = (ASYNC, GRPO_3E4, GRPO, B1, TIED, B1_LEN)  # the results table's rows, in order
+
+
+def _by_lag_table(by) -> list[str]:
+  """Mean of the last three evaluations / area under the pass@1 curve, mean ± sd over seeds, a
+  row per method and a column per lag (the README's results table is this one); a cell with
+  fewer than 3 seeds says how many."""
+  lags = sorted({l for (m, l, _) in by if m in BY_LAG_METHODS}, key=int)
+  def cell(rs):
+    if not rs:
+      return "-"
+    parts = []
+    for f in (last_evals_mean, pass1_area):
+      xs = [f(r) for r in rs]
+      parts.append(f"{np.mean(xs):.3f}" + (f" ± {np.std(xs, ddof=1):.3f}" if len(xs) > 1 else ""))
+    return " / ".join(parts) + (f" ({len(rs)} seed{'s' * (len(rs) > 1)})" if len(rs) < 3 else "")
+  lines = ["Mean of the last three evaluations / area under the pass@1 curve (mean ± sd over seeds), "
+           "by lag:", "", "| method | " + " | ".join(f"L = {l}" for l in lags) + " |",
+           "|---|" + "---|" * len(lags)]
+  for m in BY_LAG_METHODS:
+    if any(k[0] == m for k in by):
+      lines.append(f"| {NAMES[m]} | " + " | ".join(cell(_runs(by, m, l)) for l in lags) + " |")
+  return lines + [""]
+
+
 OP_NAMES = {"+": "+", "-": "-", "*": "x a digit (\"*\")", "x": "x two digits"}  # chain_mix.OPERATIONS
 FIRST_WINDOW_METHODS = (TIED, B1, B1_LEN, ASYNC, GRPO_3E4)
 
@@ -298,7 +323,7 @@ def section(results) -> list[str]:
            "multiply-by-a-digit problems; windows fallen: refresh windows [kL, (k+1)L] with an evaluation "
            f"at both ends whose pass@1 fell by more than {FALL}; consecutive evaluations fallen: pairs of "
            f"consecutive evaluations inside one window whose pass@1 fell by more than {FALL}.", "",
-           *_table(by), "", *_first_window_table(by)]
+           *_table(by), "", *_by_lag_table(by), *_first_window_table(by)]
   for c in claims(results):
     lines.append(f"**{c.name}: {c.verdict}.**")
     lines += [f"- {p.text}: {p.verdict}." for p in c.parts]
