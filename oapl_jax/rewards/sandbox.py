@@ -292,11 +292,15 @@ def _exited(proc: subprocess.Popen, timeout_s: float) -> bool:
   """Whether `proc` exits within `timeout_s`, waited for without reaping it: until `_kill` reaps
   it, its pid (its group's id) stays taken, so no other process can come to own that group."""
   end = time.monotonic() + timeout_s
-  while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+  while True:
+    try:
+      if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+        return True
+    except ChildProcessError:  # reaped outside this module (SIGCHLD ignored): gone too
+      return True
     if time.monotonic() >= end:
       return False
     time.sleep(0.002)
-  return True
 
 
 def _kill(proc: subprocess.Popen) -> None:
