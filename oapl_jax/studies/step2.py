@@ -262,8 +262,8 @@ BY_LAG_METHODS = (ASYNC, GRPO_3E4, GRPO, B1, TIED, B1_LEN)  # the results table'
 
 def _by_lag_table(by) -> list[str]:
   """Mean of the last three evaluations / area under the pass@1 curve, mean ± sd over seeds, a
-  row per method and a column per lag (the README's results table is this one); a cell with
-  fewer than 3 seeds says how many."""
+  row per method and a column per lag (issue 62: the README's table is to come from it); a cell
+  with fewer than 3 seeds says how many."""
   lags = sorted({l for (m, l, _) in by if m in BY_LAG_METHODS}, key=int)
   def cell(rs):
     if not rs:
