@@ -234,13 +234,16 @@ def claims(results) -> list[Claim]:
   return [c for c in made if c is not None]
 
 
+def _cell(xs) -> str:
+  """`xs`' mean ± sd over seeds (None left out; one value: its mean alone; none: "-")."""
+  xs = [x for x in xs if x is not None]
+  if not xs:
+    return "-"
+  return f"{np.mean(xs):.3f}" + (f" ± {np.std(xs, ddof=1):.3f}" if len(xs) > 1 else "")
+
+
 def _table(by) -> list[str]:
   """The figures the predictions read, a row per (method, lag) of the methods they compare."""
-  def cell(xs):
-    xs = [x for x in xs if x is not None]
-    if not xs:
-      return "-"
-    return f"{np.mean(xs):.3f}" + (f" ± {np.std(xs, ddof=1):.3f}" if len(xs) > 1 else "")
   lines = ["| method | L | seeds | mean of last 3 evals | area (mean pass@1 over answers) | "
            f"\"{SKILL_OP}\" pass@1 at step {SKILL_STEP} | windows fallen > {FALL} | "
            f"consecutive evaluations fallen > {FALL} |", "|---|---|---|---|---|---|---|---|"]
@@ -250,8 +253,8 @@ def _table(by) -> list[str]:
         continue  # the study's rows only beside a step-2 run at that lag
       rs = _runs(by, method, lag)
       wf, ef = _count(rs, window_falls), _count(rs, eval_falls)
-      lines.append(f"| {NAMES[method]} | {lag} | {len(rs)} | {cell([last_evals_mean(r) for r in rs])} | "
-                   f"{cell([pass1_area(r) for r in rs])} | {cell([op_pass1(r, SKILL_STEP) for r in rs])} | "
+      lines.append(f"| {NAMES[method]} | {lag} | {len(rs)} | {_cell([last_evals_mean(r) for r in rs])} | "
+                   f"{_cell([pass1_area(r) for r in rs])} | {_cell([op_pass1(r, SKILL_STEP) for r in rs])} | "
                    + (f"{wf[0]} of {wf[1]}" if wf[1] else "-") + " | "
                    + (f"{ef[0]} of {ef[1]}" if ef[1] else "-") + " |")
   return lines
@@ -268,10 +271,7 @@ def _by_lag_table(by) -> list[str]:
   def cell(rs):
     if not rs:
       return "-"
-    parts = []
-    for f in (last_evals_mean, pass1_area):
-      xs = [f(r) for r in rs]
-      parts.append(f"{np.mean(xs):.3f}" + (f" ± {np.std(xs, ddof=1):.3f}" if len(xs) > 1 else ""))
+    parts = [_cell([f(r) for r in rs]) for f in (last_evals_mean, pass1_area)]
     return " / ".join(parts) + (f" ({len(rs)} seed{'s' * (len(rs) > 1)})" if len(rs) < 3 else "")
   lines = ["Mean of the last three evaluations / area under the pass@1 curve (mean ± sd over seeds), "
            "by lag:", "", "| method | " + " | ".join(f"L = {l}" for l in lags) + " |",
@@ -295,7 +295,8 @@ def _first_window_table(by, lag: int = LONG) -> list[str]:
     return []
   first = _runs(by, methods[0], lag)[0]
   steps = [0] + [e["step"] for e in first.summary["evals_during"] if e["step"] <= lag]
-  ops = sorted(set(held_out_operations(first.summary["config"])), key=lambda o: "+-*x".index(o))
+  present = set(held_out_operations(first.summary["config"]))
+  ops = [op for op in OP_NAMES if op in present]
   lines = [f"Held-out pass@1 per operation in the first refresh window at L = {lag} (steps 0-{lag}: "
            "the base's samples only; mean over seeds; each operation's problems of the 64 held out):", "",
            "| operation | method | seeds | " + " | ".join(f"step {t}" for t in steps) + " |",
@@ -307,7 +308,7 @@ def _first_window_table(by, lag: int = LONG) -> list[str]:
       for t in steps:
         xs = [x for x in (op_pass1(r, t, op) for r in rs) if x is not None]
         cells.append(f"{np.mean(xs):.3f}" if xs else "-")
-      lines.append(f"| {OP_NAMES.get(op, op)} | {NAMES[m]} | {len(rs)} | " + " | ".join(cells) + " |")
+      lines.append(f"| {OP_NAMES[op]} | {NAMES[m]} | {len(rs)} | " + " | ".join(cells) + " |")
   return lines + [""]
 
 
