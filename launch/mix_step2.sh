@@ -38,7 +38,7 @@ stages=(
 methods=(oapl_tied grpo_tis_async oapl_b1 oapl_b1_len grpo_tis grpo_tis_lr3e-4)
 report=("${study[@]}" --methods "${methods[@]}" --lags 200 100 50 10
         --method-lags oapl_tied=200,100,50 oapl_b1=200,100,50 oapl_b1_len=200,100,50 grpo_tis=200,100
-        --report="$out/step2.md")
+        --report="$out/step2.md" --launcher=launch/mix_step2.sh)
 if [[ -n "$dry" ]]; then
   for s in "${stages[@]}"; do echo "${study[*]} $s --report=$out/half_<a|b>.md"; done
   echo "${report[*]} --save-results"

@@ -78,6 +78,20 @@ def test_the_report_says_how_many_of_the_launchers_seeds_are_done():
                          figures={}, planned=(["oapl", "grpo_tis"], [1, 3, 5]))
   assert ("**Seeds done: 0 of the 5 that `launch/reasoning_study.sh` runs** (none: a seed is done when it has "
           "all 6 (method, L) runs); in progress: seed 0 (4 of 6 runs), seed 1 (4 of 6 runs)") in text
+  assert "The launcher starts every method and lag of a seed" in text
+  # runs of another launcher (step 2's stages go lag by lag): the header names it, not the study's,
+  # and makes no claim about its order
+  text = report_markdown(runs, study="mix", command="python -m oapl_jax.studies.lag_study --report-only",
+                         figures={}, launcher="launch/mix_step2.sh")
+  assert "; `bash launch/mix_step2.sh` runs the same):" in text and "mix_study.sh" not in text
+  assert "**Seeds done: 3 of the 3 that `launch/mix_step2.sh` runs**" in text
+  assert "The launcher starts" not in text
+
+
+def test_a_launcher_that_is_not_there_is_refused(capsys):
+  with pytest.raises(SystemExit) as e:
+    lag_study._parse(["--study", "mix", "--out", "/tmp/x", "--launcher", "launch/mix_step3.sh"])
+  assert e.value.code == 2 and "--launcher=launch/mix_step3.sh: no such file" in capsys.readouterr().err
 
 
 def test_paired_interval_is_students_t_on_the_per_seed_differences():

@@ -79,10 +79,12 @@ def _search_for_report(out: str, results: str | None) -> dict | None:
 
 
 def write_report(out: str, report: str, *, command: str, study: str = "tiny",
-                 results: str | None = None, planned: tuple | None = None) -> str:
+                 results: str | None = None, planned: tuple | None = None,
+                 launcher: str | None = None) -> str:
   """Writes `report` (markdown) and its PNGs (in `<report without .md>/`) from the runs in `out`
   and those committed in the results folder `results`; planned: the (methods, lags) of each
-  seed, for the seeds-done line (None: those of the finished runs).
+  seed, for the seeds-done line (None: those of the finished runs); launcher: the launch/ script
+  these runs come from, named in the header (None: the study's own).
 
   Text between the notes markers of an existing report is kept, so a hand-written reading of
   the results survives regeneration.
@@ -99,7 +101,7 @@ def write_report(out: str, report: str, *, command: str, study: str = "tiny",
   text = report_markdown(runs, study=study, command=command,
                          figures={name: os.path.relpath(p, report_dir) for name, p in paths.items()},
                          notes=kept_notes(old), search=found, reference=reference,
-                         planned=planned)
+                         planned=planned, launcher=launcher)
   os.makedirs(report_dir, exist_ok=True)
   with open(report, "w") as f:
     f.write(text)
@@ -144,6 +146,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="start no run after this many minutes (exit 3: run again to go on)")
   p.add_argument("--reduced", action="store_true", help="CI-sized runs (a few steps each)")
   p.add_argument("--report-only", action="store_true", help="write the report from finished runs")
+  p.add_argument("--launcher", default=None, metavar="SCRIPT",
+                 help="the launch/ script these runs come from, if not the study's own (e.g. "
+                      "launch/mix_step2.sh): the report's header names it as the script that runs "
+                      "the same and counts the seeds it runs")
   return p
 
 
@@ -166,6 +172,9 @@ def _parse(argv) -> argparse.Namespace:
     p.error(f"--sweep-seed={args.sweep_seed} is one of --seeds: the search needs a separate seed")
   if args.sweep_lrs and any(lr <= 0 for lr in args.sweep_lrs):
     p.error("--sweep-lrs must be > 0")
+  if args.launcher and not os.path.isfile(args.launcher):
+    p.error(f"--launcher={args.launcher}: no such file (give its path from the repository root, "
+            "e.g. launch/mix_step2.sh)")
   if args.save_results and not args.results:
     p.error("--save-results needs --results (the folder to copy into)")
   if args.search:
@@ -276,7 +285,7 @@ def _main(argv) -> int:
   report = args.report or os.path.join(args.out, "lag_study.md")
   try:
     written = write_report(args.out, report, command=command, study=args.study, results=args.results,
-                           planned=(args.methods, args.lags, args.method_lags))
+                           planned=(args.methods, args.lags, args.method_lags), launcher=args.launcher)
     print(f"report: {written}")
   except FileNotFoundError as e:  # --report-only before any run finished
     print(f"error: {e}", file=sys.stderr)

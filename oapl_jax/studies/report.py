@@ -177,11 +177,11 @@ def _runs_line(results, spec) -> str:
           + (" (a sitting killed without a checkpoint is not counted)." if wall_seconds else "."))
 
 
-def _seeds_line(results, spec, planned=None) -> str:
-  """How many of the launcher's seeds are done: a seed is done once it has a finished run of
-  every (method, lag) the command plans (`planned`: (methods, lags) or (methods, lags, {method:
-  its own lags}); None: every (method, lag) that any finished run has); the seeds in progress
-  with their runs."""
+def _seeds_line(results, spec, planned=None, launcher=None) -> str:
+  """How many of the study's seeds are done, named as those `launcher` runs (None: the study's
+  own, `spec.launcher`): a seed is done once it has a finished run of every (method, lag) the
+  command plans (`planned`: (methods, lags) or (methods, lags, {method: its own lags}); None:
+  every (method, lag) that any finished run has); the seeds in progress with their runs."""
   found = {(r.method, r.lag) for r in results}
   own = planned[2] if planned and len(planned) > 2 else {}
   pairs = {(m, lag) for m in planned[0] for lag in own.get(m, planned[1])} if planned else found
@@ -191,26 +191,28 @@ def _seeds_line(results, spec, planned=None) -> str:
       by_seed.setdefault(r.seed, set()).add((r.method, r.lag))
   done = sorted(s for s, p in by_seed.items() if p == pairs)
   going = sorted(s for s in by_seed if s not in done)
-  return (f"**Seeds done: {len(done)} of the {len(spec.seeds)} that `{spec.launcher}` runs** "
+  return (f"**Seeds done: {len(done)} of the {len(spec.seeds)} that `{launcher or spec.launcher}` runs** "
           f"({', '.join(map(str, done)) or 'none'}: a seed is done when it has all {len(pairs)} "
           "(method, L) runs)"
           + ("; in progress: " + ", ".join(f"seed {s} ({len(by_seed[s])} of {len(pairs)} runs)" for s in going)
              + ", whose finished runs are in the tables too, so rows can have different seeds" if going else "")
-          + ". The launcher starts every method and lag of a seed before any run of the next seed.")
+          + ("" if launcher else ". The launcher starts every method and lag of a seed before any run of "
+             "the next seed") + ".")
 
 
-def _header(results, *, study: str, command: str, planned=None) -> list[str]:
-  """Title, the command that made the report, and what the runs were."""
+def _header(results, *, study: str, command: str, planned=None, launcher=None) -> list[str]:
+  """Title, the command that made the report, and what the runs were; launcher: the launch/
+  script whose runs these are (None: the study's own)."""
   spec = STUDIES[study]
   return [
       f"# {spec.title}",
       "",
       "Produced by (from the repository root"
-      + ("):" if command.startswith("bash ") else f"; `bash {spec.launcher}` runs the same):"),
+      + ("):" if command.startswith("bash ") else f"; `bash {launcher or spec.launcher}` runs the same):"),
       "",
       f"    {command}",
       "",
-      *([_runs_line(results, spec), "", _seeds_line(results, spec, planned)] if results
+      *([_runs_line(results, spec), "", _seeds_line(results, spec, planned, launcher)] if results
         else ["No study run has finished yet."]),
       "",
   ]
@@ -500,7 +502,8 @@ def _paired_sections(results, pairs) -> list[str]:
 
 def report_markdown(results, *, study: str, command: str, figures: dict[str, str],
                     notes: str = NO_NOTES, search: dict | None = None,
-                    reference: dict | None = None, planned: tuple | None = None) -> str:
+                    reference: dict | None = None, planned: tuple | None = None,
+                    launcher: str | None = None) -> str:
   """The report on finished runs `results` (`results.RunResult`; may be empty while only the
   search has runs) of study `study`.
 
@@ -508,10 +511,12 @@ def report_markdown(results, *, study: str, command: str, figures: dict[str, str
   relative to the report's folder; notes: the hand-written reading (`kept_notes`); search: the
   settings search's plan and scores (`_search_section`; None: no search); reference: an earlier
   study's final pass@1 per method and lag (`_reference_section`; None: none); planned: the
-  (methods, lags) the command runs for each seed (None: those of the finished runs).
+  (methods, lags) the command runs for each seed (None: those of the finished runs); launcher:
+  the launch/ script these runs come from, if not the study's own (e.g. launch/mix_step2.sh).
   """
   rows = summarise(results)
-  lines = [*_header(results, study=study, command=command, planned=planned), *_search_status(search)]
+  lines = [*_header(results, study=study, command=command, planned=planned, launcher=launcher),
+           *_search_status(search)]
   if rows:
     lines += [*_final_table(rows), *_along_table(rows, results, STUDIES[study].along)]
   lines += [*_reference_section(reference, rows, results), *_search_section(search)]
