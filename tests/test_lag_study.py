@@ -923,3 +923,26 @@ def test_the_committed_bases_keep_their_names():
   assert names == set(os.listdir(committed))
   c.model.base_quant = "int8"  # at another value than its neutral one, the setting is keyed
   assert warmup.cache_path(c, seq_len(c)) != base
+
+
+def test_saving_a_search_of_some_methods_keeps_the_other_methods_grids(tmp_path, capsys):
+  """Step 2's stages each search one or two methods (`--search`) into the same folder: saving
+  its results into a results folder whose plan has every method's grid adds to that plan, never
+  drops a grid (it did: the committed mixed-task search lost two of its three grids); a plan of
+  another search is one line, exit 2, and nothing is written."""
+  grid = search.study_grid(["oapl_tied", "grpo_tis", "grpo_tis_async"], definitions.STUDIES["mix"].grids,
+                           definitions.STUDIES["mix"].search_lrs)
+  committed, out = str(tmp_path / "results"), str(tmp_path / "out")
+  for folder, methods, seed in ((committed, list(grid), 100), (out, ["grpo_tis_async"], 100)):
+    os.makedirs(os.path.dirname(layout.search_plan_path(folder)), exist_ok=True)
+    with open(layout.search_plan_path(folder), "w") as f:
+      json.dump(search.plan_json({m: grid[m] for m in methods}, (100, 50), seed, 6), f)
+  before = json.load(open(layout.search_plan_path(committed)))
+  assert lag_study.main(["--study", "mix", "--out", out, "--results", committed, "--save-results"]) == 0
+  assert json.load(open(layout.search_plan_path(committed))) == before
+  with open(layout.search_plan_path(out), "w") as f:  # another search: another seed
+    json.dump(search.plan_json({"grpo_tis_async": grid["grpo_tis_async"]}, (100, 50), 7, 6), f)
+  assert lag_study.main(["--study", "mix", "--out", out, "--results", committed, "--save-results"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "seed 7 here, 100 there; nothing written" in err
+  assert json.load(open(layout.search_plan_path(committed))) == before

@@ -17,6 +17,7 @@ import numpy as np
 from oapl_jax.errors import UserError
 from oapl_jax.metrics import read_metrics
 from oapl_jax.studies import layout
+from oapl_jax.studies.search import merge_plans
 from oapl_jax.studies.stats import mean_pass_at_k
 from oapl_jax.workdir import Layout
 
@@ -179,7 +180,17 @@ def _folder_for(path: str) -> None:
 
 def save_results(out: str, results: str) -> list[str]:
   """Writes each finished run's `compact` result under `out` (both kinds) and the search's plan
-  into `results`; returns the paths written."""
+  into `results`; returns the paths written. The plan is added to the one already in `results`
+  (`search.merge_plans`: a command that searched some methods keeps the others' grids); one of
+  another search is a `UserError`, and nothing is written."""
+  plan = layout.search_plan_path(out)
+  merged = None
+  if os.path.isfile(plan):
+    there = layout.search_plan_path(results)
+    try:
+      merged = merge_plans(_read_json(there) if os.path.isfile(there) else None, _read_json(plan))
+    except ValueError as e:
+      raise UserError(f"{plan} cannot go into {there}: {e}; nothing written") from None
   written = []
   for kind in (layout.RUNS, layout.SWEEP):
     for name, result in load_compact(out, kind).items():
@@ -188,11 +199,10 @@ def save_results(out: str, results: str) -> list[str]:
       with open(path, "w") as f:
         json.dump(without_folder(result, out), f, separators=(",", ":"))
       written.append(path)
-  plan = layout.search_plan_path(out)
-  if os.path.isfile(plan):
+  if merged is not None:
     _folder_for(layout.search_plan_path(results))
     with open(layout.search_plan_path(results), "w") as f:
-      json.dump(_read_json(plan), f, indent=1)
+      json.dump(merged, f, indent=1)
     written.append(layout.search_plan_path(results))
   return written
 

@@ -218,6 +218,22 @@ def plan_json(grid: dict, lags, seed: int, top_k: int | None = None) -> dict:
           "screen_top_k": top_k}
 
 
+def merge_plans(old: dict | None, new: dict) -> dict:
+  """The search plan `new` (`plan_json`) added to `old` (None: none yet): one search (the same
+  seed, lags and screening) whose methods were searched by separate commands (e.g. step 2's
+  stages, one method each) has every method's grid; a method's grid is never replaced by
+  another. ValueError if they are not one search."""
+  if old is None:
+    return new
+  for key in ("seed", "lags", "screen_top_k"):
+    if old.get(key) != new.get(key):
+      raise ValueError(f"another search's plan: {key} {new.get(key)} here, {old.get(key)} there")
+  for m, axes in new["grid"].items():
+    if m in old["grid"] and old["grid"][m] != axes:
+      raise ValueError(f"another search's plan: {m}'s grid differs")
+  return {**old, "grid": {**old["grid"], **new["grid"]}}
+
+
 def plan_top_k(plan: dict) -> int | None:
   """A plan's screening (`plan_json`); None for a plan written before screening existed (every
   point at every lag)."""
