@@ -112,7 +112,7 @@ def test_the_mix_report_carries_the_predictions_and_other_studies_do_not():
 # --- step 2 (issue 62; oapl_jax/studies/step2.py) ------------------------------------------------
 
 from oapl_jax.studies import step2  # noqa: E402
-from oapl_jax.studies.step2 import ASYNC as S2_ASYNC, B1, B1_LEN, GRPO_3E4, TIED  # noqa: E402
+from oapl_jax.studies.step2 import ASYNC as S2_ASYNC, B1, B1_3E4, B1_LEN, GRPO_3E4, TIED  # noqa: E402
 
 OPS = ("*", "+", "*", "-")  # the made-up runs' held-out problems: two of them "*"
 
@@ -142,9 +142,10 @@ def _step2(changes=None):
   changes = changes or {}
   base = {TIED: {"last3": 0.76, "star": 0.12}, B1: {"last3": 0.82, "star": 0.5, "rise": 0.6},
           B1_LEN: {"last3": 0.77, "star": 0.15}, GRPO: {"last3": 0.78, "rise": 0.1},
-          GRPO_3E4: {"last3": 0.84, "rise": 0.5}, S2_ASYNC: {"last3": 0.85, "rise": 0.5}}
+          GRPO_3E4: {"last3": 0.84, "rise": 0.5}, S2_ASYNC: {"last3": 0.85, "rise": 0.5},
+          B1_3E4: {"last3": 0.80, "rise": 0.4}}
   lags = {TIED: (50, 100, 200), B1: (50, 100, 200), B1_LEN: (50, 100, 200), GRPO: (10, 50, 100, 200),
-          GRPO_3E4: (10, 50, 100, 200), S2_ASYNC: (10, 50, 100, 200)}
+          GRPO_3E4: (10, 50, 100, 200), S2_ASYNC: (10, 50, 100, 200), B1_3E4: (100,)}
   return [_run2(m, lag, s, **{**base[m], **changes.get((m, lag), {})}) for m in base for lag in lags[m] for s in range(3)]
 
 
@@ -158,7 +159,7 @@ def _verdicts2(runs):
 
 
 def test_step2_where_every_prediction_holds(made_up_tasks):
-  assert _verdicts2(_step2()) == {f"S2-{i}": HELD for i in range(1, 7)}
+  assert _verdicts2(_step2()) == {f"S2-{i}": HELD for i in range(1, 8)}
 
 
 @pytest.mark.parametrize("changes, name, verdict", [
@@ -169,6 +170,8 @@ def test_step2_where_every_prediction_holds(made_up_tasks):
     ({(B1_LEN, 200): {"last3": 0.80}}, "S2-4", MIXED),  # the control ends 0.04 above tied
     ({(GRPO_3E4, 100): {"last3": 0.80}}, "S2-5", MIXED),  # the anchor matters at L = 100
     ({(GRPO_3E4, lag): {"rise": 0.05, "last3": 0.78} for lag in (100, 200)}, "S2-6", NOT_HELD),  # no faster
+    ({(B1_3E4, 100): {"rise": 0.6, "last3": 0.84}}, "S2-7", MIXED),  # faster, yet not past GRPO+IS
+    ({(B1_3E4, 100): {"rise": 0.9, "last3": 0.86}}, "S2-7", NOT_HELD),  # the lr was OAPL's gap
 ])
 def test_a_step2_verdict_flips_with_its_figures(made_up_tasks, changes, name, verdict):
   assert _verdicts2(_step2(changes))[name] == verdict

@@ -50,6 +50,10 @@ METHODS: dict[str, tuple[str, dict]] = {
                         {"rl.loss": "grpo", "rl.grpo.is_level": "token", "rl.grpo.is_mode": "truncate",
                          "rl.grpo.is_cap": 2.0, "rl.grpo.eps_low": 0.8, "rl.grpo.eps_high": 1.12,
                          "train.lr": 3e-4}),
+    # S2-7, the registered follow-up to S2-1 (docs/mix_study.md): `oapl_b1` at GRPO's lr 3e-4.
+    "oapl_b1_lr3e-4": ("OAPL (beta1=1, beta2=0.1, lr 3e-4)",
+                       {"rl.loss": "oapl", "rl.beta1": 1.0, "rl.beta2": 0.1, "rl.beta2_rule": "fixed",
+                        "train.lr": 3e-4}),
 }
 # Step 2 of the mixed-task study (issue 62): each variant's lags (`--method-lags`), in the order
 # its runs go (the longest lag first: the prediction is read there first). GRPO+IS at lr 3e-4 and

@@ -83,9 +83,10 @@ def _passk_panel(ax, runs_by_method: dict, n_max: int) -> None:
   """pass@k for k = 1..n_max before (the shared base) and after each method's training."""
   import matplotlib.ticker
   ks = np.arange(1, n_max + 1)
-  # one colour per method (the lag studies' first three keep theirs)
-  method_colors = dict(zip(METHODS, ["tab:blue", "tab:green", "tab:red", "tab:orange", "tab:purple", "tab:brown",
-                                         "tab:pink", "tab:gray", "tab:olive"]))
+  # one colour per method, in the order of METHODS (a new method goes last: the others keep theirs)
+  palette = ["tab:blue", "tab:green", "tab:red", "tab:orange", "tab:purple", "tab:brown", "tab:pink",
+             "tab:gray", "tab:olive", "tab:cyan"]
+  method_colors = {m: palette[i % len(palette)] for i, m in enumerate(METHODS)}
   befores = {r.seed: r.passk("before", ks) for runs in runs_by_method.values() for r in runs}
   if befores:
     b = np.array(list(befores.values()))

@@ -1,8 +1,8 @@
 """The mixed-task study's step 2 (issue 62; docs/mix_study.md, "Step 2"): its registered
 predictions, each checked as worded there, as pure functions of the study's finished runs
 (`results.RunResult`): the step's variants ("oapl_b1", "oapl_b1_len", "grpo_tis_lr3e-4",
-`definitions.MIX_STEP2_LAGS`) against the study's committed runs ("oapl_tied", "grpo_tis",
-"grpo_tis_async").
+`definitions.MIX_STEP2_LAGS`; "oapl_b1_lr3e-4" at L = 100, S2-7's) against the study's methods
+rerun ("oapl_tied", "grpo_tis", "grpo_tis_async").
 
 The figures it reads, beside `stats`' (mean of the last three evaluations, area under the pass@1
 curve, refresh windows fallen):
@@ -31,9 +31,12 @@ from oapl_jax.studies.verdicts import HELD, MIXED, NOT_HELD, Claim, Part, _runs
 
 TIED, GRPO, ASYNC = "oapl_tied", "grpo_tis", "grpo_tis_async"  # the study's, committed
 B1, B1_LEN, GRPO_3E4 = "oapl_b1", "oapl_b1_len", "grpo_tis_lr3e-4"  # step 2's
+B1_3E4 = "oapl_b1_lr3e-4"  # S2-7's: the follow-up S2-1's reading called for
 NAMES = {TIED: "OAPL (tied, beta1 = beta2 = 0.1)", B1: "OAPL (beta1 = 1, beta2 = 0.1)",
          B1_LEN: "OAPL (beta1 = 1, beta2 = 0.356)", GRPO: "GRPO+IS (lr 1e-3)",
-         GRPO_3E4: "GRPO+IS (lr 3e-4)", ASYNC: "async GRPO+TIS (lr 3e-4)"}
+         GRPO_3E4: "GRPO+IS (lr 3e-4)", ASYNC: "async GRPO+TIS (lr 3e-4)",
+         B1_3E4: "OAPL (beta1 = 1, beta2 = 0.1, lr 3e-4)"}
+STEP2_METHODS = (B1, B1_LEN, GRPO_3E4, B1_3E4)  # step 2's own variants (the rest are the study's)
 FALL = 0.02  # a fall: pass@1 down by more than this (stats.FALL)
 
 # S2-1, the mechanism: OAPL at beta1 = 1, beta2 = 0.1 learns the rare skill within the first
@@ -51,6 +54,10 @@ GRPO_LAGS = (10, 50, 100, 200)  # S2-5, S2-6
 ANCHOR_NEAR = {10: 0.03, 50: 0.03, 100: 0.03, 200: 0.05}  # S2-5: |GRPO+IS lr 3e-4 - async|, last 3 evals
 AREA_NEAR = {10: 0.05, 50: 0.05, 100: 0.05, 200: 0.08}  # S2-5: the same, area under the pass@1 curve
 LR_AREA_LAGS = (100, 200)  # S2-6: lr 3e-4's area above lr 1e-3's
+# S2-7 (registered after S2-1's reading, before its runs): `oapl_b1` at lr 3e-4 instead of 1e-4,
+# at L = 100 on the committed bases (the search seed's base does not rebuild here)
+FOLLOWUP_LAG = 100
+LR_GAIN_AT_MOST = 0.02  # its area minus `oapl_b1`'s (lr 1e-4), paired mean: at most this
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,10 +234,27 @@ def lr_claim(by) -> Claim | None:
                parts) if parts else None
 
 
+def oapl_lr_claim(by) -> Claim | None:
+  """S2-7: at L = `FOLLOWUP_LAG`, OAPL (beta1 = 1, beta2 = 0.1) at lr 3e-4 has an area under the
+  pass@1 curve at most `LR_GAIN_AT_MOST` above its own at lr 1e-4, and GRPO+IS at lr 3e-4 has a
+  larger one than it (means over seeds of the paired differences)."""
+  parts = []
+  if diffs := _paired(by, B1_3E4, B1, FOLLOWUP_LAG, pass1_area):
+    parts.append(_on_mean(f"L={FOLLOWUP_LAG}, area under pass@1, OAPL beta1 = 1 lr 3e-4 - lr 1e-4, at most "
+                          f"+{LR_GAIN_AT_MOST}", float(np.mean(diffs)) <= LR_GAIN_AT_MOST + 1e-12,
+                          paired_text(diffs, "lr 3e-4 ahead")))
+  if diffs := _paired(by, GRPO_3E4, B1_3E4, FOLLOWUP_LAG, pass1_area):
+    parts.append(_on_mean(f"L={FOLLOWUP_LAG}, area under pass@1, GRPO+IS (lr 3e-4) - OAPL beta1 = 1 (lr 3e-4), > 0",
+                          float(np.mean(diffs)) > 0, paired_text(diffs, "GRPO+IS ahead")))
+  return Claim("S2-7. OAPL's gap to GRPO at beta1 = 1 is not its lr: at lr 3e-4 it is no faster and still "
+               "behind GRPO+IS", parts) if parts else None
+
+
 def claims(results) -> list[Claim]:
   """Step 2's registered predictions the runs have data for, in their order."""
   by = by_run(results)
-  made = (speed_claim(by), end_claim(by), stability_claim(by), control_claim(by), anchor_claim(by), lr_claim(by))
+  made = (speed_claim(by), end_claim(by), stability_claim(by), control_claim(by), anchor_claim(by), lr_claim(by),
+          oapl_lr_claim(by))
   return [c for c in made if c is not None]
 
 
@@ -247,9 +271,9 @@ def _table(by) -> list[str]:
   lines = ["| method | L | seeds | mean of last 3 evals | area (mean pass@1 over answers) | "
            f"\"{SKILL_OP}\" pass@1 at step {SKILL_STEP} | windows fallen > {FALL} | "
            f"consecutive evaluations fallen > {FALL} |", "|---|---|---|---|---|---|---|---|"]
-  for method in (B1, B1_LEN, TIED, GRPO_3E4, GRPO, ASYNC):
+  for method in (B1, B1_3E4, B1_LEN, TIED, GRPO_3E4, GRPO, ASYNC):
     for lag in sorted({l for (m, l, _) in by if m == method}):
-      if method in (TIED, GRPO, ASYNC) and not any(m in (B1, B1_LEN, GRPO_3E4) and l == lag for (m, l, _) in by):
+      if method in (TIED, GRPO, ASYNC) and not any(m in STEP2_METHODS and l == lag for (m, l, _) in by):
         continue  # the study's rows only beside a step-2 run at that lag
       rs = _runs(by, method, lag)
       wf, ef = _count(rs, window_falls), _count(rs, eval_falls)
@@ -260,7 +284,7 @@ def _table(by) -> list[str]:
   return lines
 
 
-BY_LAG_METHODS = (ASYNC, GRPO_3E4, GRPO, B1, TIED, B1_LEN)  # the results table's rows, in order
+BY_LAG_METHODS = (ASYNC, GRPO_3E4, GRPO, B1_3E4, B1, TIED, B1_LEN)  # the results table's rows, in order
 
 
 def _by_lag_table(by) -> list[str]:
@@ -316,10 +340,11 @@ def section(results) -> list[str]:
   """The report's section on step 2: the figures, then each prediction with its verdict ([]
   without a step-2 run)."""
   by = by_run(results)
-  if not any(m in (B1, B1_LEN, GRPO_3E4) for (m, _, _) in by):
+  if not any(m in STEP2_METHODS for (m, _, _) in by):
     return []
   lines = ["## Step 2's registered predictions, checked (issue 62; verdicts computed from the runs)", "",
-           "Registered before any run of step 2 (\"Step 2\" in the notes below: S2-1 to S2-6), each checked "
+           "Registered before any run of step 2 (\"Step 2\" in the notes below: S2-1 to S2-6; S2-7 after "
+           "S2-1's reading, before its runs), each checked "
            "as worded there, on the seeds finished so far. \"*\" pass@1: held-out pass@1 on the "
            "multiply-by-a-digit problems; windows fallen: refresh windows [kL, (k+1)L] with an evaluation "
            f"at both ends whose pass@1 fell by more than {FALL}; consecutive evaluations fallen: pairs of "
