@@ -3,11 +3,13 @@
 # the committed bases"): every run starts from docs/mix_study/paired_check/base_models
 # (`--bases`: read, never built, on any machine) and the references are rerun from the same
 # bases. The runs at L = 200 are committed already (docs/mix_study/paired_check/runs: skipped);
-# this makes the rest, 39 runs of 1000 steps, in stages of the registered order: S2-5 / S2-6 at
-# L = 100 (GRPO+IS at lr 3e-4, the asynchronous GRPO+TIS, GRPO+IS at the search's lr 1e-3), S2-1 at
-# L = 100 (OAPL beta1 = 1, its control, tied OAPL), L = 50 (all but GRPO+IS at lr 1e-3), L = 10
-# (GRPO+IS at lr 3e-4, the asynchronous GRPO+TIS); seeds 0-2 in each stage. The searched methods
-# take the committed search's choices (--search: every search run is found done, none rerun).
+# this makes the rest, 39 runs of 1000 steps (42 with S2-7), in stages of the registered order:
+# S2-5 / S2-6 at L = 100 (GRPO+IS at lr 3e-4, the asynchronous GRPO+TIS, GRPO+IS at the search's
+# lr 1e-3), S2-1 at L = 100 (OAPL beta1 = 1, its control, tied OAPL), L = 50 (all but GRPO+IS at
+# lr 1e-3), L = 10 (GRPO+IS at lr 3e-4, the asynchronous GRPO+TIS); then S2-7, registered after
+# S2-1's reading: OAPL beta1 = 1, beta2 = 0.1 at lr 3e-4, L = 100; seeds 0-2 in each stage. The
+# searched methods take the committed search's choices (--search: every search run is found done,
+# none rerun).
 #
 # Two processes, one core each, go through the same stages: each skips the runs the other is
 # making and goes on to the next stage; both go round again (a minute later) until every stage is
@@ -34,10 +36,12 @@ stages=(
   "--lags 50 --methods grpo_tis_async oapl_tied --search"
   "--lags 10 --methods grpo_tis_lr3e-4"
   "--lags 10 --methods grpo_tis_async --search"
+  "--lags 100 --methods oapl_b1_lr3e-4"
 )
-methods=(oapl_tied grpo_tis_async oapl_b1 oapl_b1_len grpo_tis grpo_tis_lr3e-4)
+methods=(oapl_tied grpo_tis_async oapl_b1 oapl_b1_len grpo_tis grpo_tis_lr3e-4 oapl_b1_lr3e-4)
 report=("${study[@]}" --methods "${methods[@]}" --lags 200 100 50 10
         --method-lags oapl_tied=200,100,50 oapl_b1=200,100,50 oapl_b1_len=200,100,50 grpo_tis=200,100
+                      oapl_b1_lr3e-4=100
         --report="$out/step2.md" --launcher=launch/mix_step2.sh)
 if [[ -n "$dry" ]]; then
   for s in "${stages[@]}"; do echo "${study[*]} $s --report=$out/half_<a|b>.md"; done

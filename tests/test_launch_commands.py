@@ -344,13 +344,13 @@ def test_the_launchers_start_sampler_slices_beside_the_trainer_in_remote_mode():
     assert bad.returncode == 2 and "--samplers=two: give a count" in bad.stderr
 
 
-def test_the_step2_launcher_runs_39_runs_in_stages_from_the_committed_bases():
+def test_the_step2_launcher_runs_42_runs_in_stages_from_the_committed_bases():  # 39, and S2-7's 3
   from oapl_jax.studies import lag_study
   p = subprocess.run(["bash", "launch/mix_step2.sh", "--dry-run", "/tmp/s2"], cwd=REPO, capture_output=True,
                      text=True, timeout=60)
   assert p.returncode == 0, p.stderr
   n, problems = check_text(p.stdout, "mix_step2.sh --dry-run")
-  assert n == 10 and not problems, (p.stdout, problems)
+  assert n == 11 and not problems, (p.stdout, problems)
   runs = 0
   for line in p.stdout.splitlines():
     assert "--bases=docs/mix_study/paired_check/base_models" in line
@@ -358,7 +358,7 @@ def test_the_step2_launcher_runs_39_runs_in_stages_from_the_committed_bases():
     args = lag_study._parse(shlex.split(line)[3:])  # every stage's flags are accepted as given
     if "half_" in line:
       runs += len(args.methods) * len(args.lags) * len(args.seeds)
-  assert runs == 39
+  assert runs == 42
   assert os.path.isdir(os.path.join(REPO, "docs/mix_study/paired_check/base_models"))
 
 

@@ -262,14 +262,14 @@ def test_step2_compares_a_cell_with_fewer_seeds_to_tied_on_the_same_seeds(made_u
 
 def test_the_committed_step2_report_is_what_the_committed_runs_give():
   """docs/mix_study/step2.md, step 2's report (`bash launch/mix_step2.sh` writes it), regenerates
-  from the committed results alone: all 57 runs of the design (the 18 at L = 200 and step 2's
-  39) are in docs/mix_study/paired_check, and the verdicts and tables computed from them now are
-  the committed report's, word for word."""
+  from the committed results alone: all 60 runs (the design's 57: the 18 at L = 200 and step 2's
+  39; S2-7's 3) are in docs/mix_study/paired_check, and the verdicts and tables computed from
+  them now are the committed report's, word for word."""
   import os
   docs = os.path.join(os.path.dirname(__file__), "..", "docs", "mix_study")
   runs = results.load_runs(None, results=os.path.join(docs, "paired_check"))
   cells = {(r.method, r.lag) for r in runs}
-  assert len(runs) == 57 and len(cells) == 19 and all(len({r.seed for r in runs if (r.method, r.lag) == c}) == 3
+  assert len(runs) == 60 and len(cells) == 20 and all(len({r.seed for r in runs if (r.method, r.lag) == c}) == 3
                                                       for c in cells)
   section = "\n".join(step2.section(runs))
   with open(os.path.join(docs, "step2.md")) as f:
