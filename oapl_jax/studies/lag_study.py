@@ -148,8 +148,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--report-only", action="store_true", help="write the report from finished runs")
   p.add_argument("--launcher", default=None, metavar="SCRIPT",
                  help="the launch/ script these runs come from, if not the study's own (e.g. "
-                      "launch/mix_step2.sh): the report's header names it as the script that runs "
-                      "the same and counts the seeds it runs")
+                      "launch/mix_step2.sh): the report's header and seeds line name it as the "
+                      "script that runs the same")
   return p
 
 

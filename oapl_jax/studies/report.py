@@ -179,9 +179,10 @@ def _runs_line(results, spec) -> str:
 
 def _seeds_line(results, spec, planned=None, launcher=None) -> str:
   """How many of the study's seeds are done, named as those `launcher` runs (None: the study's
-  own, `spec.launcher`): a seed is done once it has a finished run of every (method, lag) the
-  command plans (`planned`: (methods, lags) or (methods, lags, {method: its own lags}); None:
-  every (method, lag) that any finished run has); the seeds in progress with their runs."""
+  own, `spec.launcher`, whose seed-by-seed order the line states): a seed is done once it has a
+  finished run of every (method, lag) the command plans (`planned`: (methods, lags) or (methods,
+  lags, {method: its own lags}); None: every (method, lag) that any finished run has); the seeds
+  in progress with their runs."""
   found = {(r.method, r.lag) for r in results}
   own = planned[2] if planned and len(planned) > 2 else {}
   pairs = {(m, lag) for m in planned[0] for lag in own.get(m, planned[1])} if planned else found
@@ -189,26 +190,28 @@ def _seeds_line(results, spec, planned=None, launcher=None) -> str:
   for r in results:
     if (r.method, r.lag) in pairs:
       by_seed.setdefault(r.seed, set()).add((r.method, r.lag))
+  launcher = launcher or spec.launcher
   done = sorted(s for s, p in by_seed.items() if p == pairs)
   going = sorted(s for s in by_seed if s not in done)
-  return (f"**Seeds done: {len(done)} of the {len(spec.seeds)} that `{launcher or spec.launcher}` runs** "
+  return (f"**Seeds done: {len(done)} of the {len(spec.seeds)} that `{launcher}` runs** "
           f"({', '.join(map(str, done)) or 'none'}: a seed is done when it has all {len(pairs)} "
           "(method, L) runs)"
           + ("; in progress: " + ", ".join(f"seed {s} ({len(by_seed[s])} of {len(pairs)} runs)" for s in going)
              + ", whose finished runs are in the tables too, so rows can have different seeds" if going else "")
-          + ("" if launcher else ". The launcher starts every method and lag of a seed before any run of "
-             "the next seed") + ".")
+          + (". The launcher starts every method and lag of a seed before any run of the next seed"
+             if launcher == spec.launcher else "") + ".")
 
 
 def _header(results, *, study: str, command: str, planned=None, launcher=None) -> list[str]:
   """Title, the command that made the report, and what the runs were; launcher: the launch/
   script whose runs these are (None: the study's own)."""
   spec = STUDIES[study]
+  launcher = launcher or spec.launcher
   return [
       f"# {spec.title}",
       "",
       "Produced by (from the repository root"
-      + ("):" if command.startswith("bash ") else f"; `bash {launcher or spec.launcher}` runs the same):"),
+      + ("):" if command.startswith("bash ") else f"; `bash {launcher}` runs the same):"),
       "",
       f"    {command}",
       "",
